@@ -1,0 +1,1 @@
+"""HTTP frontend (TGI- and OpenAI-compatible routes, jobs). Never imports torch."""

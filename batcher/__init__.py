@@ -1,0 +1,1 @@
+"""Scheduler process: request state, KV block manager, step loop. Never imports torch."""

@@ -1,0 +1,150 @@
+"""Write a random-weight checkpoint in Hugging Face format (config.json + safetensors).
+
+The tensors carry the checkpoint names transformers expects, so the same directory loads in tgq
+and in `transformers.AutoModelForCausalLM.from_pretrained` for parity tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "medium": {
+        "vocab_size": 32000,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+    },
+}
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def make_config(architecture: str, shape: str = "tiny", **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES.get(architecture, "unknown"),
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "float32",
+        **SHAPES[shape],
+    }
+    if architecture == "Qwen3ForCausalLM":
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    config.update(overrides)
+    return config
+
+
+def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    arch = config["architectures"][0]
+    qkv_bias = arch == "Qwen2ForCausalLM" or config.get("attention_bias", False)
+    o_bias = arch != "Qwen2ForCausalLM" and config.get("attention_bias", False)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm(size: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(size, generator=gen)
+
+    tensors = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj": (heads * head_dim, hidden),
+            "self_attn.k_proj": (kv_heads * head_dim, hidden),
+            "self_attn.v_proj": (kv_heads * head_dim, hidden),
+            "self_attn.o_proj": (hidden, heads * head_dim),
+            "mlp.gate_proj": (inter, hidden),
+            "mlp.up_proj": (inter, hidden),
+            "mlp.down_proj": (hidden, inter),
+        }
+        for name, dims in shapes.items():
+            tensors[f"{p}{name}.weight"] = normal(*dims)
+        if qkv_bias:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                tensors[f"{p}self_attn.{name}.bias"] = normal(shapes[f"self_attn.{name}"][0])
+        if o_bias:
+            tensors[f"{p}self_attn.o_proj.bias"] = normal(hidden)
+        if arch == "Qwen3ForCausalLM":
+            tensors[f"{p}self_attn.q_norm.weight"] = norm(head_dim)
+            tensors[f"{p}self_attn.k_norm.weight"] = norm(head_dim)
+        tensors[f"{p}input_layernorm.weight"] = norm(hidden)
+        tensors[f"{p}post_attention_layernorm.weight"] = norm(hidden)
+    tensors["model.norm.weight"] = norm(hidden)
+    if not config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = normal(config["vocab_size"], hidden)
+    return tensors
+
+
+def write_model(
+    path: str | Path,
+    config: dict[str, Any],
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    num_shards: int = 1,
+) -> Path:
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    tensors = {k: v.to(dtype).contiguous() for k, v in random_tensors(config, seed).items()}
+    if num_shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[shard::num_shards]}
+        save_file(part, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file_name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--architecture", default="LlamaForCausalLM")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    config = make_config(args.architecture, args.shape, dtype=args.dtype)
+    write_model(args.out, config, seed=args.seed, dtype=getattr(torch, args.dtype))
+    print(f"wrote {args.architecture} ({args.shape}) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The model's shape and numerics, parsed from a Hugging Face `config.json` (torch-free).
+
+Accepts both transformers v4 configs (top-level `rope_theta` + `rope_scaling`, `torch_dtype`) and
+v5 configs (`rope_parameters`, `dtype`) and normalises them to one `ModelConfig`. Dtypes stay
+strings here; the worker turns them into torch dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ROPE_THETA = 10000.0
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+# Keys each scaled rope type must carry, and the type each is normalised to.
+_ROPE_KEYS: dict[str, dict[str, type]] = {
+    "llama3": {
+        "factor": float,
+        "low_freq_factor": float,
+        "high_freq_factor": float,
+        "original_max_position_embeddings": int,
+    },
+    "linear": {"factor": float},
+    "dynamic": {"factor": float},
+}
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer's hyperparameters. `rope_scaling` is None for plain RoPE."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    hidden_act: str
+    dtype: str | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(_read_json(Path(path) / "config.json"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        num_heads = int(_require(d, "num_attention_heads"))
+        hidden_size = int(_require(d, "hidden_size"))
+        rope_theta, rope_scaling = _parse_rope(d)
+        return cls(
+            architecture=str(_require(d, "architectures")[0]),
+            vocab_size=int(_require(d, "vocab_size")),
+            hidden_size=hidden_size,
+            intermediate_size=int(_require(d, "intermediate_size")),
+            num_layers=int(_require(d, "num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(_require(d, "max_position_embeddings")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=_parse_sliding_window(d),
+            hidden_act=_parse_hidden_act(d),
+            dtype=d.get("dtype") or d.get("torch_dtype"),
+            eos_token_ids=_as_id_list(d.get("eos_token_id")),
+            bos_token_id=d.get("bos_token_id"),
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with path.open(encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def _require(d: dict[str, Any], key: str) -> Any:
+    if d.get(key) in (None, []):
+        raise ValueError(f"config.json is missing {key!r}")
+    return d[key]
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """v5 `rope_parameters` wins; otherwise v4's top-level `rope_theta` and `rope_scaling`."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or DEFAULT_ROPE_THETA)
+    legacy_type = params.pop("type", None)
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        supported = ", ".join(SUPPORTED_ROPE_TYPES)
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {supported}")
+    if rope_type == "default":
+        return theta, None
+    for key, cast in _ROPE_KEYS[rope_type].items():
+        if params.get(key) is None:
+            raise ValueError(f"rope type {rope_type!r} needs {key!r} in the rope parameters")
+        params[key] = cast(params[key])
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _parse_sliding_window(d: dict[str, Any]) -> int | None:
+    """Mistral sets `sliding_window` alone; Qwen2/Qwen3 also set it but gate it on a flag."""
+    if not d.get("use_sliding_window", True):
+        return None
+    window = d.get("sliding_window")
+    return None if window is None else int(window)
+
+
+def _parse_hidden_act(d: dict[str, Any]) -> str:
+    act = str(d.get("hidden_act", "silu"))
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported; tgq models implement only 'silu'")
+    return act
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def load_generation_config(model_dir: str | Path) -> dict[str, Any]:
+    """`generation_config.json` as a dict, or `{}` when the model has none."""
+    path = Path(model_dir) / "generation_config.json"
+    return _read_json(path) if path.is_file() else {}
+
+
+def extra_eos_token_ids(model_dir: str | Path) -> list[int]:
+    """The EOS ids from `generation_config.json` (chat models often list more than config.json)."""
+    return _as_id_list(load_generation_config(model_dir).get("eos_token_id"))
+
+
+def resolve_dtype(requested: str | None, config_dtype: str | None, device_type: str) -> str:
+    """Pick the weight dtype: the request, else ("auto"/None) the config's, else float32.
+
+    CPU kernels are poor at float16, so a float16 result on CPU becomes bfloat16.
+    """
+    name = config_dtype if requested in (None, "auto") else requested
+    if name is None:
+        return "float32"
+    if name not in SUPPORTED_DTYPES:
+        allowed = ", ".join(("auto", *SUPPORTED_DTYPES))
+        raise ValueError(f"dtype {name!r} is not supported; allowed: {allowed}")
+    if device_type == "cpu" and name == "float16":
+        return "bfloat16"
+    return name

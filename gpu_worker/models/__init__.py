@@ -1,0 +1,32 @@
+"""Model registry: `config.json` `architectures[0]` -> implementation, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from gpu_worker.config import ModelConfig
+from gpu_worker.models.decoder import DecoderForCausalLM
+
+# architecture name -> module under gpu_worker.models that defines a class of that name
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def model_class(config: ModelConfig) -> type[DecoderForCausalLM]:
+    module_name = _ARCHITECTURES.get(config.architecture)
+    if module_name is None:
+        raise ValueError(
+            f"unsupported architecture {config.architecture!r}; tgq supports: "
+            + ", ".join(supported_architectures())
+        )
+    module = importlib.import_module(f"gpu_worker.models.{module_name}")
+    cls: type[DecoderForCausalLM] = getattr(module, config.architecture)
+    return cls

@@ -1,0 +1,217 @@
+"""The Llama-family decoder that Llama, Mistral, Qwen2 and Qwen3 share.
+
+Each architecture file subclasses `DecoderForCausalLM` and states its differences as class
+attributes (qkv bias, q/k norm, sliding window). Module names follow the Hugging Face checkpoints,
+except that q/k/v and gate/up are fused into one matmul each (`qkv_proj`, `gate_up_proj`);
+`checkpoint_sources` maps every parameter back to the checkpoint tensors that fill it.
+
+All activations are flat: `[num_tokens, ...]` for every token of every sequence in the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.linear import Linear
+from gpu_worker.layers.norm import RMSNorm
+from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
+from kernels import AttentionBackend, AttentionMetadata
+
+# K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    backend: AttentionBackend
+    meta: AttentionMetadata
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Fill rows `[row_offset, row_offset + rows)` of a parameter from a checkpoint tensor."""
+
+    name: str
+    row_offset: int = 0
+    rows: int | None = None  # None: the whole parameter
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.shape = AttentionShape(config.num_heads, config.num_kv_heads, config.head_dim)
+        qkv_size = self.shape.q_size + 2 * self.shape.kv_size
+        self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.shape.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        shape = self.shape
+        q, k, v = self.qkv_proj(x).split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
+        q = q.reshape(num_tokens, shape.num_heads, shape.head_dim)
+        k = k.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
+        v = v.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        k_cache, v_cache = kv_cache
+        ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
+        out = ctx.backend.attend(
+            q, k_cache, v_cache, ctx.meta, scale=self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.reshape(num_tokens, shape.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        bias = config.mlp_bias
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: Attention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of the Llama-family architectures; subclasses set the class attributes."""
+
+    qk_norm: ClassVar[bool] = False
+    uses_sliding_window: ClassVar[bool] = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, [self._layer(config) for _ in range(config.num_layers)])
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+        )
+
+    @classmethod
+    def attention_biases(cls, config: ModelConfig) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias); by default both follow `attention_bias`."""
+        return config.attention_bias, config.attention_bias
+
+    def _layer(self, config: ModelConfig) -> DecoderLayer:
+        qkv_bias, o_bias = self.attention_biases(config)
+        attention = Attention(
+            config,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=self.qk_norm,
+            sliding_window=config.sliding_window if self.uses_sliding_window else None,
+        )
+        return DecoderLayer(config, attention)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden] (before the final norm)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        ctx = ForwardContext(backend, meta, cos, sin)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, kv_cache, ctx)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] rows that need a next token -> [N, vocab] fp32 logits."""
+        logits: torch.Tensor = self.lm_head(self.model.norm(hidden))
+        return logits.float()
+
+    def checkpoint_sources(self) -> dict[str, list[Source]]:
+        """Our parameter name -> the checkpoint tensors that fill it."""
+        shape = AttentionShape(
+            self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        )
+        inter = self.config.intermediate_size
+        fused = {
+            "qkv_proj": [
+                ("q_proj", 0, shape.q_size),
+                ("k_proj", shape.q_size, shape.kv_size),
+                ("v_proj", shape.q_size + shape.kv_size, shape.kv_size),
+            ],
+            "gate_up_proj": [("gate_proj", 0, inter), ("up_proj", inter, inter)],
+        }
+        sources: dict[str, list[Source]] = {}
+        for name, _ in self.named_parameters(remove_duplicate=True):
+            module_path, _, leaf = name.rpartition(".")
+            prefix, _, module = module_path.rpartition(".")
+            if module in fused:
+                sources[name] = [
+                    Source(f"{prefix}.{part}.{leaf}", offset, rows)
+                    for part, offset, rows in fused[module]
+                ]
+            else:
+                sources[name] = [Source(name)]
+        return sources

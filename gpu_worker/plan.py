@@ -1,0 +1,144 @@
+"""The step plan: what the scheduler asks the model runner to do in one step.
+
+Plain data only (no torch), so the batcher can build it and it can cross a process boundary as
+JSON/msgpack. Modelled on vLLM v1: a sequence is sent in full the first time the runner sees it
+(`NewSequence`), afterwards each step carries only a diff (`ScheduledChunk`).
+
+The runner keeps each sequence's token ids and appends the tokens it samples, so a decode step
+carries no token ids at all. A chunk computes tokens `[num_computed_tokens, num_computed_tokens +
+num_new_tokens)` of the sequence; a sequence whose chunk reaches the end of its known tokens gets
+a sampled next token, a chunk that stops short (chunked prefill) does not.
+
+Block tables: the KV of token `i` of a sequence lives in block `block_ids[i // block_size]` at
+offset `i % block_size`; its slot is `block_id * block_size + offset`. Blocks before
+`num_computed_tokens` may be shared with other sequences (prefix cache) and are only read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Sentinels for "this sampling knob is off".
+NO_TOP_K = 0
+NO_SEED = None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-sequence sampling. `temperature == 0` means greedy (argmax after penalties)."""
+
+    temperature: float = 0.0
+    top_k: int = NO_TOP_K  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    typical_p: float = 1.0  # 1.0: off
+    repetition_penalty: float = 1.0  # HF/TGI semantics, over prompt and output tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    seed: int | None = NO_SEED
+    logprobs: bool = False  # logprob of the chosen token
+    top_n_logprobs: int = 0  # also return the n most likely tokens and their logprobs
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0.0, "temperature must be >= 0")
+        _check(self.top_k >= 0, "top_k must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        _check(0.0 < self.typical_p <= 1.0, "typical_p must be in (0, 1]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0")
+        _check(self.top_n_logprobs >= 0, "top_n_logprobs must be >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class NewSequence:
+    """A sequence the runner has not seen (or has dropped, e.g. after preemption)."""
+
+    seq_id: str
+    token_ids: list[int]  # every known token: prompt, plus output so far when resumed
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]  # initial block table
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One sequence's share of a step."""
+
+    seq_id: str
+    num_computed_tokens: int  # tokens already in the KV cache (prefix hits included)
+    num_new_tokens: int  # tokens to compute now
+    new_block_ids: list[int] = field(default_factory=list)  # appended to the block table
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Everything the runner needs for one forward pass. Chunks run in the given order."""
+
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)  # drop their state first
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """The runner's answer for one sequence whose chunk reached the end of its tokens."""
+
+    seq_id: str
+    token_id: int
+    logprob: float | None = None  # of the chosen token, under the model's raw distribution
+    top_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    sampled: list[SampledToken] = field(default_factory=list)
+
+
+def to_wire(plan: StepPlan) -> dict[str, Any]:
+    """Plain dict/list form for JSON or msgpack (no pickle)."""
+    from dataclasses import asdict
+
+    return asdict(plan)
+
+
+def plan_from_wire(data: dict[str, Any]) -> StepPlan:
+    return StepPlan(
+        new_sequences=[
+            NewSequence(
+                seq_id=s["seq_id"],
+                token_ids=list(s["token_ids"]),
+                num_prompt_tokens=s["num_prompt_tokens"],
+                sampling=SamplingParams(**s["sampling"]),
+                block_ids=list(s["block_ids"]),
+            )
+            for s in data["new_sequences"]
+        ],
+        chunks=[ScheduledChunk(**c) for c in data["chunks"]],
+        finished_seq_ids=list(data["finished_seq_ids"]),
+    )

@@ -1,0 +1,189 @@
+"""The model runner: executes one `StepPlan` and returns the sampled tokens.
+
+It owns the model, the paged KV cache, the sampler, and per-sequence state (token ids and block
+table), which the plan updates with diffs; see `gpu_worker.plan` for the contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from gpu_worker.loader import LoadedModel, load_model
+from gpu_worker.plan import (
+    NewSequence,
+    SampledToken,
+    SamplingParams,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
+from gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs
+from kernels import AttentionStep, SeqSpan, get_backend
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    model_id: str
+    revision: str | None = None
+    cache_dir: str | None = None
+    dtype: str | None = None  # None/"auto": the checkpoint's (bf16 instead of fp16 on CPU)
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: as many as `kv_cache_bytes` holds
+    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    attention_backend: str = "auto"
+
+
+@dataclass
+class _Sequence:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, loaded: LoadedModel | None = None) -> None:
+        self.device = torch.device(config.device)
+        self.loaded = loaded or load_model(
+            config.model_id,
+            device=self.device,
+            dtype=config.dtype,
+            revision=config.revision,
+            cache_dir=config.cache_dir,
+        )
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        if self.block_size % self.backend.block_size_multiple():
+            raise ValueError(
+                f"attention backend {self.backend.name!r} needs a block size that is a multiple"
+                f" of {self.backend.block_size_multiple()}, got {self.block_size}"
+            )
+        self.num_blocks = config.num_blocks or num_blocks_for_budget(
+            self.loaded.config, self.block_size, self.loaded.dtype, self._kv_budget(config)
+        )
+        self.kv_caches = allocate_kv_cache(
+            self.loaded.config, self.num_blocks, self.block_size, self.loaded.dtype, self.device
+        )
+        self.sampler = Sampler(self.device)
+        self.sequences: dict[str, _Sequence] = {}
+
+    def _kv_budget(self, config: RunnerConfig) -> int:
+        if config.kv_cache_bytes is not None:
+            return config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        return DEFAULT_CPU_KV_BYTES
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for seq_id in plan.finished_seq_ids:
+            self.sequences.pop(seq_id, None)
+        for new in plan.new_sequences:
+            self._add(new)
+        if not plan.chunks:
+            return StepResult()
+        # Single-token chunks first: the attention backends batch them in one call.
+        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
+        for chunk in chunks:
+            self._check(chunk)
+            self.sequences[chunk.seq_id].block_ids.extend(chunk.new_block_ids)
+        inputs = self._flatten(chunks)
+        meta = self.backend.prepare(inputs.attention, self.device)
+        hidden = self.loaded.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, self.backend, meta
+        )
+        if not inputs.sample_seq_ids:
+            return StepResult()
+        logits = self.loaded.model.compute_logits(hidden[inputs.sample_rows])
+        output = self.sampler(logits, self._sampling_inputs(inputs.sample_seq_ids))
+        return self._record(inputs.sample_seq_ids, output)
+
+    def _add(self, new: NewSequence) -> None:
+        if new.seq_id in self.sequences:
+            raise ValueError(f"sequence {new.seq_id!r} is already running")
+        self.sequences[new.seq_id] = _Sequence(
+            list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
+        )
+
+    def _check(self, chunk: ScheduledChunk) -> None:
+        seq = self.sequences.get(chunk.seq_id)
+        if seq is None:
+            raise ValueError(f"chunk for unknown sequence {chunk.seq_id!r}")
+        end = chunk.num_computed_tokens + chunk.num_new_tokens
+        if chunk.num_new_tokens < 1 or end > len(seq.token_ids):
+            raise ValueError(
+                f"sequence {chunk.seq_id!r}: chunk [{chunk.num_computed_tokens}, {end}) is outside"
+                f" its {len(seq.token_ids)} tokens"
+            )
+        num_blocks = len(seq.block_ids) + len(chunk.new_block_ids)
+        if num_blocks * self.block_size < end:
+            raise ValueError(
+                f"sequence {chunk.seq_id!r}: {num_blocks} blocks cannot hold {end} tokens"
+            )
+
+    def _flatten(self, chunks: list[ScheduledChunk]) -> _StepInputs:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[SeqSpan] = []
+        sample_rows: list[int] = []
+        sample_seq_ids: list[str] = []
+        for chunk in chunks:
+            seq = self.sequences[chunk.seq_id]
+            start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
+            token_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slot(seq.block_ids, pos) for pos in range(start, end))
+            spans.append(SeqSpan(chunk.num_new_tokens, end, seq.block_ids))
+            if end == len(seq.token_ids):
+                sample_rows.append(len(token_ids) - 1)
+                sample_seq_ids.append(chunk.seq_id)
+        return _StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            attention=AttentionStep(spans, slots, self.block_size),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sample_seq_ids=sample_seq_ids,
+        )
+
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _sampling_inputs(self, seq_ids: list[str]) -> SamplingInputs:
+        seqs = [self.sequences[seq_id] for seq_id in seq_ids]
+        return SamplingInputs(
+            params=[s.sampling for s in seqs],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in seqs],
+        )
+
+    def _record(self, seq_ids: list[str], output: SamplerOutput) -> StepResult:
+        token_ids = output.token_ids.tolist()
+        logprobs = output.logprobs.tolist()
+        top_ids, top_logprobs = output.top_token_ids.tolist(), output.top_logprobs.tolist()
+        sampled = []
+        for row, seq_id in enumerate(seq_ids):
+            seq = self.sequences[seq_id]
+            seq.token_ids.append(token_ids[row])
+            num_top = seq.sampling.top_n_logprobs
+            pairs = zip(top_ids[row][:num_top], top_logprobs[row][:num_top], strict=True)
+            top = [TokenLogprob(t, lp) for t, lp in pairs]
+            sampled.append(SampledToken(seq_id, token_ids[row], logprobs[row], top))
+        return StepResult(sampled)
+
+
+@dataclass(frozen=True, slots=True)
+class _StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attention: AttentionStep
+    sample_rows: torch.Tensor  # [N] int64: rows of the hidden states that get a next token
+    sample_seq_ids: list[str]  # [N]

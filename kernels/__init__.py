@@ -1,0 +1,58 @@
+"""Attention and KV-write ops behind one small interface, chosen by name from a registry.
+
+Backends import lazily: asking for "flash" on a machine without flash-attn fails with a clear
+message, and "auto" picks the fastest one that works here. This package imports nothing from the
+rest of tgq.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernels.interface import AttentionBackend, AttentionMetadata, AttentionStep, SeqSpan
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "AttentionStep",
+    "SeqSpan",
+    "available_backends",
+    "get_backend",
+]
+
+
+def _torch_backend() -> AttentionBackend:
+    from kernels.torch_paged import TorchPagedAttention
+
+    return TorchPagedAttention()
+
+
+def _flash_backend() -> AttentionBackend:
+    from kernels.flash import FlashAttention
+
+    return FlashAttention()
+
+
+_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": _torch_backend,
+    "flash": _flash_backend,
+}
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`name` is a registry key or "auto" (flash-attn on CUDA when importable, else torch)."""
+    if name == "auto":
+        from kernels.flash import is_flash_available
+
+        name = "flash" if device.type == "cuda" and is_flash_available() else "torch"
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        choices = ", ".join(["auto", *available_backends()])
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}")
+    return factory()

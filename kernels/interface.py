@@ -1,0 +1,82 @@
+"""The attention interface every backend implements.
+
+A step attends for a list of sequences, each with `query_len` new tokens whose K/V have just been
+written into the paged cache, and `kv_len` tokens of context in the cache in total (cached prefix +
+new tokens). Sequences with a single query token (decode, or a one-token prefill chunk) come first:
+backends batch them in one call.
+
+Cache layout, per layer: `k_cache` and `v_cache` are
+`[num_blocks, block_size, num_kv_heads, head_dim]`; token `i` of a sequence lives in block
+`block_ids[i // block_size]` at offset `i % block_size`, i.e. in slot
+`block_id * block_size + i % block_size` of the flattened cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpan:
+    query_len: int  # new tokens of this sequence in the step
+    kv_len: int  # context length after the step's KV write (prefix + new tokens)
+    block_ids: Sequence[int]  # block table, at least ceil(kv_len / block_size) entries
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionStep:
+    """Backend-independent description of one step; `prepare` turns it into tensors once."""
+
+    spans: Sequence[SeqSpan]  # single-query spans first
+    slot_mapping: Sequence[int]  # one slot per new token, in token order
+    block_size: int
+
+    @property
+    def num_single(self) -> int:
+        count = 0
+        for span in self.spans:
+            if span.query_len != 1:
+                break
+            count += 1
+        return count
+
+
+class AttentionMetadata(Protocol):
+    """Whatever tensors a backend precomputes from an `AttentionStep`; shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def block_size_multiple(self) -> int:
+        """The KV block size must be a multiple of this."""
+        ...
+
+    def prepare(self, step: AttentionStep, device: torch.device) -> AttentionMetadata: ...
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...

@@ -1,0 +1,151 @@
+"""Pure-PyTorch paged attention: runs anywhere, and is the oracle the other backends are tested
+against.
+
+Single-query sequences (decode, or one-token prefill chunks) are batched into one SDPA call over
+their gathered blocks; multi-query sequences (prefill chunks, possibly after cached prefix blocks)
+run one SDPA call each, with a causal mask offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.interface import AttentionStep
+from kernels.kv_write import write_kv_slots
+
+
+@dataclass(frozen=True, slots=True)
+class _MultiQuery:
+    query_start: int
+    query_len: int
+    kv_len: int
+    block_ids: torch.Tensor  # [num_blocks_used] int64
+
+
+@dataclass(frozen=True, slots=True)
+class TorchMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_single: int
+    single_block_tables: torch.Tensor  # [num_single, max_blocks] int64, padded with block 0
+    single_kv_lens: torch.Tensor  # [num_single] int64
+    multi: list[_MultiQuery]
+
+
+class TorchPagedAttention:
+    name = "torch"
+
+    def block_size_multiple(self) -> int:
+        return 1
+
+    def prepare(self, step: AttentionStep, device: torch.device) -> TorchMetadata:
+        num_single = step.num_single
+        singles = step.spans[:num_single]
+        max_blocks = max((_blocks_needed(s.kv_len, step.block_size) for s in singles), default=0)
+        table = torch.zeros((num_single, max_blocks), dtype=torch.int64)
+        for row, span in enumerate(singles):
+            used = _blocks_needed(span.kv_len, step.block_size)
+            table[row, :used] = torch.tensor(span.block_ids[:used], dtype=torch.int64)
+        multi = []
+        query_start = num_single
+        for span in step.spans[num_single:]:
+            used = _blocks_needed(span.kv_len, step.block_size)
+            block_ids = torch.tensor(span.block_ids[:used], dtype=torch.int64, device=device)
+            multi.append(_MultiQuery(query_start, span.query_len, span.kv_len, block_ids))
+            query_start += span.query_len
+        return TorchMetadata(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=device),
+            num_single=num_single,
+            single_block_tables=table.to(device),
+            single_kv_lens=torch.tensor([s.kv_len for s in singles], device=device),
+            multi=multi,
+        )
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: TorchMetadata,
+    ) -> None:
+        write_kv_slots(k_cache, v_cache, key, value, meta.slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        if meta.num_single:
+            out[: meta.num_single] = _attend_single(
+                query[: meta.num_single], k_cache, v_cache, meta, scale, sliding_window
+            )
+        for seq in meta.multi:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[rows] = _attend_multi(query[rows], k_cache, v_cache, seq, scale, sliding_window)
+        return out
+
+
+def _blocks_needed(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_blocks * block_size, num_kv_heads, head_dim]."""
+    gathered = cache.index_select(0, block_ids.reshape(-1))
+    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+def _attend_single(
+    query: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TorchMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    keys = _gather(k_cache, meta.single_block_tables).transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather(v_cache, meta.single_block_tables).transpose(1, 2)
+    key_pos = torch.arange(keys.shape[2], device=query.device)
+    lens = meta.single_kv_lens[:, None]
+    mask = key_pos[None, :] < lens  # [B, L]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > lens - 1 - sliding_window
+    # One query per sequence: fold the query heads sharing a KV head into the query-length axis,
+    # so GQA needs no repeated K/V.
+    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+    )
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _attend_multi(
+    query: torch.Tensor,  # [Q, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq: _MultiQuery,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    keys = _gather(k_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)  # [Hkv, L, D]
+    values = _gather(v_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)
+    query_pos = torch.arange(seq.kv_len - seq.query_len, seq.kv_len, device=query.device)
+    key_pos = torch.arange(seq.kv_len, device=query.device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # [Q, L]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)

@@ -1,0 +1,54 @@
+"""Shared fixtures: random-weight checkpoints in Hugging Face format, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from devtools.random_model import make_config, write_model
+
+torch.set_num_threads(2)
+
+# name -> (architecture, config overrides); together they cover GQA, tied embeddings, every rope
+# scaling type, qkv bias, q/k norm, an explicit head_dim and a sliding window.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3-gqa": (
+        "LlamaForCausalLM",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
+    "llama2-tied-linear": (
+        "LlamaForCausalLM",
+        {
+            "num_key_value_heads": 4,
+            "tie_word_embeddings": True,
+            "rope_scaling": {"type": "linear", "factor": 2.0},
+        },
+    ),
+    "mistral-window": ("MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2-bias": ("Qwen2ForCausalLM", {"num_key_value_heads": 1}),
+    "qwen3-qknorm": (
+        "Qwen3ForCausalLM",
+        {"head_dim": 32, "tie_word_embeddings": True, "attention_bias": False},
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        name: write_model(root / name, make_config(arch, **overrides), seed=index)
+        for index, (name, (arch, overrides)) in enumerate(VARIANTS.items())
+    }

@@ -1,0 +1,182 @@
+"""ModelConfig parsing (transformers v4 and v5 layouts), EOS ids and dtype resolution."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_worker.config import ModelConfig, extra_eos_token_ids, resolve_dtype
+
+LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama_base() -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    }
+
+
+def llama31_v4() -> dict[str, Any]:
+    return {
+        **llama_base(),
+        "rope_theta": 500000.0,
+        "rope_scaling": {**LLAMA3_SCALING, "rope_type": "llama3"},
+        "torch_dtype": "bfloat16",
+    }
+
+
+def llama31_v5() -> dict[str, Any]:
+    return {
+        **llama_base(),
+        "rope_parameters": {**LLAMA3_SCALING, "rope_type": "llama3", "rope_theta": 500000},
+        "dtype": "bfloat16",
+        "head_dim": None,
+    }
+
+
+def test_llama31_v4_and_v5_configs_parse_to_the_same_config() -> None:
+    v4 = ModelConfig.from_dict(llama31_v4())
+    assert v4 == ModelConfig.from_dict(llama31_v5())
+    assert v4.architecture == "LlamaForCausalLM"
+    assert (v4.num_layers, v4.num_heads, v4.num_kv_heads, v4.head_dim) == (32, 32, 8, 128)
+    assert v4.rope_theta == 500000.0
+    assert v4.rope_scaling == {"rope_type": "llama3", **LLAMA3_SCALING}
+    assert v4.dtype == "bfloat16"
+    assert v4.eos_token_ids == [128001, 128008, 128009]
+    assert v4.bos_token_id == 128000
+    assert not (v4.tie_word_embeddings or v4.attention_bias or v4.mlp_bias)
+    assert v4.sliding_window is None
+
+
+def test_defaults_for_a_minimal_config() -> None:
+    d = llama_base()
+    del d["num_key_value_heads"], d["hidden_act"], d["eos_token_id"]
+    config = ModelConfig.from_dict(d)
+    assert config.num_kv_heads == 32
+    assert config.rope_theta == 10000.0
+    assert config.rope_scaling is None
+    assert config.dtype is None
+    assert config.eos_token_ids == []
+
+
+def test_explicit_head_dim_wins_and_single_eos_id_becomes_a_list() -> None:
+    config = ModelConfig.from_dict({**llama_base(), "head_dim": 64, "eos_token_id": 2})
+    assert config.head_dim == 64
+    assert config.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": {"type": "linear", "factor": 2}},
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    ],
+)
+def test_legacy_type_key_and_v5_params_normalise_alike(rope: dict[str, Any]) -> None:
+    config = ModelConfig.from_dict({**llama_base(), **rope})
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert config.rope_theta == 10000.0
+
+
+def test_default_rope_type_means_no_scaling() -> None:
+    d = {**llama_base(), "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    config = ModelConfig.from_dict(d)
+    assert (config.rope_theta, config.rope_scaling) == (1e6, None)
+
+
+def test_unsupported_rope_type_names_the_supported_ones() -> None:
+    d = {**llama_base(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="'yarn' is not supported; supported: default, llama3"):
+        ModelConfig.from_dict(d)
+
+
+def test_llama3_rope_without_its_factors_is_rejected() -> None:
+    d = {**llama_base(), "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ValueError, match="needs 'low_freq_factor'"):
+        ModelConfig.from_dict(d)
+
+
+def test_non_silu_activation_is_rejected() -> None:
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        ModelConfig.from_dict({**llama_base(), "hidden_act": "gelu"})
+
+
+def test_missing_required_key_is_named() -> None:
+    d = llama_base()
+    del d["hidden_size"]
+    with pytest.raises(ValueError, match=r"config\.json is missing 'hidden_size'"):
+        ModelConfig.from_dict(d)
+
+
+def test_qwen2_sliding_window_is_off_unless_enabled() -> None:
+    qwen2 = {**llama_base(), "use_sliding_window": False, "sliding_window": 131072}
+    assert ModelConfig.from_dict(qwen2).sliding_window is None
+    qwen2["use_sliding_window"] = True
+    assert ModelConfig.from_dict(qwen2).sliding_window == 131072
+
+
+def test_mistral_sliding_window() -> None:
+    mistral = {**llama_base(), "sliding_window": 4096}
+    assert ModelConfig.from_dict(mistral).sliding_window == 4096
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).sliding_window is None
+
+
+def test_biases_and_tied_embeddings_are_parsed() -> None:
+    d = {**llama_base(), "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}
+    config = ModelConfig.from_dict(d)
+    assert config.attention_bias and config.mlp_bias and config.tie_word_embeddings
+
+
+def test_from_dir_and_generation_config_eos_ids(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(llama31_v4()))
+    assert ModelConfig.from_dir(tmp_path) == ModelConfig.from_dict(llama31_v4())
+    assert extra_eos_token_ids(tmp_path) == []
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
+    assert extra_eos_token_ids(tmp_path) == [1, 106]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert extra_eos_token_ids(tmp_path) == [7]
+
+
+@pytest.mark.parametrize(
+    ("requested", "config_dtype", "device_type", "expected"),
+    [
+        (None, None, "cuda", "float32"),
+        ("auto", None, "cuda", "float32"),
+        (None, "bfloat16", "cuda", "bfloat16"),
+        ("auto", "float16", "cuda", "float16"),
+        ("auto", "float16", "cpu", "bfloat16"),
+        ("float16", "bfloat16", "cpu", "bfloat16"),
+        ("float32", "bfloat16", "cuda", "float32"),
+        ("float16", None, "cuda", "float16"),
+        ("bfloat16", "float32", "cpu", "bfloat16"),
+    ],
+)
+def test_resolve_dtype(
+    requested: str | None, config_dtype: str | None, device_type: str, expected: str
+) -> None:
+    assert resolve_dtype(requested, config_dtype, device_type) == expected
+
+
+@pytest.mark.parametrize(("requested", "config_dtype"), [("fp8", None), (None, "int8")])
+def test_resolve_dtype_rejects_unknown_names(requested: str | None, config_dtype: str) -> None:
+    with pytest.raises(ValueError, match="allowed: auto, float32, bfloat16, float16"):
+        resolve_dtype(requested, config_dtype, "cuda")

@@ -1,0 +1,113 @@
+"""Greedy generation through the paged runner equals transformers `generate`, token for token."""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from devtools.random_model import make_config, write_model
+from gpu_worker.offline import Generation, OfflineEngine
+from gpu_worker.runner import ModelRunner, RunnerConfig
+from tests.conftest import VARIANTS
+
+NUM_NEW = 12
+LOGPROB_TOL = 1e-4
+
+
+@functools.cache
+def _hf_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # generate exactly NUM_NEW tokens
+    return model.eval()
+
+
+def hf_generate(model_dir: Path, prompt: list[int], num_new: int = NUM_NEW) -> Generation:
+    out = _hf_model(model_dir).generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+        do_sample=False,
+        max_new_tokens=num_new,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(step[0].float(), -1)[token].item()
+        for step, token in zip(out.logits, tokens, strict=True)
+    ]
+    return Generation(prompt, tokens, logprobs)
+
+
+def engine(model_dir: Path, block_size: int = 16) -> OfflineEngine:
+    runner = ModelRunner(RunnerConfig(str(model_dir), num_blocks=128, block_size=block_size))
+    return OfflineEngine(runner)
+
+
+def prompts(count: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def assert_matches(ours: Generation, reference: Generation) -> None:
+    assert ours.token_ids == reference.token_ids
+    torch.testing.assert_close(
+        torch.tensor(ours.logprobs), torch.tensor(reference.logprobs), atol=LOGPROB_TOL, rtol=0
+    )
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_single_sequence(variant: str, model_dirs: dict[str, Path]) -> None:
+    prompt = prompts(1, 512, 1, (21, 21))[0]
+    [ours] = engine(model_dirs[variant]).generate([prompt], max_new_tokens=NUM_NEW)
+    assert_matches(ours, hf_generate(model_dirs[variant], prompt))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_batch_of_mixed_lengths(variant: str, model_dirs: dict[str, Path]) -> None:
+    batch = prompts(8, 512, 2, (1, 40))
+    results = engine(model_dirs[variant]).generate(batch, max_new_tokens=NUM_NEW)
+    for ours, prompt in zip(results, batch, strict=True):
+        assert_matches(ours, hf_generate(model_dirs[variant], prompt))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+@pytest.mark.parametrize("variant", ["llama3-gqa", "mistral-window", "qwen3-qknorm"])
+def test_chunked_prefill(variant: str, chunk_size: int, model_dirs: dict[str, Path]) -> None:
+    batch = prompts(3, 512, 3, (30, 90))
+    results = engine(model_dirs[variant]).generate(
+        batch, max_new_tokens=NUM_NEW, chunk_size=chunk_size
+    )
+    for ours, prompt in zip(results, batch, strict=True):
+        assert_matches(ours, hf_generate(model_dirs[variant], prompt))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prefix_blocks_reused(variant: str, model_dirs: dict[str, Path]) -> None:
+    shared = prompts(1, 512, 4, (40, 40))[0]
+    first, second = [*shared, 7, 8, 9], [*shared, 10, 11]
+    eng = engine(model_dirs[variant], block_size=8)
+    eng.generate([first], max_new_tokens=NUM_NEW)
+    [ours] = eng.generate([second], max_new_tokens=NUM_NEW)
+    assert ours.num_cached_tokens == 40  # five full blocks of the shared prefix
+    assert_matches(ours, hf_generate(model_dirs[variant], second))
+
+
+def test_dynamic_rope_past_the_original_length(tmp_path: Path) -> None:
+    """Decoding across `max_position_embeddings` re-bases the rope per token, as HF does."""
+    config = make_config(
+        "LlamaForCausalLM",
+        max_position_embeddings=24,
+        rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+    )
+    model_dir = write_model(tmp_path / "dynamic", config)
+    prompt = prompts(1, 512, 5, (20, 20))[0]
+    [ours] = engine(model_dir).generate([prompt], max_new_tokens=16)
+    assert_matches(ours, hf_generate(model_dir, prompt, num_new=16))

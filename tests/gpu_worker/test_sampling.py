@@ -1,0 +1,260 @@
+"""Sampler parity with transformers' logits processors, seeded reproducibility, distributions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from gpu_worker.plan import SamplingParams
+from gpu_worker.sampling import (
+    Sampler,
+    SamplingInputs,
+    apply_frequency_presence,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    apply_typical_p,
+    token_counts,
+)
+
+VOCAB_SIZE = 1000
+CPU = torch.device("cpu")
+
+
+def _logits(num_rows: int = 6, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return 2.0 * torch.randn(num_rows, VOCAB_SIZE, generator=generator)
+
+
+def _token_ids(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    """Random ids with plenty of repeats (drawn from a tenth of the vocabulary)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB_SIZE // 10, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _hf_rows(
+    processors: list[list[LogitsProcessor]],
+    logits: torch.Tensor,
+    ids: list[list[int]] | None = None,
+) -> torch.Tensor:
+    """Row i through processors[i] in order, one row at a time, as HF would see it alone."""
+    rows = []
+    for i, chain in enumerate(processors):
+        row = logits[i : i + 1].clone()
+        input_ids = torch.tensor([ids[i] if ids else []], dtype=torch.int64)
+        for processor in chain:
+            row = processor(input_ids, row)
+        rows.append(row)
+    return torch.cat(rows)
+
+
+def _exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert_close(actual, expected, rtol=0.0, atol=0.0)  # -inf positions must match too
+
+
+def test_token_counts_matches_a_loop() -> None:
+    ids = _token_ids([0, 3, 50, 200])
+    counts = token_counts(ids, _logits(num_rows=4))
+    expected = torch.zeros(4, VOCAB_SIZE)
+    for i, row in enumerate(ids):
+        for token_id in row:
+            expected[i, token_id] += 1
+    _exact(counts, expected)
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    logits = _logits()
+    penalties = [1.0, 1.3, 0.7, 2.0, 1.1, 0.5]
+    ids = _token_ids([0, 5, 30, 100, 1, 400])
+    mask = token_counts(ids, logits) > 0
+    actual = apply_repetition_penalty(logits, mask, torch.tensor(penalties))
+    expected = _hf_rows([[RepetitionPenaltyLogitsProcessor(p)] for p in penalties], logits, ids)
+    _exact(actual, expected)
+
+
+def test_frequency_presence_matches_formula() -> None:
+    logits = _logits()
+    frequency, presence = [0.0, 0.5, -0.3, 1.0, 0.0, 2.0], [0.0, 0.0, 0.4, -1.0, 1.5, 0.1]
+    ids = _token_ids([0, 5, 30, 100, 1, 400])
+    actual = apply_frequency_presence(
+        logits, token_counts(ids, logits), torch.tensor(frequency), torch.tensor(presence)
+    )
+    expected = logits.clone()
+    for i, row in enumerate(ids):
+        for token_id in set(row):
+            expected[i, token_id] -= frequency[i] * row.count(token_id) + presence[i]
+    assert_close(actual, expected)
+
+
+def test_temperature_matches_transformers() -> None:
+    logits = _logits()
+    temperatures = [0.05, 0.3, 0.7, 1.0, 1.5, 2.0]
+    actual = apply_temperature(logits, torch.tensor(temperatures))
+    _exact(actual, _hf_rows([[TemperatureLogitsWarper(t)] for t in temperatures], logits))
+
+
+def test_top_k_matches_transformers_with_ties() -> None:
+    logits = torch.round(_logits() * 2) / 2  # half-integers: many ties at the k-th value
+    ks = [0, 1, 5, 50, VOCAB_SIZE - 1, 5 * VOCAB_SIZE]
+    actual = apply_top_k(logits, torch.tensor(ks))
+    expected = _hf_rows([[TopKLogitsWarper(k)] if k else [] for k in ks], logits)
+    _exact(actual, expected)
+    assert actual.isfinite().sum(-1)[1:3].tolist() >= [1, 5]  # ties kept, never fewer than k
+    _exact(actual[[0, 5]], logits[[0, 5]])
+
+
+def test_top_p_matches_transformers() -> None:
+    logits = apply_temperature(_logits(), torch.tensor([1.0, 0.5, 2.0, 1.0, 0.3, 1.0]))
+    ps = [1.0, 0.95, 0.5, 0.1, 0.999, 1e-6]
+    actual = apply_top_p(logits, torch.tensor(ps, dtype=torch.float64))
+    _exact(actual, _hf_rows([[TopPLogitsWarper(p)] for p in ps], logits))
+    assert actual[5].isfinite().sum() == 1  # tiny p keeps only the most likely token
+
+
+def test_typical_p_matches_transformers() -> None:
+    logits = apply_temperature(_logits(), torch.tensor([1.0, 0.5, 2.0, 1.0, 0.3, 1.0]))
+    masses = [1.0, 0.9, 0.5, 0.2, 0.01, 0.99]
+    actual = apply_typical_p(logits, torch.tensor(masses))
+    expected = _hf_rows([[TypicalLogitsWarper(m)] if m < 1 else [] for m in masses], logits)
+    _exact(actual, expected)
+    assert actual[4].isfinite().sum() == 1
+
+
+def test_filter_chain_matches_transformers() -> None:
+    """The filters also agree when fed rows already holding -inf from an earlier filter."""
+    logits = _logits()
+    ks, ps, masses = [3, 40, 0, 200, 1, 10], [0.9, 0.6, 0.8, 1.0, 0.5, 0.99], [0.95, 0.7] * 3
+    actual = apply_top_k(logits, torch.tensor(ks))
+    actual = apply_top_p(actual, torch.tensor(ps, dtype=torch.float64))
+    actual = apply_typical_p(actual, torch.tensor(masses))
+    chains: list[list[LogitsProcessor]] = [
+        [*([TopKLogitsWarper(k)] if k else []), TopPLogitsWarper(p), TypicalLogitsWarper(m)]
+        for k, p, m in zip(ks, ps, masses, strict=True)
+    ]
+    _exact(actual, _hf_rows(chains, logits))
+
+
+def test_greedy_rows_take_argmax_after_penalties_and_logprobs_are_raw() -> None:
+    raw = _logits()
+    top_ids = raw.argmax(-1).tolist()
+    params = [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=1.5, logprobs=True, top_n_logprobs=3),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=0.4, top_n_logprobs=5),
+        SamplingParams(temperature=0.8, top_k=20, top_n_logprobs=2),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.5),
+        SamplingParams(repetition_penalty=1.2, presence_penalty=1.0, logprobs=True),
+    ]
+    prompts = [[t, t] for t in top_ids]  # every row's raw favourite is in its prompt ...
+    outputs = [[*ids, t] for ids, t in zip(_token_ids([3, 0, 4, 2, 8, 1]), top_ids, strict=True)]
+    untouched = raw.clone()
+    out = Sampler(CPU)(raw, SamplingInputs(params, prompts, outputs))
+    _exact(raw, untouched)
+
+    seen = [prompt + output for prompt, output in zip(prompts, outputs, strict=True)]
+    penalised = _hf_rows(
+        [[RepetitionPenaltyLogitsProcessor(p.repetition_penalty)] for p in params], raw, seen
+    )
+    for i, (p, output) in enumerate(zip(params, outputs, strict=True)):
+        for token_id in set(output):  # ... but only output tokens count for these two
+            penalised[i, token_id] -= p.frequency_penalty * output.count(token_id)
+            penalised[i, token_id] -= p.presence_penalty
+    greedy = [0, 1, 2, 4, 5]
+    assert out.token_ids[greedy].tolist() == penalised[greedy].argmax(-1).tolist()
+    assert all(out.token_ids[i] != top_ids[i] for i in [1, 2, 5])  # the penalties mattered
+
+    log_probs = raw.log_softmax(-1)
+    assert out.token_ids.dtype == torch.int64
+    assert_close(out.logprobs, log_probs.gather(-1, out.token_ids[:, None]).squeeze(-1))
+    expected_top = log_probs.topk(5, dim=-1)
+    assert torch.equal(out.top_token_ids, expected_top.indices)
+    assert_close(out.top_logprobs, expected_top.values)
+
+
+def test_frequency_presence_count_output_tokens_only() -> None:
+    raw = _logits(num_rows=2)
+    top_ids = raw.argmax(-1).tolist()
+    params = [SamplingParams(frequency_penalty=50.0, presence_penalty=50.0)] * 2
+    inputs = SamplingInputs(params, [[top_ids[0]], []], [[], [top_ids[1]]])
+    token_ids = Sampler(CPU)(raw, inputs).token_ids.tolist()
+    assert token_ids[0] == top_ids[0]
+    assert token_ids[1] != top_ids[1]
+
+
+def _step_logits(step: int) -> torch.Tensor:
+    return _logits(num_rows=1, seed=100 + step)
+
+
+def _seeded_sequence(params: SamplingParams, num_steps: int = 20) -> list[int]:
+    output: list[int] = []
+    for step in range(num_steps):
+        inputs = SamplingInputs([params], [[1, 2, 3]], [list(output)])
+        output.append(int(Sampler(CPU)(_step_logits(step), inputs).token_ids[0]))
+    return output
+
+
+def test_seeded_row_is_reproducible_alone_in_any_batch_and_after_recompute() -> None:
+    target = SamplingParams(temperature=0.9, top_k=100, top_p=0.95, repetition_penalty=1.1, seed=7)
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=99),
+        SamplingParams(),
+        SamplingParams(temperature=1.2, typical_p=0.9, seed=7),  # same seed, other logits
+    ]
+    other_outputs = _token_ids([4, 9, 0, 13])
+    expected = _seeded_sequence(target)
+    batch_sampler = Sampler(CPU)
+    output: list[int] = []
+    for step, expected_id in enumerate(expected):
+        position = step % (len(others) + 1)
+        params = [*others[:position], target, *others[position:]]
+        outputs = [*other_outputs[:position], output, *other_outputs[position:]]
+        other_logits = _logits(num_rows=len(others), seed=1000 + step)
+        logits = torch.cat([other_logits[:position], _step_logits(step), other_logits[position:]])
+        inputs = SamplingInputs(params, [[1, 2, 3]] * len(params), outputs)
+        assert int(batch_sampler(logits, inputs).token_ids[position]) == expected_id
+        output.append(expected_id)
+    assert len(set(expected)) > 1
+
+
+def test_different_seeds_give_different_sequences() -> None:
+    first = _seeded_sequence(SamplingParams(temperature=1.0, seed=1234))
+    assert first == _seeded_sequence(SamplingParams(temperature=1.0, seed=1234))
+    assert first != _seeded_sequence(SamplingParams(temperature=1.0, seed=4321))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.7),
+        SamplingParams(temperature=1.5),
+        SamplingParams(temperature=0.5, typical_p=0.9, top_k=4),
+    ],
+)
+def test_unseeded_draws_follow_the_filtered_softmax(params: SamplingParams) -> None:
+    num_draws = 20_000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    chain: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
+    chain += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    chain += [TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
+    chain += [TypicalLogitsWarper(params.typical_p)] if params.typical_p < 1 else []
+    expected = _hf_rows([chain], logits).softmax(-1)[0]
+
+    batch = logits.expand(num_draws, -1).contiguous()
+    empty: list[list[int]] = [[] for _ in range(num_draws)]
+    inputs = SamplingInputs([params] * num_draws, empty, empty)
+    token_ids = Sampler(CPU)(batch, inputs).token_ids
+    frequencies = torch.bincount(token_ids, minlength=5).double() / num_draws
+    assert frequencies[expected == 0].sum() == 0  # filtered tokens never appear
+    assert_close(frequencies, expected.double(), rtol=0.0, atol=0.02)  # ~6 standard deviations
