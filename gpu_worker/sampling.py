@@ -102,15 +102,15 @@ def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def apply_typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """Locally typical filter, mass: [N] (1.0 is off). As in HF: rank tokens by
     |-log p - entropy|, find the first rank where the cumulative probability reaches `mass`, and
-    drop tokens ranked strictly farther than it; the best-ranked token always stays."""
+    drop the tokens strictly farther than it."""
     log_probs = logits.log_softmax(-1)
     entropy = -(log_probs * log_probs.exp()).nansum(-1, keepdim=True)
     distance, order = (-log_probs - entropy).abs().sort(dim=-1)
     cumulative = logits.gather(-1, order).softmax(-1).cumsum(-1)
     mass = mass.to(logits.dtype)[:, None]
     last = (cumulative < mass).sum(-1, keepdim=True).clamp_(max=logits.shape[-1] - 1)
+    # Strictly farther than the cutoff: the best-ranked token (sorted first) always stays.
     is_removed = (distance > distance.gather(-1, last)) & (mass < 1.0)
-    is_removed[:, 0] = False
     return logits.masked_fill(_unsort(is_removed, order), _NEG_INF)
 
 
@@ -137,9 +137,7 @@ class Sampler:
                 [params[i] for i in sampled_rows],
                 [len(inputs.output_token_ids[i]) for i in sampled_rows],
             )
-        return _with_logprobs(
-            processed, token_ids, max((p.top_n_logprobs for p in params), default=0)
-        )
+        return _with_logprobs(logits, token_ids, max((p.top_n_logprobs for p in params), default=0))
 
     def _sample(
         self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]

@@ -8,6 +8,7 @@ rest of tgq.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -23,19 +24,19 @@ __all__ = [
 ]
 
 
-def _torch_backend() -> AttentionBackend:
+def _torch_backend() -> AttentionBackend[Any]:
     from kernels.torch_paged import TorchPagedAttention
 
     return TorchPagedAttention()
 
 
-def _flash_backend() -> AttentionBackend:
+def _flash_backend() -> AttentionBackend[Any]:
     from kernels.flash import FlashAttention
 
     return FlashAttention()
 
 
-_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {
+_REGISTRY: dict[str, Callable[[], AttentionBackend[Any]]] = {
     "torch": _torch_backend,
     "flash": _flash_backend,
 }
@@ -45,7 +46,7 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_backend(name: str, device: torch.device) -> AttentionBackend[Any]:
     """`name` is a registry key or "auto" (flash-attn on CUDA when importable, else torch)."""
     if name == "auto":
         from kernels.flash import is_flash_available

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -51,14 +51,19 @@ class AttentionMetadata(Protocol):
     slot_mapping: torch.Tensor  # [num_tokens] int64
 
 
-class AttentionBackend(Protocol):
+MetaT = TypeVar("MetaT", bound=AttentionMetadata)
+
+
+class AttentionBackend(Protocol[MetaT]):
+    """`MetaT` is the backend's own metadata type, made by `prepare` and read by the others."""
+
     name: str
 
     def block_size_multiple(self) -> int:
         """The KV block size must be a multiple of this."""
         ...
 
-    def prepare(self, step: AttentionStep, device: torch.device) -> AttentionMetadata: ...
+    def prepare(self, step: AttentionStep, device: torch.device) -> MetaT: ...
 
     def write_kv(
         self,
@@ -66,7 +71,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
+        meta: MetaT,
     ) -> None: ...
 
     def attend(
@@ -74,7 +79,7 @@ class AttentionBackend(Protocol):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: MetaT,
         *,
         scale: float,
         sliding_window: int | None,

@@ -11,7 +11,7 @@ All activations are flat: `[num_tokens, ...]` for every token of every sequence 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class ForwardContext:
-    backend: AttentionBackend
+    backend: AttentionBackend[Any]
     meta: AttentionMetadata
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
     sin: torch.Tensor
@@ -167,14 +167,14 @@ class DecoderForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[KVCache],
-        backend: AttentionBackend,
+        backend: AttentionBackend[Any],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] (before the final norm)
         x = self.model.embed_tokens(input_ids)

@@ -1,0 +1,38 @@
+# The two commands of the README: `make run` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench bench-kernels gpu-check clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==25.3
+	# torch first, from the local CPU build: any other torch would download gigabytes
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m gpu_worker.generate --demo --prompt "The Python language" --max-new-tokens 24
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) -m bench.bench_engine
+
+bench-kernels: $(STAMP)
+	$(PY) -m bench.bench_cpu_ops
+
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

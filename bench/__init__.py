@@ -1,0 +1,1 @@
+"""Benchmarks: run apart from the tests, each prints one comparable summary."""

@@ -1,0 +1,63 @@
+"""Offline generation from the command line: `python -m gpu_worker.generate --model-id DIR`.
+
+`--demo` builds (once, under .cache/demo) a tiny random-weight Llama with a tokenizer trained on
+Python's bundled documentation, so the example runs with no hub; its output is not language yet
+(random weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from gpu_worker.offline import OfflineEngine
+from gpu_worker.plan import SamplingParams
+from gpu_worker.runner import ModelRunner, RunnerConfig
+
+DEMO_DIR = Path(".cache/demo/tiny-llama")
+
+
+def demo_model() -> Path:
+    if not (DEMO_DIR / "model.safetensors").is_file():
+        from devtools.random_model import make_config, write_model
+        from devtools.tokenizer import train_tokenizer
+
+        train_tokenizer(DEMO_DIR)
+        write_model(DEMO_DIR, make_config("LlamaForCausalLM"))
+    return DEMO_DIR
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-id", help="local directory or hub id (safetensors only)")
+    parser.add_argument("--demo", action="store_true", help="use the built-in random tiny model")
+    parser.add_argument("--revision")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--prompt", action="append", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    args = parser.parse_args()
+    if not args.model_id and not args.demo:
+        parser.error("give --model-id or --demo")
+    model_id = str(demo_model()) if args.demo else args.model_id
+    runner = ModelRunner(RunnerConfig(model_id, revision=args.revision, dtype=args.dtype))
+    tokenizer = Tokenizer.from_file(str(runner.loaded.model_dir / "tokenizer.json"))
+    engine = OfflineEngine(runner, eos_token_ids=tuple(runner.loaded.config.eos_token_ids))
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    prompts = [tokenizer.encode(p).ids for p in args.prompt]
+    start = time.perf_counter()
+    results = engine.generate(prompts, sampling, max_new_tokens=args.max_new_tokens)
+    elapsed = time.perf_counter() - start
+    for text, result in zip(args.prompt, results, strict=True):
+        print(f"{text!r} -> {tokenizer.decode(result.token_ids)!r} ({result.finish_reason})")
+    num_tokens = sum(len(r.token_ids) for r in results)
+    print(f"{num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tokens/s)")
+
+
+if __name__ == "__main__":
+    main()

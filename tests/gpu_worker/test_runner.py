@@ -1,0 +1,130 @@
+"""The runner's step contract: seeded sampling whatever the batch, penalties as in HF, plan
+validation, and the wire form of a plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.offline import OfflineEngine
+from gpu_worker.plan import (
+    NewSequence,
+    SamplingParams,
+    ScheduledChunk,
+    StepPlan,
+    plan_from_wire,
+    to_wire,
+)
+from gpu_worker.runner import ModelRunner, RunnerConfig
+from tests.gpu_worker.test_parity import hf_generate
+
+PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5]
+SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, top_n_logprobs=3)
+
+
+def engine(model_dir: Path) -> OfflineEngine:
+    return OfflineEngine(ModelRunner(RunnerConfig(str(model_dir), num_blocks=128)))
+
+
+def test_seeded_sampling_ignores_the_rest_of_the_batch(model_dirs: dict[str, Path]) -> None:
+    model_dir = model_dirs["llama3-gqa"]
+    [alone] = engine(model_dir).generate([PROMPT], SEEDED, max_new_tokens=20)
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, seed=99),
+        SamplingParams(),
+    ]
+    batch = [[3, 4, 5], PROMPT[:4], [*PROMPT, 1, 2], PROMPT]
+    mixed = engine(model_dir).generate(batch, [*others, SEEDED], max_new_tokens=20, chunk_size=5)
+    assert mixed[-1].token_ids == alone.token_ids
+    [reseeded] = engine(model_dir).generate(
+        [PROMPT],
+        SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1235),
+        max_new_tokens=20,
+    )
+    assert reseeded.token_ids != alone.token_ids
+
+
+def test_top_logprobs_are_reported_in_order(model_dirs: dict[str, Path]) -> None:
+    runner = ModelRunner(RunnerConfig(str(model_dirs["qwen2-bias"]), num_blocks=16))
+    plan = StepPlan(
+        new_sequences=[NewSequence("a", PROMPT, len(PROMPT), SEEDED, [1])],
+        chunks=[ScheduledChunk("a", 0, len(PROMPT))],
+    )
+    [token] = runner.execute(plan).sampled
+    assert len(token.top_logprobs) == 3
+    values = [t.logprob for t in token.top_logprobs]
+    assert values == sorted(values, reverse=True)
+    assert token.logprob is not None and token.logprob <= values[0]
+
+
+def test_greedy_repetition_penalty_matches_transformers(model_dirs: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs["mistral-window"]
+    params = SamplingParams(repetition_penalty=1.5)
+    [ours] = engine(model_dir).generate([PROMPT], params, max_new_tokens=12)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    out = hf.generate(
+        torch.tensor([PROMPT]),
+        do_sample=False,
+        max_new_tokens=12,
+        repetition_penalty=1.5,
+        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.int64),
+        pad_token_id=0,
+    )
+    assert ours.token_ids == out[0, len(PROMPT) :].tolist()
+    assert ours.token_ids != hf_generate(model_dir, PROMPT).token_ids  # the penalty mattered
+
+
+@pytest.mark.parametrize(
+    ("chunk", "message"),
+    [
+        (ScheduledChunk("ghost", 0, 1), "chunk for unknown sequence 'ghost'"),
+        (ScheduledChunk("a", 0, 10), r"chunk \[0, 10\) is outside its 9 tokens"),
+        (ScheduledChunk("a", 0, 0), r"chunk \[0, 0\) is outside its 9 tokens"),
+    ],
+)
+def test_bad_chunks_are_refused(
+    model_dirs: dict[str, Path], chunk: ScheduledChunk, message: str
+) -> None:
+    runner = ModelRunner(RunnerConfig(str(model_dirs["llama3-gqa"]), num_blocks=16))
+    new = NewSequence("a", PROMPT, len(PROMPT), SamplingParams(), [1])
+    with pytest.raises(ValueError, match=message):
+        runner.execute(StepPlan(new_sequences=[new], chunks=[chunk]))
+
+
+def test_too_few_blocks_are_refused(model_dirs: dict[str, Path]) -> None:
+    runner = ModelRunner(RunnerConfig(str(model_dirs["llama3-gqa"]), num_blocks=16, block_size=4))
+    new = NewSequence("a", PROMPT, len(PROMPT), SamplingParams(), [1, 2])
+    with pytest.raises(ValueError, match="2 blocks cannot hold 9 tokens"):
+        runner.execute(StepPlan(new_sequences=[new], chunks=[ScheduledChunk("a", 0, 9)]))
+
+
+def test_plan_round_trips_through_json() -> None:
+    plan = StepPlan(
+        new_sequences=[NewSequence("a", PROMPT, 5, SEEDED, [3, 4])],
+        chunks=[ScheduledChunk("a", 0, 9), ScheduledChunk("b", 30, 1, [7])],
+        finished_seq_ids=["c"],
+    )
+    assert plan_from_wire(json.loads(json.dumps(to_wire(plan)))) == plan
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"typical_p": 1.5}, r"typical_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be >= 0"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"top_n_logprobs": -1}, "top_n_logprobs must be >= 0"),
+    ],
+)
+def test_sampling_params_are_validated(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]

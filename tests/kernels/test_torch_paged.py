@@ -1,0 +1,105 @@
+"""The torch paged attention (the oracle) against a per-token reference written out longhand."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kernels import AttentionStep, SeqSpan, get_backend
+from kernels.torch_paged import TorchPagedAttention
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+def reference(
+    query: torch.Tensor,  # [Q, H, D] for one sequence
+    keys: torch.Tensor,  # [L, Hkv, D] its whole context
+    values: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    num_q, num_heads, head_dim = query.shape
+    group = num_heads // keys.shape[1]
+    out = torch.empty_like(query)
+    for i in range(num_q):
+        pos = keys.shape[0] - num_q + i
+        lo = 0 if window is None else max(0, pos - window + 1)
+        for h in range(num_heads):
+            k, v = keys[lo : pos + 1, h // group], values[lo : pos + 1, h // group]
+            weights = torch.softmax((k @ query[i, h]) / math.sqrt(head_dim), dim=0)
+            out[i, h] = weights @ v
+    return out
+
+
+def build_step(
+    query_lens: list[int], kv_lens: list[int], rng: random.Random
+) -> tuple[AttentionStep, list[list[int]]]:
+    free = list(range(1, NUM_BLOCKS))
+    rng.shuffle(free)  # non-contiguous block tables
+    spans, slots, tables = [], [], []
+    for q_len, kv_len in zip(query_lens, kv_lens, strict=True):
+        table = [free.pop() for _ in range(-(-kv_len // BLOCK_SIZE))]
+        tables.append(table)
+        spans.append(SeqSpan(q_len, kv_len, table))
+        for pos in range(kv_len - q_len, kv_len):
+            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+    return AttentionStep(spans, slots, BLOCK_SIZE), tables
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
+def test_mixed_step_matches_reference(
+    num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    head_dim = 8
+    # three decodes (one at kv_len 1), a fresh prefill, a prefill chunk after a cached prefix
+    query_lens, kv_lens = [1, 1, 1, 9, 5], [1, 6, 13, 9, 14]
+    step, tables = build_step(query_lens, kv_lens, rng)
+    cache_shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)  # prefix = noise
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim)
+
+    backend = TorchPagedAttention()
+    meta = backend.prepare(step, torch.device("cpu"))
+    backend.write_kv(k_cache, v_cache, key, value, meta)
+    out = backend.attend(query, k_cache, v_cache, meta, scale=head_dim**-0.5, sliding_window=window)
+
+    start = 0
+    for q_len, kv_len, table in zip(query_lens, kv_lens, tables, strict=True):
+        keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:kv_len]
+        values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:kv_len]
+        torch.testing.assert_close(keys[kv_len - q_len :], key[start : start + q_len])
+        expected = reference(query[start : start + q_len], keys, values, window)
+        torch.testing.assert_close(out[start : start + q_len], expected, atol=1e-5, rtol=1e-5)
+        start += q_len
+
+
+def test_single_query_spans_are_counted_from_the_front() -> None:
+    step = AttentionStep([SeqSpan(3, 3, [1]), SeqSpan(1, 2, [2])], [4, 5, 6, 9], BLOCK_SIZE)
+    assert step.num_single == 0  # a decode after a prefill is attended as a multi-query span
+    step = AttentionStep([SeqSpan(1, 2, [2]), SeqSpan(3, 3, [1])], [9, 4, 5, 6], BLOCK_SIZE)
+    assert step.num_single == 1
+
+
+def test_registry_names_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; choose one of: auto"):
+        get_backend("nope", torch.device("cpu"))
+    assert get_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_flash_refuses_clearly_without_flash_attn() -> None:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="needs flash-attn on a CUDA machine"):
+            get_backend("flash", torch.device("cpu"))
+    else:  # pragma: no cover - only where flash-attn is installed
+        pytest.skip("flash-attn is installed here")
