@@ -30,8 +30,9 @@ def hub_cache(root: Path, repo: str, source: Path) -> Path:
     return root
 
 
-def greedy(model_id: str, **kwargs: str) -> list[int]:
-    runner = ModelRunner(RunnerConfig(model_id, num_blocks=16, **kwargs))
+def greedy(model_id: str, cache_dir: str | None = None, revision: str | None = None) -> list[int]:
+    config = RunnerConfig(model_id, revision=revision, cache_dir=cache_dir, num_blocks=16)
+    runner = ModelRunner(config)
     [result] = OfflineEngine(runner).generate([PROMPT], max_new_tokens=6)
     return result.token_ids
 
