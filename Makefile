@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-kernels gpu-check clean
+.PHONY: run test lint bench bench-kernels gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,11 @@ gpu-check: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
+
+lock:
+	rm -rf /tmp/tgq-lock && $(PYTHON) -m venv /tmp/tgq-lock
+	/tmp/tgq-lock/bin/pip install --quiet torch==2.13.0
+	/tmp/tgq-lock/bin/pip install --quiet -e '.[dev,bench]'
+	/tmp/tgq-lock/bin/pip freeze --exclude-editable | grep -v '^torch==' > constraints.body
+	{ head -2 constraints.txt; cat constraints.body; echo torch==2.13.0; } > constraints.new
+	mv constraints.new constraints.txt && rm constraints.body
