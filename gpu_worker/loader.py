@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.config import ModelConfig, resolve_dtype
+from gpu_worker.layers.linear import select_matmul_kernels
 from gpu_worker.models import model_class
 from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.weights import Checkpoint, resolve_model_dir
@@ -51,7 +52,15 @@ def load_model(
     with Checkpoint.open(model_dir) as checkpoint:
         fill_parameters(model, checkpoint)
     model.eval().requires_grad_(False)
-    log.info("loaded %s (%s) as %s on %s", model_id, config.architecture, torch_dtype, device)
+    num_fast = select_matmul_kernels(model)
+    log.info(
+        "loaded %s (%s) as %s on %s (%d layers on the AVX2 bf16 kernel)",
+        model_id,
+        config.architecture,
+        torch_dtype,
+        device,
+        num_fast,
+    )
     return LoadedModel(model, config, model_dir, torch_dtype)
 
 

@@ -30,6 +30,12 @@ def _torch_backend() -> AttentionBackend[Any]:
     return TorchPagedAttention()
 
 
+def _cpu_backend() -> AttentionBackend[Any]:
+    from kernels.cpu_paged import CpuPagedAttention
+
+    return CpuPagedAttention()
+
+
 def _flash_backend() -> AttentionBackend[Any]:
     from kernels.flash import FlashAttention
 
@@ -38,6 +44,7 @@ def _flash_backend() -> AttentionBackend[Any]:
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend[Any]]] = {
     "torch": _torch_backend,
+    "cpu": _cpu_backend,
     "flash": _flash_backend,
 }
 
@@ -47,13 +54,24 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend[Any]:
-    """`name` is a registry key or "auto" (flash-attn on CUDA when importable, else torch)."""
+    """`name` is a registry key or "auto": flash-attn on CUDA when importable, the AVX2 kernels
+    on a CPU that has them, else torch."""
     if name == "auto":
-        from kernels.flash import is_flash_available
-
-        name = "flash" if device.type == "cuda" and is_flash_available() else "torch"
+        name = _auto_backend(device)
     factory = _REGISTRY.get(name)
     if factory is None:
         choices = ", ".join(["auto", *available_backends()])
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}")
     return factory()
+
+
+def _auto_backend(device: torch.device) -> str:
+    if device.type == "cuda":
+        from kernels.flash import is_flash_available
+
+        return "flash" if is_flash_available() else "torch"
+    if device.type == "cpu":
+        from kernels import cpu_ops
+
+        return "cpu" if cpu_ops.is_available() else "torch"
+    return "torch"

@@ -85,13 +85,24 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         if meta.num_single:
-            out[: meta.num_single] = _attend_single(
+            out[: meta.num_single] = self._attend_single(
                 query[: meta.num_single], k_cache, v_cache, meta, scale, sliding_window
             )
         for seq in meta.multi:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = _attend_multi(query[rows], k_cache, v_cache, seq, scale, sliding_window)
         return out
+
+    def _attend_single(
+        self,
+        query: torch.Tensor,  # [B, H, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return _attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
 
 
 def _blocks_needed(num_tokens: int, block_size: int) -> int:

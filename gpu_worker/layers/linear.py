@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+MatmulFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class Linear(nn.Module):
@@ -12,6 +16,28 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [N, K]
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.matmul: MatmulFn = F.linear
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        return self.matmul(x, self.weight, self.bias)
+
+
+def select_matmul_kernels(model: nn.Module) -> int:
+    """Route bf16 matmuls on CPU to the AVX2 kernel when it is available (torch's own bf16 path
+    is slow on CPUs without native bf16). Returns how many layers were switched."""
+    linears = [
+        m
+        for m in model.modules()
+        if isinstance(m, Linear)
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.bfloat16
+    ]
+    if not linears:
+        return 0
+    from kernels import cpu_ops
+
+    if not cpu_ops.is_available():
+        return 0
+    for layer in linears:
+        layer.matmul = cpu_ops.linear_bf16
+    return len(linears)

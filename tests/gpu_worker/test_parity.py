@@ -46,9 +46,11 @@ def hf_generate(model_dir: Path, prompt: list[int], num_new: int = NUM_NEW) -> G
     return Generation(prompt, tokens, logprobs)
 
 
-def engine(model_dir: Path, block_size: int = 16) -> OfflineEngine:
-    runner = ModelRunner(RunnerConfig(str(model_dir), num_blocks=128, block_size=block_size))
-    return OfflineEngine(runner)
+def engine(model_dir: Path, block_size: int = 16, backend: str = "auto") -> OfflineEngine:
+    config = RunnerConfig(
+        str(model_dir), num_blocks=128, block_size=block_size, attention_backend=backend
+    )
+    return OfflineEngine(ModelRunner(config))
 
 
 def prompts(count: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
@@ -70,10 +72,11 @@ def test_single_sequence(variant: str, model_dirs: dict[str, Path]) -> None:
     assert_matches(ours, hf_generate(model_dirs[variant], prompt))
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])  # the oracle, and what runs here
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_batch_of_mixed_lengths(variant: str, model_dirs: dict[str, Path]) -> None:
+def test_batch_of_mixed_lengths(variant: str, backend: str, model_dirs: dict[str, Path]) -> None:
     batch = prompts(8, 512, 2, (1, 40))
-    results = engine(model_dirs[variant]).generate(batch, max_new_tokens=NUM_NEW)
+    results = engine(model_dirs[variant], backend=backend).generate(batch, max_new_tokens=NUM_NEW)
     for ours, prompt in zip(results, batch, strict=True):
         assert_matches(ours, hf_generate(model_dirs[variant], prompt))
 

@@ -1,0 +1,38 @@
+"""CPU backend: the torch backend, with decode (single-query) attention done by the AVX2 kernel
+that reads K/V straight through the block table instead of gathering a padded copy."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_ops
+from kernels.torch_paged import TorchMetadata, TorchPagedAttention
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        if not cpu_ops.is_available():
+            raise RuntimeError(
+                f"attention backend 'cpu' is unavailable: {cpu_ops.unavailable_reason()}"
+            )
+
+    def _attend_single(
+        self,
+        query: torch.Tensor,  # [B, H, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return cpu_ops.paged_decode_attention(
+            query.contiguous(),
+            k_cache,
+            v_cache,
+            meta.single_block_tables,
+            meta.single_kv_lens,
+            scale,
+            sliding_window or 0,
+        )
