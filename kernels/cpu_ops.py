@@ -1,0 +1,141 @@
+"""AVX2/FMA CPU kernels (bf16-weight linear, paged decode attention), JIT-built on first use.
+
+torch's CPU bf16 matmul is very slow without avx512_bf16/AMX; these kernels widen bf16 to fp32 in
+registers and accumulate in fp32. The extension is compiled once into a cache directory
+($TGQ_KERNEL_CACHE, else ~/.cache/tgq/kernels) by `torch.utils.cpp_extension.load`, which needs
+ninja. `is_available()` never raises: on a CPU without avx2/fma, or when the build fails, it
+returns False and the reason is logged once and kept in `unavailable_reason()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["is_available", "linear_bf16", "paged_decode_attention", "unavailable_reason"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_REQUIRED_FLAGS = frozenset({"avx2", "fma"})
+# This torch's at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp the kernels
+# would silently run on one thread.
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def _unsupported_reason() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU, this is {platform.machine()}"
+    missing = _REQUIRED_FLAGS - _cpu_flags()
+    if missing:
+        return f"CPU lacks {', '.join(sorted(missing))}"
+    return None
+
+
+def _build() -> Any:
+    """Compiles (or reuses) the library and loads it; its ops register as torch.ops.tgq_cpu_ops."""
+    from torch.utils.cpp_extension import load
+
+    cache = Path(os.environ.get("TGQ_KERNEL_CACHE", Path.home() / ".cache" / "tgq" / "kernels"))
+    cache.mkdir(parents=True, exist_ok=True)
+    load(
+        name="tgq_cpu_ops",
+        sources=[str(_SOURCE)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(cache),
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.tgq_cpu_ops
+
+
+class _Library:
+    """The compiled ops, built on first use; `failure` says why they are unavailable."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._checked = False
+        self._ops: Any = None  # torch.ops.tgq_cpu_ops once loaded
+        self.failure: str | None = None
+
+    def ops(self) -> Any:
+        with self._lock:
+            if not self._checked:
+                self._checked = True
+                self.failure = _unsupported_reason()
+                if self.failure is None:
+                    try:
+                        self._ops = _build()
+                    except Exception as exc:  # any build or load error means "unavailable"
+                        self.failure = f"build failed: {exc}"
+                if self.failure is not None:
+                    logger.warning("tgq CPU kernels unavailable: %s", self.failure)
+            return self._ops
+
+
+_library = _Library()
+
+
+def is_available() -> bool:
+    """Builds the kernels on first call; False (never an exception) when they cannot run here."""
+    return _library.ops() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why `is_available()` is False (None when available, or not yet checked)."""
+    return _library.failure
+
+
+def _ops() -> Any:
+    ops = _library.ops()
+    if ops is None:
+        raise RuntimeError(f"tgq CPU kernels are unavailable: {_library.failure}")
+    return ops
+
+
+def linear_bf16(
+    x: torch.Tensor,  # [M, K] bf16 or fp32
+    weight: torch.Tensor,  # [N, K] bf16, contiguous
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`x @ weight.T + bias` accumulated in fp32."""
+    out: torch.Tensor = _ops().linear_bf16(x, weight, bias)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, H, D], one token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32 or int64
+    kv_lens: torch.Tensor,  # [B] int64, >= 1; the query sits at position kv_len - 1
+    scale: float,
+    sliding_window: int = 0,  # > 0: attend only to the last `sliding_window` positions
+) -> torch.Tensor:  # [B, H, D] in query's dtype
+    """Softmax attention of each query over its sequence's cached K/V, read through the table.
+
+    Query head h uses kv head h // (H // Hkv). All of query, k_cache, v_cache are bf16 or all fp32;
+    the math is fp32.
+    """
+    out: torch.Tensor = _ops().paged_decode_attention(
+        query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window
+    )
+    return out

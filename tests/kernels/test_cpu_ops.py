@@ -1,0 +1,208 @@
+"""The AVX2 CPU kernels against plain fp32 torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+
+requires_kernels = pytest.mark.skipif(
+    not cpu_ops.is_available(), reason=f"CPU kernels unavailable: {cpu_ops.unavailable_reason()}"
+)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("n", [2304, 37])
+@pytest.mark.parametrize("k", [768, 100])
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 64, 300])
+def test_linear_matches_fp32_reference(
+    m: int, k: int, n: int, has_bias: bool, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(m * 7919 + k * 31 + n)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16() if has_bias else None
+    ref = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    out = cpu_ops.linear_bf16(x, weight, bias)
+    assert out.dtype == dtype
+    assert out.shape == (m, n)
+    assert _rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@requires_kernels
+@pytest.mark.parametrize("k", [1, 8, 24, 40, 72, 200])
+def test_linear_small_batch_k_remainders(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    weight = torch.randn(29, k, generator=gen).bfloat16()
+    for m in range(1, 8):
+        x = torch.randn(m, k, generator=gen)
+        assert _rel_err(cpu_ops.linear_bf16(x, weight), x @ weight.float().T) < 1e-4
+
+
+@requires_kernels
+def test_linear_long_prefill_spans_several_passes() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1100, 72, generator=gen).bfloat16()
+    weight = torch.randn(61, 72, generator=gen).bfloat16()
+    bias = torch.randn(61, generator=gen)
+    ref = F.linear(x.float(), weight.float(), bias)
+    assert _rel_err(cpu_ops.linear_bf16(x, weight, bias), ref) < 1e-2
+
+
+@requires_kernels
+def test_linear_accepts_fp32_bias_and_empty_batch() -> None:
+    x = torch.randn(0, 64)
+    weight = torch.randn(5, 64).bfloat16()
+    assert cpu_ops.linear_bf16(x, weight, torch.zeros(5)).shape == (0, 5)
+
+
+@requires_kernels
+@pytest.mark.parametrize(
+    ("x", "weight", "message"),
+    [
+        (torch.randn(2, 8), torch.randn(4, 8), "weight must be bf16"),
+        (torch.randn(2, 8), torch.randn(4, 9).bfloat16(), "K mismatch"),
+        (torch.randn(2, 8).half(), torch.randn(4, 8).bfloat16(), "x must be bf16 or fp32"),
+        (torch.randn(2, 8), torch.randn(8, 4).bfloat16().t(), "weight must be contiguous"),
+    ],
+)
+def test_linear_rejects_bad_inputs(x: torch.Tensor, weight: torch.Tensor, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops.linear_bf16(x, weight)
+
+
+def _reference_decode(
+    query: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    block_size = k_cache.shape[1]
+    group = query.shape[1] // k_cache.shape[2]
+    outs = []
+    for b, kv_len in enumerate(kv_lens.tolist()):
+        positions = torch.arange(kv_len)
+        blocks = block_tables[b].long()[positions // block_size]
+        keys = k_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        values = v_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", query[b].float(), keys) * scale
+        if sliding_window > 0:
+            scores[:, positions <= kv_len - 1 - sliding_window] = float("-inf")
+        outs.append(torch.einsum("ht,thd->hd", scores.softmax(dim=-1), values))
+    return torch.stack(outs)
+
+
+def _random_block_tables(
+    gen: torch.Generator, kv_lens: list[int], block_size: int, num_blocks: int, dtype: torch.dtype
+) -> torch.Tensor:  # [B, max_blocks]
+    """Distinct, shuffled (non-contiguous) blocks per sequence; unused entries hold -1."""
+    needed = [(kv_len + block_size - 1) // block_size for kv_len in kv_lens]
+    tables = torch.full((len(kv_lens), max(needed) + 1), -1, dtype=dtype)
+    block_ids = torch.randperm(num_blocks, generator=gen).to(dtype)
+    start = 0
+    for b, count in enumerate(needed):
+        tables[b, :count] = block_ids[start : start + count]
+        start += count
+    return tables
+
+
+def _check_decode(
+    gen: torch.Generator,
+    kv_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    sliding_window: int,
+    dtype: torch.dtype,
+    table_dtype: torch.dtype = torch.int64,
+) -> None:
+    block_size, head_dim = 16, 64
+    num_blocks = sum(kv_lens) // block_size + len(kv_lens) + 5
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables = _random_block_tables(gen, kv_lens, block_size, num_blocks, table_dtype)
+    query = torch.randn(len(kv_lens), num_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(kv_lens)
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_decode_attention(
+        query, k_cache, v_cache, tables, lens, scale, sliding_window
+    )
+    ref = _reference_decode(query, k_cache, v_cache, tables, lens, scale, sliding_window)
+    assert out.dtype == dtype
+    assert out.shape == query.shape
+    assert _rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sliding_window", [0, 5, 37])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(12, 4), (4, 4)])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_paged_decode_matches_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    sliding_window: int,
+    dtype: torch.dtype,
+    table_dtype: torch.dtype,
+) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 100 + sliding_window)
+    kv_lens = [1, 16, 17, 5, 100, 128, 33]
+    _check_decode(gen, kv_lens, num_heads, num_kv_heads, sliding_window, dtype, table_dtype)
+
+
+@requires_kernels
+@pytest.mark.parametrize("sliding_window", [0, 50])
+def test_paged_decode_large_batch_matches_reference(sliding_window: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    kv_lens = torch.randint(1, 200, (40,), generator=gen).tolist()
+    _check_decode(gen, kv_lens, 12, 4, sliding_window, torch.bfloat16)
+
+
+@requires_kernels
+def test_paged_decode_handles_head_dim_tail() -> None:
+    k_cache = torch.randn(3, 4, 2, 12)
+    v_cache = torch.randn(3, 4, 2, 12)
+    query = torch.randn(1, 2, 12)
+    tables = torch.tensor([[2, 0]])
+    lens = torch.tensor([7])
+    out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.3, 0)
+    ref = _reference_decode(query, k_cache, v_cache, tables, lens, 0.3, 0)
+    assert _rel_err(out, ref) < 1e-5
+
+
+@requires_kernels
+def test_paged_decode_rejects_block_ids_outside_the_cache() -> None:
+    cache = torch.randn(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.paged_decode_attention(
+            torch.randn(1, 1, 8), cache, cache, torch.tensor([[0, 2]]), torch.tensor([6]), 1.0, 0
+        )
+
+
+@requires_kernels
+def test_paged_decode_rejects_kv_len_beyond_the_table() -> None:
+    cache = torch.randn(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="kv_lens"):
+        cpu_ops.paged_decode_attention(
+            torch.randn(1, 1, 8), cache, cache, torch.tensor([[0]]), torch.tensor([5]), 1.0, 0
+        )
+
+
+def test_wrappers_raise_the_reason_when_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_ops, "_unsupported_reason", lambda: "CPU lacks avx2")
+    monkeypatch.setattr(cpu_ops, "_library", cpu_ops._Library())
+    assert not cpu_ops.is_available()
+    assert cpu_ops.unavailable_reason() == "CPU lacks avx2"
+    with pytest.raises(RuntimeError, match="unavailable: CPU lacks avx2"):
+        cpu_ops.linear_bf16(torch.randn(1, 8), torch.randn(4, 8).bfloat16())
