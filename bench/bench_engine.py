@@ -28,7 +28,7 @@ from gpu_worker.offline import OfflineEngine
 from gpu_worker.runner import ModelRunner, RunnerConfig
 
 RESULTS = Path(__file__).parent / "results"
-PROMPT_LEN = 32
+PROMPT_LEN = 16
 
 
 def medium_model(cache: Path) -> Path:

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from gpu_worker.config import ModelConfig, resolve_dtype
-from gpu_worker.layers.linear import select_matmul_kernels
 from gpu_worker.models import model_class
 from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.weights import Checkpoint, resolve_model_dir
@@ -39,7 +38,9 @@ def load_model(
     dtype: str | None = None,
     revision: str | None = None,
     cache_dir: str | Path | None = None,
+    cpu_kernels: bool = True,
 ) -> LoadedModel:
+    """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons)."""
     model_dir = resolve_model_dir(model_id, revision=revision, cache_dir=cache_dir)
     config = ModelConfig.from_dir(model_dir)
     cls = model_class(config)
@@ -52,9 +53,9 @@ def load_model(
     with Checkpoint.open(model_dir) as checkpoint:
         fill_parameters(model, checkpoint)
     model.eval().requires_grad_(False)
-    num_fast = select_matmul_kernels(model)
+    num_fast = model.use_cpu_kernels() if cpu_kernels else 0
     log.info(
-        "loaded %s (%s) as %s on %s (%d layers on the AVX2 bf16 kernel)",
+        "loaded %s (%s) as %s on %s (%d modules on the AVX2 bf16 kernels)",
         model_id,
         config.architecture,
         torch_dtype,

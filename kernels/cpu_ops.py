@@ -18,11 +18,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_available", "linear_bf16", "paged_decode_attention", "unavailable_reason"]
+__all__ = [
+    "add_rms_norm",
+    "is_available",
+    "linear_bf16",
+    "paged_decode_attention",
+    "rms_norm",
+    "rotary_qk_",
+    "unavailable_reason",
+]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "cpu_fused.cpp")]
 _REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 # This torch's at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp the kernels
 # would silently run on one thread.
@@ -57,7 +65,7 @@ def _build() -> Any:
     cache.mkdir(parents=True, exist_ok=True)
     load(
         name="tgq_cpu_ops",
-        sources=[str(_SOURCE)],
+        sources=[str(source) for source in _SOURCES],
         extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(cache),
@@ -139,3 +147,28 @@ def paged_decode_attention(
         query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window
     )
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """bf16 RMSNorm of each row of x [T, hidden], bit-identical to the reference torch ops."""
+    out: torch.Tensor = _ops().rms_norm(x, weight, eps)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`x += delta` in place (the residual), then returns `rms_norm(x)`; bf16."""
+    out: torch.Tensor = _ops().add_rms_norm(x, delta, weight, eps)
+    return out
+
+
+def rotary_qk_(
+    qkv: torch.Tensor,  # [T, (H + 2 * Hkv) * D] bf16, rows contiguous
+    cos: torch.Tensor,  # [T, D] bf16
+    sin: torch.Tensor,  # [T, D] bf16
+    num_heads: int,  # q heads + k heads: the leading heads of each row to rotate
+    head_dim: int,
+) -> None:
+    """Rotary embedding in place on the q and k heads of a fused qkv activation."""
+    _ops().rotary_qk_(qkv, cos, sin, num_heads, head_dim)

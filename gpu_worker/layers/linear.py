@@ -20,24 +20,3 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         return self.matmul(x, self.weight, self.bias)
-
-
-def select_matmul_kernels(model: nn.Module) -> int:
-    """Route bf16 matmuls on CPU to the AVX2 kernel when it is available (torch's own bf16 path
-    is slow on CPUs without native bf16). Returns how many layers were switched."""
-    linears = [
-        m
-        for m in model.modules()
-        if isinstance(m, Linear)
-        and m.weight.device.type == "cpu"
-        and m.weight.dtype == torch.bfloat16
-    ]
-    if not linears:
-        return 0
-    from kernels import cpu_ops
-
-    if not cpu_ops.is_available():
-        return 0
-    for layer in linears:
-        layer.matmul = cpu_ops.linear_bf16
-    return len(linears)

@@ -1,10 +1,12 @@
 """RMSNorm with the numerics of the reference implementations: normalise in fp32, cast back,
-then scale."""
+then scale. `use_cpu_kernel` (bf16 on CPU) runs the same arithmetic as one fused op."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -12,9 +14,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        self.use_cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernel and x.dim() == 2:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """`residual += delta` IN PLACE, then returns the norm of the new residual."""
+        if self.use_cpu_kernel:
+            return cpu_ops.add_rms_norm(residual, delta, self.weight, self.eps)
+        residual.add_(delta)
+        return self(residual)

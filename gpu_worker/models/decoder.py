@@ -21,7 +21,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import AttentionBackend, AttentionMetadata, cpu_ops
 
 # K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -78,17 +78,23 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.scale = config.head_dim**-0.5
         self.sliding_window = sliding_window
+        self.use_cpu_kernel = False  # rotary in place on the fused qkv (not with q/k norm)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
         shape = self.shape
-        q, k, v = self.qkv_proj(x).split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.use_cpu_kernel:
+            cos, sin = (t.view(num_tokens, shape.head_dim) for t in (ctx.cos, ctx.sin))
+            cpu_ops.rotary_qk_(qkv, cos, sin, shape.num_heads + shape.num_kv_heads, shape.head_dim)
+        q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
         q = q.reshape(num_tokens, shape.num_heads, shape.head_dim)
         k = k.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
         v = v.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        if not self.use_cpu_kernel:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         k_cache, v_cache = kv_cache
         ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
         out = ctx.backend.attend(
@@ -119,8 +125,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x: the residual stream, updated in place and returned."""
+        attn = self.self_attn(self.input_layernorm(x), kv_cache, ctx)
+        hidden = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x.add_(self.mlp(hidden))
 
 
 class DecoderModel(nn.Module):
@@ -164,6 +172,27 @@ class DecoderForCausalLM(nn.Module):
             sliding_window=config.sliding_window if self.uses_sliding_window else None,
         )
         return DecoderLayer(config, attention)
+
+    def use_cpu_kernels(self) -> int:
+        """bf16 on a CPU with the AVX2 kernels: run matmuls, norms and rotary embeddings there
+        (torch's bf16 path is slow on CPUs without native bf16). Returns the modules switched."""
+        weight = self.lm_head.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return 0
+        if not cpu_ops.is_available():
+            return 0
+        switched = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = cpu_ops.linear_bf16
+            elif isinstance(module, RMSNorm):
+                module.use_cpu_kernel = True
+            elif isinstance(module, Attention):
+                module.use_cpu_kernel = module.q_norm is None
+            else:
+                continue
+            switched += 1
+        return switched
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
