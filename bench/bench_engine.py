@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,9 +52,11 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def decode_step_seconds(run: Callable[[int], Any], n1: int, n2: int) -> float:
+def decode_step_seconds(run: Callable[[int], Any], n1: int, n2: int, repeats: int) -> float:
+    """Median over `repeats` of the per-token time difference (this machine is noisy)."""
     run(n1)  # warm-up
-    return (timed(lambda: run(n2)) - timed(lambda: run(n1))) / (n2 - n1)
+    steps = [(timed(lambda: run(n2)) - timed(lambda: run(n1))) / (n2 - n1) for _ in range(repeats)]
+    return statistics.median(steps)
 
 
 class HFEngine:
@@ -97,7 +100,7 @@ def measure(engine: HFEngine | TgqEngine, args: argparse.Namespace, hf: bool) ->
     out: dict[str, float] = {}
     single = prompts(1, PROMPT_LEN)
     out["decode_b1_ms"] = 1e3 * decode_step_seconds(
-        lambda n: engine.generate(single, n), args.n1, args.n2
+        lambda n: engine.generate(single, n), args.n1, args.n2, args.repeats
     )
     for batch in args.batches:
         many = prompts(batch, PROMPT_LEN)
@@ -105,7 +108,7 @@ def measure(engine: HFEngine | TgqEngine, args: argparse.Namespace, hf: bool) ->
         def run(num_new: int, batch_prompts: list[list[int]] = many) -> None:
             engine.generate(batch_prompts, num_new)
 
-        step = decode_step_seconds(run, 2, 2 + args.steps)
+        step = decode_step_seconds(run, 2, 2 + args.steps, 1)
         out[f"decode_b{batch}_tok_s"] = batch / step
     num_prefill = args.hf_prefill_prompts if hf else args.prefill_prompts
     long = prompts(num_prefill, args.prefill_len)
@@ -124,7 +127,8 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.4))
     for ax, metric in zip(axes, metrics, strict=True):
         names = list(results)
-        ax.bar(names, [results[n][metric] for n in names], color=["#999999", "#1f77b4"])
+        bars = ax.bar(names, [results[n][metric] for n in names], color=["#999999", "#1f77b4"])
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_title(metric, fontsize=9)
         ax.tick_params(labelsize=8)
     fig.suptitle(
@@ -147,6 +151,7 @@ def main() -> None:
     parser.add_argument("--hf-prefill-prompts", type=int, default=16)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="batch-1 decode repetitions")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = medium_model(args.cache)

@@ -81,26 +81,30 @@ class Attention(nn.Module):
         self.use_cpu_kernel = False  # rotary in place on the fused qkv (not with q/k norm)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        shape = self.shape
+        num_tokens, shape = x.shape[0], self.shape
         qkv = self.qkv_proj(x)
-        if self.use_cpu_kernel:
-            cos, sin = (t.view(num_tokens, shape.head_dim) for t in (ctx.cos, ctx.sin))
+        if self.use_cpu_kernel:  # one fused op rotates q and k in place, before the split
+            cos, sin = ctx.cos.view(num_tokens, -1), ctx.sin.view(num_tokens, -1)
             cpu_ops.rotary_qk_(qkv, cos, sin, shape.num_heads + shape.num_kv_heads, shape.head_dim)
         q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
         q = q.reshape(num_tokens, shape.num_heads, shape.head_dim)
         k = k.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
         v = v.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
         if not self.use_cpu_kernel:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+            q, k = self._norm_and_rotate(q, k, ctx)
         k_cache, v_cache = kv_cache
         ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
         out = ctx.backend.attend(
             q, k_cache, v_cache, ctx.meta, scale=self.scale, sliding_window=self.sliding_window
         )
         return self.o_proj(out.reshape(num_tokens, shape.q_size))
+
+    def _norm_and_rotate(
+        self, q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
 
 
 class MLP(nn.Module):
