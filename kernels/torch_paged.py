@@ -3,7 +3,9 @@ against.
 
 Single-query sequences (decode, or one-token prefill chunks) are batched into one SDPA call over
 their gathered blocks; multi-query sequences (prefill chunks, possibly after cached prefix blocks)
-run one SDPA call each, with a causal mask offset by the cached prefix.
+run one SDPA call each, with a causal mask offset by the cached prefix. Prefill is compute-bound,
+so that per-sequence loop costs nothing next to the attention itself, while padding ragged prompts
+into one call would waste compute on the padding.
 """
 
 from __future__ import annotations
@@ -102,7 +104,22 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        return _attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        keys = _gather(k_cache, meta.single_block_tables).transpose(1, 2)  # [B, Hkv, L, D]
+        values = _gather(v_cache, meta.single_block_tables).transpose(1, 2)
+        key_pos = torch.arange(keys.shape[2], device=query.device)
+        lens = meta.single_kv_lens[:, None]
+        mask = key_pos[None, :] < lens  # [B, L]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > lens - 1 - sliding_window
+        # One query per sequence: fold the query heads sharing a KV head into the query-length axis,
+        # so GQA needs no repeated K/V.
+        grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+        )
+        return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -113,32 +130,6 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[..., num_blocks] block ids -> [..., num_blocks * block_size, num_kv_heads, head_dim]."""
     gathered = cache.index_select(0, block_ids.reshape(-1))
     return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
-
-
-def _attend_single(
-    query: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: TorchMetadata,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    keys = _gather(k_cache, meta.single_block_tables).transpose(1, 2)  # [B, Hkv, L, D]
-    values = _gather(v_cache, meta.single_block_tables).transpose(1, 2)
-    key_pos = torch.arange(keys.shape[2], device=query.device)
-    lens = meta.single_kv_lens[:, None]
-    mask = key_pos[None, :] < lens  # [B, L]
-    if sliding_window is not None:
-        mask &= key_pos[None, :] > lens - 1 - sliding_window
-    # One query per sequence: fold the query heads sharing a KV head into the query-length axis,
-    # so GQA needs no repeated K/V.
-    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
-    )
-    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _attend_multi(
