@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernels import AttentionStep, SeqSpan, get_backend
 from kernels.torch_paged import TorchPagedAttention
@@ -49,23 +51,24 @@ def build_step(
     return AttentionStep(spans, slots, BLOCK_SIZE), tables
 
 
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
-def test_mixed_step_matches_reference(
-    num_heads: int, num_kv_heads: int, window: int | None
+def check_step(
+    query_lens: list[int],
+    kv_lens: list[int],
+    shape: tuple[int, int, int],  # num_heads, num_kv_heads, head_dim
+    window: int | None,
+    seed: int,
 ) -> None:
-    rng = random.Random(0)
-    torch.manual_seed(0)
-    head_dim = 8
-    # three decodes (one at kv_len 1), a fresh prefill, a prefill chunk after a cached prefix
-    query_lens, kv_lens = [1, 1, 1, 9, 5], [1, 6, 13, 9, 14]
-    step, tables = build_step(query_lens, kv_lens, rng)
+    """Write a step's K/V into a noise-filled cache, attend, compare every sequence."""
+    num_heads, num_kv_heads, head_dim = shape
+    step, tables = build_step(query_lens, kv_lens, random.Random(seed))
+    gen = torch.Generator().manual_seed(seed)
     cache_shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(cache_shape), torch.randn(cache_shape)  # prefix = noise
+    k_cache = torch.randn(cache_shape, generator=gen)  # cached prefixes are noise
+    v_cache = torch.randn(cache_shape, generator=gen)
     num_tokens = sum(query_lens)
-    query = torch.randn(num_tokens, num_heads, head_dim)
-    key = torch.randn(num_tokens, num_kv_heads, head_dim)
-    value = torch.randn(num_tokens, num_kv_heads, head_dim)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
 
     backend = TorchPagedAttention()
     meta = backend.prepare(step, torch.device("cpu"))
@@ -80,6 +83,15 @@ def test_mixed_step_matches_reference(
         expected = reference(query[start : start + q_len], keys, values, window)
         torch.testing.assert_close(out[start : start + q_len], expected, atol=1e-5, rtol=1e-5)
         start += q_len
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
+def test_mixed_step_matches_reference(
+    num_heads: int, num_kv_heads: int, window: int | None
+) -> None:
+    # three decodes (one at kv_len 1), a fresh prefill, a prefill chunk after a cached prefix
+    check_step([1, 1, 1, 9, 5], [1, 6, 13, 9, 14], (num_heads, num_kv_heads, 8), window, seed=0)
 
 
 def test_single_query_spans_are_counted_from_the_front() -> None:
@@ -106,3 +118,18 @@ def test_flash_refuses_clearly_without_flash_attn() -> None:
             get_backend("flash", torch.device("cpu"))
     else:  # pragma: no cover - only where flash-attn is installed
         pytest.skip("flash-attn is installed here")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    num_seqs=st.integers(1, 5),
+    window=st.one_of(st.none(), st.integers(1, 9)),
+)
+def test_any_step_matches_reference(data: st.DataObject, num_seqs: int, window: int | None) -> None:
+    """Random mixes of decodes and prefill chunks, with random cached prefixes and tables."""
+    kv_lens = data.draw(st.lists(st.integers(1, 30), min_size=num_seqs, max_size=num_seqs))
+    query_lens = [data.draw(st.integers(1, kv)) for kv in kv_lens]
+    order = sorted(range(num_seqs), key=lambda i: query_lens[i] != 1)  # single-query first
+    query_lens, kv_lens = [query_lens[i] for i in order], [kv_lens[i] for i in order]
+    check_step(query_lens, kv_lens, (4, 2, 8), window, seed=data.draw(st.integers(0, 2**16)))
