@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
     parser.add_argument("--batches", type=int, nargs="*", default=[16, 64])
     parser.add_argument("--prefill-prompts", type=int, default=16)
-    parser.add_argument("--hf-prefill-prompts", type=int, default=16)
+    parser.add_argument("--hf-prefill-prompts", type=int, default=2, help="HF is slow here")
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 decode repetitions")
