@@ -90,6 +90,8 @@ class ModelRunner:
             self._add(new)
         if not plan.chunks:
             return StepResult()
+        if len({c.seq_id for c in plan.chunks}) != len(plan.chunks):
+            raise ValueError("a sequence is scheduled twice in one step")
         # Single-token chunks first: the attention backends batch them in one call.
         chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
         for chunk in chunks:
@@ -109,6 +111,12 @@ class ModelRunner:
     def _add(self, new: NewSequence) -> None:
         if new.seq_id in self.sequences:
             raise ValueError(f"sequence {new.seq_id!r} is already running")
+        if not 0 < new.num_prompt_tokens <= len(new.token_ids):
+            raise ValueError(
+                f"sequence {new.seq_id!r}: {new.num_prompt_tokens} prompt tokens out of"
+                f" {len(new.token_ids)} tokens"
+            )
+        self._check_block_ids(new.seq_id, new.block_ids)
         self.sequences[new.seq_id] = _Sequence(
             list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
         )
@@ -123,10 +131,18 @@ class ModelRunner:
                 f"sequence {chunk.seq_id!r}: chunk [{chunk.num_computed_tokens}, {end}) is outside"
                 f" its {len(seq.token_ids)} tokens"
             )
+        self._check_block_ids(chunk.seq_id, chunk.new_block_ids)
         num_blocks = len(seq.block_ids) + len(chunk.new_block_ids)
         if num_blocks * self.block_size < end:
             raise ValueError(
                 f"sequence {chunk.seq_id!r}: {num_blocks} blocks cannot hold {end} tokens"
+            )
+
+    def _check_block_ids(self, seq_id: str, block_ids: list[int]) -> None:
+        """Block 0 is reserved; an id past the cache would write out of bounds."""
+        if block_ids and not 0 < min(block_ids) <= max(block_ids) < self.num_blocks:
+            raise ValueError(
+                f"sequence {seq_id!r}: block ids must be in [1, {self.num_blocks}), got {block_ids}"
             )
 
     def _flatten(self, chunks: list[ScheduledChunk]) -> _StepInputs:

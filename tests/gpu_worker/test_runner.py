@@ -98,6 +98,39 @@ def test_bad_chunks_are_refused(
         runner.execute(StepPlan(new_sequences=[new], chunks=[chunk]))
 
 
+@pytest.mark.parametrize(
+    ("new", "chunks", "message"),
+    [
+        (
+            NewSequence("a", PROMPT, len(PROMPT), SamplingParams(), [0]),
+            [ScheduledChunk("a", 0, 9)],
+            r"block ids must be in \[1, 16\), got \[0\]",
+        ),
+        (
+            NewSequence("a", PROMPT, len(PROMPT), SamplingParams(), [1]),
+            [ScheduledChunk("a", 0, 9, [16])],
+            r"block ids must be in \[1, 16\), got \[16\]",
+        ),
+        (
+            NewSequence("a", PROMPT, 0, SamplingParams(), [1]),
+            [ScheduledChunk("a", 0, 9)],
+            "0 prompt tokens out of 9 tokens",
+        ),
+        (
+            NewSequence("a", PROMPT, len(PROMPT), SamplingParams(), [1]),
+            [ScheduledChunk("a", 0, 4), ScheduledChunk("a", 4, 5)],
+            "a sequence is scheduled twice in one step",
+        ),
+    ],
+)
+def test_bad_plans_are_refused(
+    model_dirs: dict[str, Path], new: NewSequence, chunks: list[ScheduledChunk], message: str
+) -> None:
+    runner = ModelRunner(RunnerConfig(str(model_dirs["llama3-gqa"]), num_blocks=16))
+    with pytest.raises(ValueError, match=message):
+        runner.execute(StepPlan(new_sequences=[new], chunks=chunks))
+
+
 def test_too_few_blocks_are_refused(model_dirs: dict[str, Path]) -> None:
     runner = ModelRunner(RunnerConfig(str(model_dirs["llama3-gqa"]), num_blocks=16, block_size=4))
     new = NewSequence("a", PROMPT, len(PROMPT), SamplingParams(), [1, 2])
