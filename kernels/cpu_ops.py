@@ -30,7 +30,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "cpu_fused.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("linear_bf16.cpp", "paged_attention.cpp", "cpu_fused.cpp")
+]
 _REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 # This torch's at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp the kernels
 # would silently run on one thread.

@@ -1,0 +1,243 @@
+// linear_bf16: y[M,N] = x[M,K] @ w[N,K]^T + b with w in bf16 and fp32 accumulation, on AVX2/FMA
+// CPUs whose torch lacks a fast bf16 path (no avx512_bf16/AMX).
+#include "avx2_common.h"
+
+namespace {
+
+using namespace tgq_cpu;
+
+// ----------------------------------------------------------------------------------------------
+// linear_bf16
+//
+// Both x and w are row-major along K, so each output is a dot product of two contiguous rows. The
+// micro-kernel computes an MT x NT tile of outputs: per step of 8 along K it loads NT weight
+// vectors once and reuses each across MT rows of x, keeping MT*NT 8-lane partial sums in
+// registers. KU > 1 splits each sum into KU interleaved partial sums along K, for independent FMA
+// chains when MT*NT alone is too few. The partial sums are reduced horizontally once at the end,
+// where the K % 8 tail is added in scalar. Registers: MT*NT*KU + min(MT, NT) + 1 <= 16.
+//
+// Large M reaches ~80% of the FMA peak, level with torch's fp32 GEMM (MKL) on pre-widened weights
+// (measured at M = 512..8192), so there is no separate path that widens w and calls at::mm.
+
+template <int MT, int NT, typename WT>
+inline void fma_step(const float* x, const WT* w, int64_t K, int64_t k, __m256 (&acc)[MT][NT]) {
+  __m256 wv[NT];
+#pragma GCC unroll 8
+  for (int n = 0; n < NT; ++n) wv[n] = load8(w + n * K + k);
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    const __m256 xv = load8(x + m * K + k);
+#pragma GCC unroll 8
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+  }
+}
+
+template <int MT, int NT, int KU, typename WT>
+void dot_tile(const float* x, const WT* w, int64_t K, float* sums /* [MT, NT] */) {
+  __m256 acc[KU][MT][NT];
+  for (auto& part : acc)
+    for (auto& row : part)
+      for (auto& a : row) a = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + KU * kVec <= K; k += KU * kVec) {
+#pragma GCC unroll 4
+    for (int u = 0; u < KU; ++u) fma_step<MT, NT>(x, w, K, k + u * kVec, acc[u]);
+  }
+  for (; k + kVec <= K; k += kVec) fma_step<MT, NT>(x, w, K, k, acc[0]);
+  for (int m = 0; m < MT; ++m) {
+    for (int n = 0; n < NT; ++n) {
+      __m256 total = acc[0][m][n];
+      for (int u = 1; u < KU; ++u) total = _mm256_add_ps(total, acc[u][m][n]);
+      float s = hsum(total);
+      for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * to_f32(w[n * K + kk]);
+      sums[m * NT + n] = s;
+    }
+  }
+}
+
+template <typename WT>
+using TileFn = void (*)(const float*, const WT*, int64_t, float*);
+
+constexpr int kMaxMT = 4;
+constexpr int kTileSums = 12;  // largest MT * NT
+
+// Tile shapes per weight type and number of x rows (1..4).
+//  - bf16 weights, streamed from memory (small M): one weight row at a time, so the whole
+//    thread's range of w is read as a single sequential stream (measured ~20% more bandwidth
+//    than interleaving 4-8 rows), with KU partial sums to keep enough FMA chains in flight.
+//  - fp32 panels, cache-resident (large M): the widest tile that fits the registers, 1x8, 2x6,
+//    3x4, 4x3, reusing each loaded vector as often as possible; single rows for the N tail.
+template <typename WT>
+struct Tiles;
+
+template <>
+struct Tiles<bf16_bits> {
+  static constexpr int nt(int) { return 1; }
+  static TileFn<bf16_bits> full(int mt) {
+    switch (mt) {
+      case 1: return dot_tile<1, 1, 4, bf16_bits>;
+      case 2: return dot_tile<2, 1, 4, bf16_bits>;
+      case 3: return dot_tile<3, 1, 4, bf16_bits>;
+      default: return dot_tile<4, 1, 3, bf16_bits>;
+    }
+  }
+  static TileFn<bf16_bits> edge(int mt) { return full(mt); }
+};
+
+template <>
+struct Tiles<float> {
+  static constexpr int nt(int mt) { return mt == 1 ? 8 : mt == 2 ? 6 : mt == 3 ? 4 : 3; }
+  static TileFn<float> full(int mt) {
+    switch (mt) {
+      case 1: return dot_tile<1, 8, 1, float>;
+      case 2: return dot_tile<2, 6, 1, float>;
+      case 3: return dot_tile<3, 4, 1, float>;
+      default: return dot_tile<4, 3, 1, float>;
+    }
+  }
+  static TileFn<float> edge(int mt) {
+    switch (mt) {
+      case 1: return dot_tile<1, 1, 1, float>;
+      case 2: return dot_tile<2, 1, 1, float>;
+      case 3: return dot_tile<3, 1, 1, float>;
+      default: return dot_tile<4, 1, 1, float>;
+    }
+  }
+};
+
+struct GemmArgs {
+  const float* x;     // [M, K]
+  const float* bias;  // [N] or nullptr
+  int64_t M, N, K;
+};
+
+// out[m0:m0+mt, n:n+nt] = sums + bias
+template <typename OutT>
+void store_tile(const GemmArgs& a, const float* sums, int mt, int nt, int64_t m0, int64_t n,
+                OutT* out) {
+  for (int m = 0; m < mt; ++m) {
+    for (int j = 0; j < nt; ++j) {
+      float v = sums[m * nt + j] + (a.bias != nullptr ? a.bias[n + j] : 0.0f);
+      store_out(out + (m0 + m) * a.N + n + j, v);
+    }
+  }
+}
+
+// out[:, n0:n1] for all M rows; w holds weight rows n0..n1, K apart.
+template <typename WT, typename OutT>
+void gemm_panel(const GemmArgs& a, const WT* w, int64_t n0, int64_t n1, OutT* out) {
+  float sums[kTileSums];
+  for (int64_t m0 = 0; m0 < a.M; m0 += kMaxMT) {
+    const int mt = static_cast<int>(std::min<int64_t>(kMaxMT, a.M - m0));
+    const int nt = Tiles<WT>::nt(mt);
+    const TileFn<WT> full = Tiles<WT>::full(mt), edge = Tiles<WT>::edge(mt);
+    for (int64_t n = n0; n < n1;) {
+      const int step = n1 - n >= nt ? nt : 1;
+      (step == nt ? full : edge)(a.x + m0 * a.K, w + (n - n0) * a.K, a.K, sums);
+      store_tile(a, sums, mt, step, m0, n, out);
+      n += step;
+    }
+  }
+}
+
+// Weight rows per panel: the panel stays in L2 while every row of x streams past it, so each
+// weight byte comes from DRAM once. A multiple of every tile's NT so panels split into full tiles.
+constexpr int64_t kPanelBytes = 96 * 1024;
+constexpr int64_t kRowUnit = 24;
+
+int64_t panel_rows(int64_t K, int64_t elem_bytes) {
+  int64_t rows = kPanelBytes / (K * elem_bytes) / kRowUnit * kRowUnit;
+  return std::max(rows, kRowUnit);
+}
+
+// From this many rows of x on, each weight panel is first widened to fp32 in a thread-local
+// buffer and read by the wide fp32 tiles. Measured on an AMD EPYC (family 17h): ~8% faster at
+// M = 24, even at 16, ~15% slower at 8. Below it the kernel converts bf16 as it streams w once.
+constexpr int64_t kWidenPanelMinM = 16;
+
+template <typename OutT>
+void gemm_rows(const GemmArgs& a, const bf16_bits* w, int64_t n_begin, int64_t n_end,
+               OutT* out) {
+  const bool widen = a.M >= kWidenPanelMinM;
+  const int64_t rows = panel_rows(a.K, widen ? sizeof(float) : sizeof(bf16_bits));
+  std::vector<float> panel(widen ? rows * a.K : 0);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += rows) {
+    const int64_t n1 = std::min(n_end, n0 + rows);
+    const bf16_bits* wp = w + n0 * a.K;
+    if (!widen) {
+      gemm_panel<bf16_bits, OutT>(a, wp, n0, n1, out);
+      continue;
+    }
+    const int64_t count = (n1 - n0) * a.K;
+    int64_t i = 0;
+    for (; i + kVec <= count; i += kVec) _mm256_storeu_ps(panel.data() + i, load8(wp + i));
+    for (; i < count; ++i) panel[i] = to_f32(wp[i]);
+    gemm_panel<float, OutT>(a, panel.data(), n0, n1, out);
+  }
+}
+
+// Rows of x per pass over the weights. Each panel re-reads all the pass's rows of x, so a pass
+// must stay cache-resident; long prefills go in several passes, widening each panel once per pass.
+constexpr int64_t kRowsPerPass = 512;
+
+template <typename OutT>
+void gemm_rows_in_passes(const GemmArgs& a, const bf16_bits* w, int64_t n_begin, int64_t n_end,
+                         OutT* out) {
+  for (int64_t m0 = 0; m0 < a.M; m0 += kRowsPerPass) {
+    const GemmArgs pass{a.x + m0 * a.K, a.bias, std::min(kRowsPerPass, a.M - m0), a.N, a.K};
+    gemm_rows<OutT>(pass, w, n_begin, n_end, out + m0 * a.N);
+  }
+}
+
+// Work below this many multiply-adds stays on one thread.
+constexpr int64_t kMinWorkPerTask = 1 << 16;
+
+template <typename OutT>
+void linear_dispatch(const GemmArgs& a, const bf16_bits* w, OutT* out) {
+  // Parallel units are groups of kRowUnit weight rows so thread boundaries keep full tiles.
+  const int64_t num_units = (a.N + kRowUnit - 1) / kRowUnit;
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (a.M * a.K * kRowUnit));
+  at::parallel_for(0, num_units, grain, [&](int64_t u0, int64_t u1) {
+    gemm_rows_in_passes<OutT>(a, w, u0 * kRowUnit, std::min(a.N, u1 * kRowUnit), out);
+  });
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "linear_bf16: x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2, "linear_bf16: weight must be [N, K], got ", weight.sizes());
+  TORCH_CHECK(x.size(1) == weight.size(1), "linear_bf16: K mismatch, x ", x.sizes(),
+              " vs weight ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear_bf16: x must be bf16 or fp32, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: weight must be bf16, got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.is_contiguous(), "linear_bf16: weight must be contiguous");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: CPU tensors only");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(K > 0, "linear_bf16: K must be positive");
+  at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_bf16: bias must be [", N,
+                "], got ", bias->sizes());
+    TORCH_CHECK(bias->device().is_cpu(), "linear_bf16: CPU tensors only");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  GemmArgs args{x32.data_ptr<float>(), b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, K};
+  const bf16_bits* w = data_as<bf16_bits>(weight);
+  if (x.scalar_type() == at::kFloat) {
+    linear_dispatch<float>(args, w, out.data_ptr<float>());
+  } else {
+    linear_dispatch<bf16_bits>(args, w, mutable_data_as<bf16_bits>(out));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tgq_cpu_ops, m) {
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &linear_bf16);
+}
