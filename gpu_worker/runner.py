@@ -96,6 +96,7 @@ class ModelRunner:
         chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
         for chunk in chunks:
             self._check(chunk)
+        for chunk in chunks:  # only once every chunk is known to be valid
             self.sequences[chunk.seq_id].block_ids.extend(chunk.new_block_ids)
         inputs = self._flatten(chunks)
         meta = self.backend.prepare(inputs.attention, self.device)
