@@ -16,7 +16,7 @@ offset `i % block_size`; its slot is `block_id * block_size + offset`. Blocks be
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Sentinels for "this sampling knob is off".
@@ -122,8 +122,6 @@ class StepResult:
 
 def to_wire(plan: StepPlan) -> dict[str, Any]:
     """Plain dict/list form for JSON or msgpack (no pickle)."""
-    from dataclasses import asdict
-
     return asdict(plan)
 
 

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "add_rms_norm",
+    "hardware_unsupported_reason",
     "is_available",
     "linear_bf16",
     "paged_decode_attention",
@@ -51,7 +52,8 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _unsupported_reason() -> str | None:
+def hardware_unsupported_reason() -> str | None:
+    """Why this CPU cannot run the kernels at all (None: it can, so a failed build is a bug)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"needs an x86-64 CPU, this is {platform.machine()}"
     missing = _REQUIRED_FLAGS - _cpu_flags()
@@ -91,7 +93,7 @@ class _Library:
         with self._lock:
             if not self._checked:
                 self._checked = True
-                self.failure = _unsupported_reason()
+                self.failure = hardware_unsupported_reason()
                 if self.failure is None:
                     try:
                         self._ops = _build()

@@ -13,10 +13,8 @@ from gpu_worker.loader import load_model
 from gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from kernels import cpu_ops
+from tests.kernels.markers import requires_kernels
 
-requires_kernels = pytest.mark.skipif(
-    not cpu_ops.is_available(), reason=f"CPU kernels unavailable: {cpu_ops.unavailable_reason()}"
-)
 EPS = 1e-6
 CPU = torch.device("cpu")
 

@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from tests.kernels.markers import requires_kernels
 
-requires_kernels = pytest.mark.skipif(
-    not cpu_ops.is_available(), reason=f"CPU kernels unavailable: {cpu_ops.unavailable_reason()}"
-)
+
+@requires_kernels
+def test_kernels_build_on_a_cpu_that_supports_them() -> None:
+    assert cpu_ops.is_available(), cpu_ops.unavailable_reason()
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -200,7 +202,7 @@ def test_paged_decode_rejects_kv_len_beyond_the_table() -> None:
 
 
 def test_wrappers_raise_the_reason_when_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_ops, "_unsupported_reason", lambda: "CPU lacks avx2")
+    monkeypatch.setattr(cpu_ops, "hardware_unsupported_reason", lambda: "CPU lacks avx2")
     monkeypatch.setattr(cpu_ops, "_library", cpu_ops._Library())
     assert not cpu_ops.is_available()
     assert cpu_ops.unavailable_reason() == "CPU lacks avx2"
