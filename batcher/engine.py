@@ -1,0 +1,164 @@
+"""Offline engine in the shape of vLLM's `LLMEngine`: add requests, step, stream outputs.
+
+It drives anything with `execute(StepPlan) -> StepResult`, `num_blocks` and `block_size` (the
+`ModelRunner` in `gpu_worker`, or a fake in tests) without importing it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from batcher.config import SchedulerConfig
+from batcher.request import Priority, Request, StoppingParams
+from batcher.scheduler import Scheduler
+from gpu_worker.plan import SamplingParams, StepPlan, StepResult, TokenLogprob
+
+GREEDY = SamplingParams()
+
+
+class StepRunner(Protocol):
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One streaming event: a request's new token, or its end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float | None]
+    new_top_logprobs: list[list[TokenLogprob]]
+    finish_reason: str | None  # None while it runs
+    finish_detail: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Generation:
+    """A finished request's result."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    finish_detail: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, request: Request) -> Generation:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            list(request.output_logprobs),
+            request.finish_reason,
+            request.finish_detail,
+            request.num_cached_tokens,
+            request.num_preemptions,
+        )
+
+
+class LLMEngine:
+    def __init__(self, runner: StepRunner, config: SchedulerConfig | None = None) -> None:
+        self.runner = runner
+        config = config or SchedulerConfig()
+        self.scheduler = Scheduler(config, runner.num_blocks, runner.block_size)
+        self._requests: dict[str, Request] = {}  # added and not yet reported finished
+        self._pending: list[RequestOutput] = []  # ends decided outside a step (abort, reject)
+        self._ids = itertools.count()
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams = GREEDY,
+        stopping: StoppingParams | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+        request_id: str | None = None,
+    ) -> str:
+        request = Request(
+            request_id or f"req-{next(self._ids)}",
+            list(prompt_token_ids),
+            len(prompt_token_ids),
+            sampling,
+            stopping or StoppingParams(),
+            priority,
+            time.monotonic(),
+        )
+        self.scheduler.add_request(request)
+        self._requests[request.request_id] = request
+        if request.is_finished:
+            self._pending.append(_end_of(request))
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self._pending.append(_end_of(request))
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled.is_empty:
+            result = self.runner.execute(scheduled.to_plan())
+            outputs += [_token_of(r) for r in self.scheduler.update(scheduled, result)]
+        for output in outputs:
+            if output.is_finished:
+                del self._requests[output.request_id]
+        return outputs
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Per-token outputs of every added request until all are finished."""
+        while self.has_unfinished:
+            yield from self.step()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams = GREEDY,
+        stopping: StoppingParams | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> list[Generation]:
+        """Run the prompts together (with anything already added) to completion."""
+        request_ids = [self.add_request(p, sampling, stopping, priority=priority) for p in prompts]
+        requests = [self._requests[request_id] for request_id in request_ids]
+        for _ in self.stream():
+            pass
+        return [Generation.of(request) for request in requests]
+
+
+def _token_of(request: Request) -> RequestOutput:
+    return RequestOutput(
+        request.request_id,
+        request.token_ids[-1:],
+        request.output_logprobs[-1:],
+        request.output_top_logprobs[-1:],
+        request.finish_reason,
+        request.finish_detail,
+    )
+
+
+def _end_of(request: Request) -> RequestOutput:
+    return RequestOutput(
+        request.request_id, [], [], [], request.finish_reason, request.finish_detail
+    )

@@ -1,0 +1,168 @@
+"""One `Request` per sequence: its tokens, KV bookkeeping, parameters and lifecycle status.
+
+Lifecycle (every move goes through `Request.transition`, checked against `_TRANSITIONS`):
+
+    WAITING ──▶ RUNNING ──▶ FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED
+       │           │  ▲
+       │           ▼  │ (re-admitted: recomputes prompt + output so far)
+       │        PREEMPTED ──▶ FINISHED_ABORTED
+       └──▶ FINISHED_REJECTED | FINISHED_ABORTED
+
+A PREEMPTED request sits in the waiting queue again, at its original arrival position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from gpu_worker.plan import SamplingParams, TokenLogprob
+
+
+class RequestStatus(IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_REJECTED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_REJECTED}
+    ),
+    RequestStatus.RUNNING: frozenset(
+        {
+            RequestStatus.PREEMPTED,
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        }
+    ),
+    RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
+    RequestStatus.FINISHED_STOPPED: frozenset(),
+    RequestStatus.FINISHED_LENGTH: frozenset(),
+    RequestStatus.FINISHED_ABORTED: frozenset(),
+    RequestStatus.FINISHED_REJECTED: frozenset(),
+}
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REJECTED: "rejected",
+}
+
+
+class Priority(IntEnum):
+    """Higher runs first; bulk fills idle capacity and is preempted first."""
+
+    BULK = 0
+    INTERACTIVE = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingParams:
+    """Token-level stopping is applied by the scheduler; `stop_strings` are matched on the
+    detokenized text elsewhere and end a request through `Scheduler.finish`."""
+
+    max_new_tokens: int = 16
+    eos_token_ids: frozenset[int] = frozenset()  # the model's EOS plus generation_config extras
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    token_ids: list[int]  # prompt, then every sampled token
+    num_prompt_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stopping: StoppingParams = field(default_factory=StoppingParams)
+    priority: Priority = Priority.INTERACTIVE
+    arrival_time: float = 0.0
+    arrival_order: int = 0  # tie-breaker among equal arrival times, set by the scheduler
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in `block_ids` (prefix hits included)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float | None] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_detail: str | None = None  # why it finished, in words (e.g. the rejection reason)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_prompt_tokens <= len(self.token_ids):
+            raise ValueError(f"request {self.request_id!r}: a prompt needs at least one token")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def max_num_kv_tokens(self) -> int:
+        """Most tokens it can ever hold KV for: the last sampled token is never computed."""
+        return self.num_prompt_tokens + self.stopping.max_new_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Queue order: higher priority first, then earlier arrival."""
+        return (-self.priority, self.arrival_time, self.arrival_order)
+
+    def transition(self, status: RequestStatus, detail: str | None = None) -> None:
+        if status not in _TRANSITIONS[self.status]:
+            raise ValueError(
+                f"request {self.request_id!r}: {self.status.name} -> {status.name} is not allowed"
+            )
+        self.status = status
+        if detail is not None:
+            self.finish_detail = detail
+
+    def append_token(self, token_id: int, logprob: float | None, top: list[TokenLogprob]) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self.output_top_logprobs.append(top)
+
+    def stop_status(self) -> RequestStatus | None:
+        """Token-level stopping after the last sampled token: EOS, stop token ids, length."""
+        last = self.token_ids[-1]
+        if not self.stopping.ignore_eos and last in self.stopping.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in self.stopping.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.stopping.max_new_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,281 @@
+"""The continuous-batching scheduler: owns the waiting and running queues and the KV manager, and
+turns them into one `StepPlan` per step (`schedule`), then folds the runner's answer back in
+(`update`). Pure Python; see `gpu_worker.plan` for the contract with the runner.
+
+The one rule: each step gives every running request the tokens it still needs
+(`num_computed_tokens` catching up to `num_tokens`) within `max_batch_prefill_tokens` tokens, the
+KV pool (`max_batch_total_tokens`) and `max_batch_size` requests — running requests first (one
+token each before any gets more, so decodes never wait behind a long prefill), then waiting ones
+by priority then arrival. Chunked prefill, prefix hits, decode and recompute after preemption are
+all this rule. When blocks run out, the lowest-priority newest running request is preempted (its
+blocks freed, recomputed later); a waiting request may only preempt lower-priority ones. A request
+that could never fit the pool is rejected when added, so the oldest highest-priority request always
+progresses: no crash, no deadlock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Sequence
+
+from batcher.config import SchedulerConfig
+from batcher.kv_manager import KVManager
+from batcher.request import Request, RequestStatus
+from batcher.scheduler_output import SchedulerOutput, StepBuilder
+from gpu_worker.plan import NewSequence, ScheduledChunk, StepResult
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+        self.config = config
+        if config.max_batch_total_tokens is not None:
+            num_blocks = min(num_blocks, 1 + config.max_batch_total_tokens // block_size)
+        self.kv = KVManager(num_blocks, block_size, enable_prefix_cache=config.enable_prefix_cache)
+        self.max_batch_total_tokens = config.max_batch_total_tokens or (
+            self.kv.num_usable_blocks * block_size
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # by Request.sort_key
+        self.running: list[Request] = []  # by Request.sort_key: preemption victims at the end
+        self.num_preemptions = 0
+        self._runner_request_ids: set[str] = set()  # sequences the runner holds state for
+        self._dropped_request_ids: list[str] = []  # to drop from the runner in the next plan
+        self._arrival_orders = itertools.count()
+        self._num_steps_since_admission = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests or self._dropped_request_ids)
+
+    def add_request(self, request: Request) -> None:
+        """Queue it, or reject it (status FINISHED_REJECTED, reason in `finish_detail`)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already queued")
+        request.arrival_order = next(self._arrival_orders)
+        reason = self._never_fits(request)
+        if reason is not None:
+            request.transition(RequestStatus.FINISHED_REJECTED, reason)
+            return
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=_sort_key)
+
+    def _never_fits(self, request: Request) -> str | None:
+        num_tokens = request.num_prompt_tokens + request.stopping.max_new_tokens
+        if num_tokens > self.max_batch_total_tokens:
+            return (
+                f"prompt ({request.num_prompt_tokens} tokens) + max_new_tokens"
+                f" ({request.stopping.max_new_tokens}) = {num_tokens} exceeds"
+                f" max_batch_total_tokens ({self.max_batch_total_tokens})"
+            )
+        num_blocks = self.kv.num_blocks_for(request.max_num_kv_tokens)
+        if num_blocks > self.kv.num_usable_blocks:
+            return (
+                f"needs {num_blocks} KV blocks of {self.kv.block_size} tokens, the pool has"
+                f" {self.kv.num_usable_blocks}"
+            )
+        return None
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED, "aborted")
+
+    def finish(
+        self, request_id: str, status: RequestStatus, detail: str | None = None
+    ) -> Request | None:
+        """End an unfinished request now (abort, a matched stop string); its blocks are free at
+        once and the runner drops it in the next plan. None if it is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, status, detail)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus, detail: str | None = None) -> None:
+        queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+        queue.remove(request)
+        self._release(request)
+        request.transition(status, detail)
+        del self.requests[request.request_id]
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.block_ids = []
+        if request.request_id in self._runner_request_ids:
+            self._runner_request_ids.remove(request.request_id)
+            self._dropped_request_ids.append(request.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        step = StepBuilder(self.config.max_batch_prefill_tokens)
+        self._schedule_running(step)
+        num_running = len(self.running)
+        if self.waiting and self._may_admit(step):
+            self._schedule_waiting(step)
+        has_admitted = len(self.running) > num_running
+        self._num_steps_since_admission = 0 if has_admitted else self._num_steps_since_admission + 1
+        if not self.requests:
+            self.kv.check_integrity()
+        self._runner_request_ids.update(step.new_sequences)
+        dropped, self._dropped_request_ids = self._dropped_request_ids, []
+        return SchedulerOutput(
+            list(step.new_sequences.values()),
+            list(step.chunks.values()),
+            dropped,
+            step.preempted_request_ids,
+        )
+
+    def _schedule_running(self, step: StepBuilder) -> None:
+        shares = self._shares(step.token_budget)
+        for request in list(self.running):
+            num_new = shares[request.request_id]
+            if request.status != RequestStatus.RUNNING or num_new == 0:
+                continue  # preempted earlier in this loop
+            end = request.num_computed_tokens + num_new
+            new_block_ids = self._allocate(request, end, step, lambda _: True)
+            if new_block_ids is not None:
+                request.block_ids.extend(new_block_ids)
+                step.add(
+                    ScheduledChunk(
+                        request.request_id, request.num_computed_tokens, num_new, new_block_ids
+                    )
+                )
+
+    def _shares(self, token_budget: int) -> dict[str, int]:
+        """One token for each running request first, then the rest of the budget in queue order."""
+        needs = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.running}
+        shares: dict[str, int] = {}
+        for request_id, need in needs.items():
+            shares[request_id] = min(need, 1, token_budget)
+            token_budget -= shares[request_id]
+        for request_id, need in needs.items():
+            extra = min(need - shares[request_id], token_budget)
+            shares[request_id] += extra
+            token_budget -= extra
+        return shares
+
+    def _may_admit(self, step: StepBuilder) -> bool:
+        """TGI's gate: don't start new requests one by one into a running batch unless enough
+        of them can join, they have waited `max_waiting_tokens` steps, or one outranks the
+        lowest running priority."""
+        if not self.running or self._num_steps_since_admission >= self.config.max_waiting_tokens:
+            return True
+        if self.waiting[0].priority > self.running[-1].priority:
+            return True
+        min_count = int(self.config.waiting_served_ratio * len(self.running))
+        return self._num_admissible(step) >= min_count
+
+    def _num_admissible(self, step: StepBuilder) -> int:
+        """How many waiting requests could start now (first chunks, prefix hits ignored)."""
+        num_slots = self.config.max_batch_size - len(self.running)
+        token_budget, num_free_blocks = step.token_budget, self.kv.num_free_blocks
+        count = 0
+        for request in self.waiting[:num_slots]:
+            num_new = min(request.num_tokens, token_budget)
+            num_blocks = self.kv.num_blocks_for(num_new)
+            if num_new == 0 or num_blocks > num_free_blocks:
+                break
+            count += 1
+            token_budget -= num_new
+            num_free_blocks -= num_blocks
+        return count
+
+    def _schedule_waiting(self, step: StepBuilder) -> None:
+        for request in list(self.waiting):
+            if step.token_budget == 0:
+                break
+            if request.request_id in step.preempted_request_ids:
+                continue  # just preempted for a higher priority: not back in the same step
+            if not self._admit(request, step):
+                break  # head-of-line: a later request must not overtake it
+
+    def _admit(self, request: Request, step: StepBuilder) -> bool:
+        def outranks(victim: Request) -> bool:
+            return victim.priority < request.priority
+
+        if len(self.running) >= self.config.max_batch_size:
+            if not outranks(self.running[-1]):
+                return False
+            self._preempt(self.running[-1], step)
+        cached_block_ids = self.kv.find_cached_prefix(request.token_ids)
+        num_cached = len(cached_block_ids) * self.kv.block_size
+        num_new = min(request.num_tokens - num_cached, step.token_budget)
+        block_ids = self._allocate(request, num_cached + num_new, step, outranks, cached_block_ids)
+        if block_ids is None:
+            return False
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_cached
+        request.num_computed_tokens = num_cached
+        request.block_ids = block_ids
+        request.transition(RequestStatus.RUNNING)
+        self.waiting.remove(request)
+        bisect.insort(self.running, request, key=_sort_key)
+        step.new_sequences[request.request_id] = NewSequence(
+            request.request_id,
+            list(request.token_ids),
+            request.num_prompt_tokens,
+            request.sampling,
+            list(block_ids),
+        )
+        step.add(ScheduledChunk(request.request_id, num_cached, num_new))
+        return True
+
+    def _allocate(
+        self,
+        request: Request,
+        num_tokens: int,
+        step: StepBuilder,
+        can_preempt: Callable[[Request], bool],
+        cached_block_ids: Sequence[int] = (),
+    ) -> list[int] | None:
+        """Blocks for the request's first `num_tokens` tokens, preempting running requests from
+        the end of the queue while `can_preempt` allows. None if it got none (or was itself the
+        one preempted)."""
+        while True:
+            new_block_ids = self.kv.allocate_slots(request.request_id, num_tokens, cached_block_ids)
+            if new_block_ids is not None:
+                return new_block_ids
+            if not self.running or not can_preempt(self.running[-1]):
+                return None
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, step: StepBuilder) -> None:
+        self.running.remove(request)
+        step.remove(request.request_id)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.transition(RequestStatus.PREEMPTED)
+        bisect.insort(self.waiting, request, key=_sort_key)
+        step.preempted_request_ids.append(request.request_id)
+        self.num_preemptions += 1
+
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Advance computed tokens, append sampled ones, apply token-level stopping. Returns the
+        requests that got a token, in the runner's order (finished ones included)."""
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.seq_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished from outside since the plan was made
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+        updated = []
+        for sampled in result.sampled:
+            request = self.requests.get(sampled.seq_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            updated.append(request)
+            status = request.stop_status()
+            if status is not None:
+                self._finish(request, status)
+        return updated
+
+
+def _sort_key(request: Request) -> tuple[int, float, int]:
+    return request.sort_key
