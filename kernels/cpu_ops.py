@@ -21,11 +21,13 @@ import torch
 __all__ = [
     "add_rms_norm",
     "hardware_unsupported_reason",
+    "has_avx512_bf16",
     "is_available",
     "linear_bf16",
     "paged_decode_attention",
     "rms_norm",
     "rotary_qk_",
+    "silu_mul",
     "unavailable_reason",
 ]
 
@@ -33,7 +35,12 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("linear_bf16.cpp", "paged_attention.cpp", "cpu_fused.cpp")
+    for name in (
+        "linear_bf16.cpp",
+        "linear_avx512_bf16.cpp",
+        "paged_attention.cpp",
+        "cpu_fused.cpp",
+    )
 ]
 _REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 # This torch's at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp the kernels
@@ -124,14 +131,28 @@ def _ops() -> Any:
     return ops
 
 
+LINEAR_PATHS = ("auto", "avx2", "avx512", "native")
+
+
 def linear_bf16(
     x: torch.Tensor,  # [M, K] bf16 or fp32
     weight: torch.Tensor,  # [N, K] bf16, contiguous
     bias: torch.Tensor | None = None,  # [N]
+    path: str = "auto",
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """`x @ weight.T + bias` accumulated in fp32."""
-    out: torch.Tensor = _ops().linear_bf16(x, weight, bias)
+    """`x @ weight.T + bias` accumulated in fp32.
+
+    `path` picks the kernel; "auto" takes the fastest for this CPU and M (see linear_bf16.cpp):
+    "avx512" (AVX512_BF16 CPUs, bf16 x, small M), "native" (at::linear, oneDNN; bf16 x) or
+    "avx2" (any AVX2/FMA CPU). Tests name paths to check each one.
+    """
+    out: torch.Tensor = _ops().linear_bf16(x, weight, bias, path)
     return out
+
+
+def has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512_BF16, i.e. the "avx512" and "native" linear paths are fast."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags()
 
 
 def paged_decode_attention(
@@ -165,6 +186,12 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """`x += delta` in place (the residual), then returns `rms_norm(x)`; bf16."""
     out: torch.Tensor = _ops().add_rms_norm(x, delta, weight, eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] bf16 -> [T, I]
+    """`F.silu(gate) * up` for `gate, up = gate_up.split(I, -1)`, in one pass; bf16."""
+    out: torch.Tensor = _ops().silu_mul(gate_up)
     return out
 
 

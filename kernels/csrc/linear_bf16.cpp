@@ -1,6 +1,15 @@
-// linear_bf16: y[M,N] = x[M,K] @ w[N,K]^T + b with w in bf16 and fp32 accumulation, on AVX2/FMA
-// CPUs whose torch lacks a fast bf16 path (no avx512_bf16/AMX).
-#include "avx2_common.h"
+// linear_bf16: y[M,N] = x[M,K] @ w[N,K]^T + b with w in bf16 and fp32 accumulation.
+//
+// Three paths, picked per call by the CPU and the number of rows ("auto"):
+//  - AVX512_BF16 CPUs, bf16 x, M <= kAvx512MaxRows: linear_avx512_bf16.cpp (decode steps);
+//  - AVX512_BF16 CPUs, bf16 x, larger M: at::linear, i.e. oneDNN's bf16 GEMM (prefill);
+//  - every other case: the AVX2/FMA kernel below, which widens bf16 to fp32 in registers (torch's
+//    bf16 matmul is very slow on CPUs without avx512_bf16/AMX).
+#include <ATen/ops/linear.h>
+
+#include <string_view>
+
+#include "linear_kernels.h"
 
 namespace {
 
@@ -202,28 +211,13 @@ void linear_dispatch(const GemmArgs& a, const bf16_bits* w, OutT* out) {
   });
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+// Inputs already checked by linear_bf16.
+at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2, "linear_bf16: x must be [M, K], got ", x.sizes());
-  TORCH_CHECK(weight.dim() == 2, "linear_bf16: weight must be [N, K], got ", weight.sizes());
-  TORCH_CHECK(x.size(1) == weight.size(1), "linear_bf16: K mismatch, x ", x.sizes(),
-              " vs weight ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "linear_bf16: x must be bf16 or fp32, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: weight must be bf16, got ",
-              weight.scalar_type());
-  TORCH_CHECK(weight.is_contiguous(), "linear_bf16: weight must be contiguous");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: CPU tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K > 0, "linear_bf16: K must be positive");
   at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor b32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_bf16: bias must be [", N,
-                "], got ", bias->sizes());
-    TORCH_CHECK(bias->device().is_cpu(), "linear_bf16: CPU tensors only");
-    b32 = bias->to(at::kFloat).contiguous();
-  }
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   GemmArgs args{x32.data_ptr<float>(), b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, K};
@@ -236,8 +230,70 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// Up to this many rows of x, the AVX-512 kernel beats oneDNN (measured on a Zen 5 EPYC, 2 threads,
+// the medium model's shapes: see bench/bench_cpu_ops.py).
+constexpr int64_t kAvx512MaxRows = 40;
+
+at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(cpu_has_avx512_bf16(), "linear_bf16: path 'avx512' needs a CPU with AVX512_BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16: path 'avx512' needs bf16 x");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor b32;
+  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  linear_bf16_avx512(SmallLinear{data_as<bf16_bits>(xc), data_as<bf16_bits>(weight),
+                                 b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, K,
+                                 mutable_data_as<bf16_bits>(out)});
+  return out;
+}
+
+at::Tensor linear_native(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16: path 'native' needs bf16 x");
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->to(at::kBFloat16);
+  return at::linear(x, weight, b);
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, std::string_view path) {
+  TORCH_CHECK(x.dim() == 2, "linear_bf16: x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2, "linear_bf16: weight must be [N, K], got ", weight.sizes());
+  TORCH_CHECK(x.size(1) == weight.size(1), "linear_bf16: K mismatch, x ", x.sizes(),
+              " vs weight ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear_bf16: x must be bf16 or fp32, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: weight must be bf16, got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.is_contiguous(), "linear_bf16: weight must be contiguous");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: CPU tensors only");
+  TORCH_CHECK(x.size(1) > 0, "linear_bf16: K must be positive");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                "linear_bf16: bias must be [", weight.size(0), "], got ", bias->sizes());
+    TORCH_CHECK(bias->device().is_cpu(), "linear_bf16: CPU tensors only");
+  }
+  if (path == "auto") {
+    const bool fast_bf16 = cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16;
+    path = !fast_bf16 ? "avx2" : x.size(0) <= kAvx512MaxRows ? "avx512" : "native";
+  }
+  if (path == "avx2") return linear_avx2(x, weight, bias);
+  if (path == "avx512") return linear_avx512(x, weight, bias);
+  if (path == "native") return linear_native(x, weight, bias);
+  TORCH_CHECK(false, "linear_bf16: unknown path '", path, "' (auto, avx2, avx512, native)");
+}
+
+at::Tensor linear_bf16_op(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, c10::string_view path) {
+  return linear_bf16(x, weight, bias, std::string_view(path.data(), path.size()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tgq_cpu_ops, m) {
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &linear_bf16);
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias, str path='auto') -> Tensor",
+        &linear_bf16_op);
 }

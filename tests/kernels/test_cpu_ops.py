@@ -19,6 +19,29 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
+# Every path of linear_bf16 that this CPU can run. "avx512" and "native" need AVX512_BF16 (and
+# bf16 x); elsewhere they are skipped with that reason, and "auto" means "avx2".
+_FAST_BF16 = pytest.mark.skipif(
+    not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16 (avx512 and native paths)"
+)
+LINEAR_PATHS = [
+    "auto",
+    "avx2",
+    pytest.param("avx512", marks=_FAST_BF16),
+    pytest.param("native", marks=_FAST_BF16),
+]
+
+
+def _check_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, path: str
+) -> None:
+    ref = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    out = cpu_ops.linear_bf16(x, weight, bias, path)
+    assert out.dtype == x.dtype
+    assert out.shape == ref.shape
+    assert _rel_err(out, ref) < (1e-2 if x.dtype == torch.bfloat16 else 1e-4)
+
+
 @requires_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("has_bias", [False, True])
@@ -32,21 +55,47 @@ def test_linear_matches_fp32_reference(
     x = torch.randn(m, k, generator=gen).to(dtype)
     weight = torch.randn(n, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16() if has_bias else None
-    ref = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    out = cpu_ops.linear_bf16(x, weight, bias)
-    assert out.dtype == dtype
-    assert out.shape == (m, n)
-    assert _rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+    _check_linear(x, weight, bias, "auto")
+
+
+@requires_kernels
+@pytest.mark.parametrize("path", LINEAR_PATHS)
+@pytest.mark.parametrize("k", [1, 8, 24, 31, 32, 40, 72, 200, 2048])
+def test_linear_every_path_every_small_batch_and_k_remainder(k: int, path: str) -> None:
+    """M = 1..48 crosses every tile shape of the AVX-512 kernel; K crosses its 32-value steps."""
+    gen = torch.Generator().manual_seed(k)
+    weight = torch.randn(53, k, generator=gen).bfloat16()
+    bias = torch.randn(53, generator=gen).bfloat16()
+    for m in [*range(1, 18), 24, 33, 48]:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        _check_linear(x, weight, bias if m % 2 else None, path)
 
 
 @requires_kernels
 @pytest.mark.parametrize("k", [1, 8, 24, 40, 72, 200])
-def test_linear_small_batch_k_remainders(k: int) -> None:
+def test_linear_fp32_x_small_batch_k_remainders(k: int) -> None:
     gen = torch.Generator().manual_seed(k)
     weight = torch.randn(29, k, generator=gen).bfloat16()
     for m in range(1, 8):
         x = torch.randn(m, k, generator=gen)
         assert _rel_err(cpu_ops.linear_bf16(x, weight), x @ weight.float().T) < 1e-4
+
+
+@requires_kernels
+@_FAST_BF16
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [("avx512", "path 'avx512' needs bf16 x"), ("native", "path 'native' needs bf16 x")],
+)
+def test_linear_fast_paths_refuse_fp32_x(path: str, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops.linear_bf16(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None, path)
+
+
+@requires_kernels
+def test_linear_rejects_unknown_path() -> None:
+    with pytest.raises(RuntimeError, match="unknown path 'gpu'"):
+        cpu_ops.linear_bf16(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None, "gpu")
 
 
 @requires_kernels
