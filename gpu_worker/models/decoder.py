@@ -114,9 +114,13 @@ class MLP(nn.Module):
         bias = config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.use_cpu_kernel = False  # one fused pass for silu(gate) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_cpu_kernel:
+            return self.down_proj(cpu_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -178,8 +182,9 @@ class DecoderForCausalLM(nn.Module):
         return DecoderLayer(config, attention)
 
     def use_cpu_kernels(self) -> int:
-        """bf16 on a CPU with the AVX2 kernels: run matmuls, norms and rotary embeddings there
-        (torch's bf16 path is slow on CPUs without native bf16). Returns the modules switched."""
+        """bf16 on a CPU with the kernels: run matmuls, norms, rotary embeddings and the MLP's
+        activation there (kernels/cpu_ops.py picks per CPU and batch size between its own kernels
+        and torch's). Returns the modules switched."""
         weight = self.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return 0
@@ -189,7 +194,7 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.matmul = cpu_ops.linear_bf16
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, RMSNorm | MLP):
                 module.use_cpu_kernel = True
             elif isinstance(module, Attention):
                 module.use_cpu_kernel = module.q_norm is None

@@ -48,6 +48,49 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// e^x for x <= 0 (lanes below -87 flush to 0): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error < 2e-7), 2^n built in the exponent bits.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln2 split in a part exact in fp32 and the rest, so n * ln2_hi is exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  }
+  const __m256i pow2n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)));
+}
+
+// fp32 -> bf16 bits in each 32-bit lane, round to nearest even (NaN stays a quiet NaN), as
+// c10::BFloat16 does.
+inline __m256i bf16_bits_rne(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
+}
+
+// v rounded to bf16 precision, still as fp32.
+inline __m256 round8_bf16(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits_rne(v), 16));
+}
+
+inline void store8_bf16(bf16_bits* p, __m256 v) {
+  const __m256i bits = bf16_bits_rne(v);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 template <typename OutT>
 inline void store_out(OutT* p, float v) {
   *p = static_cast<OutT>(v);

@@ -21,26 +21,6 @@ struct DecodeShape {
   float scale;
 };
 
-// e^x for x <= 0 (lanes below -87 flush to 0): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
-// degree-6 Taylor polynomial (relative error < 2e-7), 2^n built in the exponent bits.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // ln2 split in a part exact in fp32 and the rest, so n * ln2_hi is exact.
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  }
-  const __m256i pow2n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)));
-}
-
 template <typename T>
 float dot_row(const float* q, const T* k, int64_t d) {
   __m256 acc = _mm256_setzero_ps();

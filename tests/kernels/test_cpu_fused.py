@@ -70,6 +70,17 @@ def test_rotary_in_place_is_bit_identical(num_heads: int, num_kv_heads: int, hea
 
 
 @requires_kernels
+@pytest.mark.parametrize(("rows", "inter"), [(1, 2048), (3, 13), (70, 2048)])
+def test_silu_mul_is_bit_identical(rows: int, inter: int) -> None:
+    """Covers the vector body and the scalar tail, and values where exp under- or overflows."""
+    torch.manual_seed(rows)
+    gate_up = (4 * torch.randn(rows, 2 * inter)).bfloat16()
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, float("inf")])
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    assert torch.equal(cpu_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@requires_kernels
 def test_bf16_model_on_the_kernels_matches_the_torch_path(model_dirs: dict[str, Path]) -> None:
     """Same bf16 weights and inputs: the kernel path's top logprobs stay within bf16 noise of the
     plain torch path (matmuls accumulate in another order; everything else is bit-identical)."""
