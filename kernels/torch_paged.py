@@ -147,7 +147,14 @@ def _attend_multi(
     mask = key_pos[None, :] <= query_pos[:, None]  # [Q, L]
     if sliding_window is not None:
         mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    # A leading batch axis of 1: on CPU, torch takes its flash kernel only for 4-D inputs (3-D ones
+    # run the unfused math path, measured 2-3x slower on a 512-token prompt).
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        query.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
