@@ -4,12 +4,14 @@ Medium Llama shape (hidden 768, 12 layers, 12 heads, intermediate 2048, vocab 32
 parameters), random bf16 weights, CPU, 2 threads. Measured in one run, baseline first:
 
 - decode step time at batch 1: (time of N2 new tokens - time of N1 new tokens) / (N2 - N1), so
-  prompt processing cancels out; best of a few repetitions (so are the batched decodes);
+  prompt processing cancels out;
 - decode tokens/s at batch 16 and 64 (transformers: static batching of equal-length prompts);
 - prefill tokens/s for 16 x 512-token prompts (transformers: one forward over the padded-free
   batch, optionally fewer prompts since it is slow here; a rate is per token either way).
 
-Prints one summary table and writes JSON and a PNG bar chart to bench/results/.
+Every number is the best of a few repetitions, taken in turns with the baseline (see
+`best_interleaved`). Prints one summary table and writes JSON and a PNG bar chart to
+bench/results/.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def medium_model(cache: Path) -> Path:
     return path
 
 
-def prompts(batch: int, length: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(batch * 1000 + length)
+def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch * 1000 + length + seed * 1_000_003)
     return torch.randint(3, 32000, (batch, length), generator=gen).tolist()
 
 
@@ -51,12 +53,26 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def decode_step_seconds(run: Callable[[int], Any], n1: int, n2: int, repeats: int) -> float:
-    """Best of `repeats` per-token time differences: on this noisy machine, interference only
-    ever adds time, so the minimum is the most repeatable estimate (for both engines alike)."""
-    run(n1)  # warm-up
-    steps = [(timed(lambda: run(n2)) - timed(lambda: run(n1))) / (n2 - n1) for _ in range(repeats)]
-    return min(steps)
+Engines = dict[str, "HFEngine | TgqEngine"]
+
+
+def best_interleaved(
+    engines: Engines, sample: Callable[[Any, int], float], repeats: int
+) -> dict[str, float]:
+    """Each engine's fastest of `repeats` samples, taken in turns (transformers, tgq, transformers,
+    ...) so that a slow phase of this noisy machine hits both alike. Interference only ever adds
+    time, so the minimum is the most repeatable estimate."""
+    best = {name: float("inf") for name in engines}
+    for repeat in range(repeats):
+        for name, engine in engines.items():
+            best[name] = min(best[name], sample(engine, repeat))
+    return best
+
+
+def decode_step(run: Callable[[int], Any], n1: int, n2: int) -> float:
+    """Seconds per decode step: (time of n2 new tokens - time of n1) / (n2 - n1), so the prompt's
+    processing cancels out."""
+    return (timed(lambda: run(n2)) - timed(lambda: run(n1))) / (n2 - n1)
 
 
 class HFEngine:
@@ -96,24 +112,39 @@ class TgqEngine:
         self.engine.generate(batch, max_new_tokens=1)
 
 
-def measure(engine: HFEngine | TgqEngine, args: argparse.Namespace, hf: bool) -> dict[str, float]:
-    out: dict[str, float] = {}
+def measure(engines: Engines, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {name: {} for name in engines}
+
+    def record(metric: str, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            out[name][metric] = value
+
+    def decode_sampler(batch: list[list[int]], n1: int, n2: int) -> Callable[[Any, int], float]:
+        def sample(engine: HFEngine | TgqEngine, _: int) -> float:
+            return decode_step(lambda n: engine.generate(batch, n), n1, n2)
+
+        return sample
+
     single = prompts(1, PROMPT_LEN)
-    out["decode_b1_ms"] = 1e3 * decode_step_seconds(
-        lambda n: engine.generate(single, n), args.n1, args.n2, args.repeats
-    )
+    for engine in engines.values():
+        engine.generate(single, args.n1)  # warm-up
+    step = best_interleaved(engines, decode_sampler(single, args.n1, args.n2), args.repeats)
+    record("decode_b1_ms", {name: 1e3 * seconds for name, seconds in step.items()})
     for batch in args.batches:
-        many = prompts(batch, PROMPT_LEN)
+        sample = decode_sampler(prompts(batch, PROMPT_LEN), 2, 2 + args.steps)
+        step = best_interleaved(engines, sample, args.batch_repeats)
+        record(f"decode_b{batch}_tok_s", {name: batch / s for name, s in step.items()})
+    for engine in engines.values():
+        engine.prefill(prompts(1, 64))
 
-        def run(num_new: int, batch_prompts: list[list[int]] = many) -> None:
-            engine.generate(batch_prompts, num_new)
+    def prefill_rate(engine: HFEngine | TgqEngine, repeat: int) -> float:
+        # Fresh prompts every time: a repeated prompt would hit tgq's prefix cache.
+        count = args.hf_prefill_prompts if isinstance(engine, HFEngine) else args.prefill_prompts
+        batch = prompts(count, args.prefill_len, seed=repeat)
+        return timed(lambda: engine.prefill(batch)) / (count * args.prefill_len)
 
-        step = decode_step_seconds(run, 2, 2 + args.steps, args.batch_repeats)
-        out[f"decode_b{batch}_tok_s"] = batch / step
-    num_prefill = args.hf_prefill_prompts if hf else args.prefill_prompts
-    long = prompts(num_prefill, args.prefill_len)
-    engine.prefill(prompts(1, 64))
-    out["prefill_tok_s"] = num_prefill * args.prefill_len / timed(lambda: engine.prefill(long))
+    per_token = best_interleaved(engines, prefill_rate, args.prefill_repeats)
+    record("prefill_tok_s", {name: 1 / seconds for name, seconds in per_token.items()})
     return out
 
 
@@ -152,13 +183,16 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 decode repetitions")
-    parser.add_argument("--batch-repeats", type=int, default=2, help="batched decode repetitions")
+    parser.add_argument("--batch-repeats", type=int, default=3, help="batched decode repetitions")
+    parser.add_argument("--prefill-repeats", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = medium_model(args.cache)
-    results = {"transformers": measure(HFEngine(model_dir), args, hf=True)}
-    results["tgq"] = measure(TgqEngine(model_dir, args.backend), args, hf=False)
-    report(results, args)
+    engines: Engines = {
+        "transformers": HFEngine(model_dir),
+        "tgq": TgqEngine(model_dir, args.backend),
+    }
+    report(measure(engines, args), args)
 
 
 def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
