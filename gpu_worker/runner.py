@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from gpu_worker.loader import LoadedModel, load_model
 from gpu_worker.plan import (
@@ -51,6 +52,8 @@ class _Sequence:
 class ModelRunner:
     def __init__(self, config: RunnerConfig, loaded: LoadedModel | None = None) -> None:
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.loaded = loaded or load_model(
             config.model_id,
             device=self.device,
