@@ -52,6 +52,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_n_logprobs > 0
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0
@@ -111,7 +115,9 @@ class SampledToken:
 
     seq_id: str
     token_id: int
-    logprob: float | None = None  # of the chosen token, under the model's raw distribution
+    # Of the chosen token, under the model's raw distribution; None unless the sequence's
+    # SamplingParams asked for logprobs.
+    logprob: float | None = None
     top_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 

@@ -187,16 +187,21 @@ class ModelRunner:
 
     def _record(self, seq_ids: list[str], output: SamplerOutput) -> StepResult:
         token_ids = output.token_ids.tolist()
-        logprobs = output.logprobs.tolist()
-        top_ids, top_logprobs = output.top_token_ids.tolist(), output.top_logprobs.tolist()
+        logprobs = output.logprobs.tolist() if output.logprobs is not None else None
+        top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
+        top_logprobs = output.top_logprobs.tolist() if output.top_logprobs is not None else None
         sampled = []
         for row, seq_id in enumerate(seq_ids):
             seq = self.sequences[seq_id]
             seq.token_ids.append(token_ids[row])
+            logprob, top = None, []
+            if seq.sampling.wants_logprobs and logprobs is not None:
+                logprob = logprobs[row]
             num_top = seq.sampling.top_n_logprobs
-            pairs = zip(top_ids[row][:num_top], top_logprobs[row][:num_top], strict=True)
-            top = [TokenLogprob(t, lp) for t, lp in pairs]
-            sampled.append(SampledToken(seq_id, token_ids[row], logprobs[row], top))
+            if num_top and top_ids is not None and top_logprobs is not None:
+                pairs = zip(top_ids[row][:num_top], top_logprobs[row][:num_top], strict=True)
+                top = [TokenLogprob(t, lp) for t, lp in pairs]
+            sampled.append(SampledToken(seq_id, token_ids[row], logprob, top))
         return StepResult(sampled)
 
 

@@ -12,11 +12,13 @@ import torch
 
 from devtools.random_model import make_config, write_model
 from gpu_worker.offline import Generation, OfflineEngine
+from gpu_worker.plan import SamplingParams
 from gpu_worker.runner import ModelRunner, RunnerConfig
 from tests.conftest import VARIANTS
 
 NUM_NEW = 12
 LOGPROB_TOL = 1e-4
+GREEDY_WITH_LOGPROBS = SamplingParams(logprobs=True)
 
 
 @functools.cache
@@ -68,7 +70,9 @@ def assert_matches(ours: Generation, reference: Generation) -> None:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_single_sequence(variant: str, model_dirs: dict[str, Path]) -> None:
     prompt = prompts(1, 512, 1, (21, 21))[0]
-    [ours] = engine(model_dirs[variant]).generate([prompt], max_new_tokens=NUM_NEW)
+    [ours] = engine(model_dirs[variant]).generate(
+        [prompt], GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW
+    )
     assert_matches(ours, hf_generate(model_dirs[variant], prompt))
 
 
@@ -76,7 +80,9 @@ def test_single_sequence(variant: str, model_dirs: dict[str, Path]) -> None:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_batch_of_mixed_lengths(variant: str, backend: str, model_dirs: dict[str, Path]) -> None:
     batch = prompts(8, 512, 2, (1, 40))
-    results = engine(model_dirs[variant], backend=backend).generate(batch, max_new_tokens=NUM_NEW)
+    results = engine(model_dirs[variant], backend=backend).generate(
+        batch, GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW
+    )
     for ours, prompt in zip(results, batch, strict=True):
         assert_matches(ours, hf_generate(model_dirs[variant], prompt))
 
@@ -86,7 +92,7 @@ def test_batch_of_mixed_lengths(variant: str, backend: str, model_dirs: dict[str
 def test_chunked_prefill(variant: str, chunk_size: int, model_dirs: dict[str, Path]) -> None:
     batch = prompts(3, 512, 3, (30, 90))
     results = engine(model_dirs[variant]).generate(
-        batch, max_new_tokens=NUM_NEW, chunk_size=chunk_size
+        batch, GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW, chunk_size=chunk_size
     )
     for ours, prompt in zip(results, batch, strict=True):
         assert_matches(ours, hf_generate(model_dirs[variant], prompt))
@@ -97,8 +103,8 @@ def test_prefix_blocks_reused(variant: str, model_dirs: dict[str, Path]) -> None
     shared = prompts(1, 512, 4, (40, 40))[0]
     first, second = [*shared, 7, 8, 9], [*shared, 10, 11]
     eng = engine(model_dirs[variant], block_size=8)
-    eng.generate([first], max_new_tokens=NUM_NEW)
-    [ours] = eng.generate([second], max_new_tokens=NUM_NEW)
+    eng.generate([first], GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW)
+    [ours] = eng.generate([second], GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW)
     assert ours.num_cached_tokens == 40  # five full blocks of the shared prefix
     assert_matches(ours, hf_generate(model_dirs[variant], second))
 
@@ -112,5 +118,5 @@ def test_dynamic_rope_past_the_original_length(tmp_path: Path) -> None:
     )
     model_dir = write_model(tmp_path / "dynamic", config)
     prompt = prompts(1, 512, 5, (20, 20))[0]
-    [ours] = engine(model_dir).generate([prompt], max_new_tokens=16)
+    [ours] = engine(model_dir).generate([prompt], GREEDY_WITH_LOGPROBS, max_new_tokens=16)
     assert_matches(ours, hf_generate(model_dir, prompt, num_new=16))

@@ -186,10 +186,19 @@ def test_greedy_rows_take_argmax_after_penalties_and_logprobs_are_raw() -> None:
 
     log_probs = raw.log_softmax(-1)
     assert out.token_ids.dtype == torch.int64
+    assert out.top_token_ids is not None
     assert_close(out.logprobs, log_probs.gather(-1, out.token_ids[:, None]).squeeze(-1))
     expected_top = log_probs.topk(5, dim=-1)
     assert torch.equal(out.top_token_ids, expected_top.indices)
     assert_close(out.top_logprobs, expected_top.values)
+
+
+def test_logprobs_are_skipped_unless_a_row_asks() -> None:
+    logits = torch.randn(3, 50)
+    inputs = SamplingInputs([SamplingParams()] * 3, [[1]] * 3, [[]] * 3)
+    out = Sampler(torch.device("cpu"))(logits, inputs)
+    assert out.logprobs is None and out.top_token_ids is None and out.top_logprobs is None
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
 
 
 def test_frequency_presence_count_output_tokens_only() -> None:
