@@ -49,7 +49,9 @@ def test_add_rms_norm_updates_the_residual_in_place() -> None:
 
 
 @requires_kernels
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(12, 12, 64), (8, 2, 32)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(12, 12, 64), (8, 2, 32), (4, 2, 20)]
+)
 def test_rotary_in_place_is_bit_identical(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     torch.manual_seed(2)
     tokens = 9
