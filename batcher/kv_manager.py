@@ -158,31 +158,40 @@ class KVManager:
         """Raise AssertionError when the accounting is off (see the region diagram)."""
         holders: Counter[int] = Counter()
         for request_id, block_ids in self._held.items():
-            _expect(len(set(block_ids)) == len(block_ids), f"{request_id!r} holds a block twice")
+            expect_integrity(
+                len(set(block_ids)) == len(block_ids), f"{request_id!r} holds a block twice"
+            )
             holders.update(block_ids)
         free, evictable = set(self._free_block_ids), set(self._evictable)
-        _expect(len(free) == len(self._free_block_ids), "a block is free twice")
-        _expect(0 not in free | evictable | set(holders), "block 0 is handed out")
-        _expect(self._ref_counts[0] == 0, "block 0 has references")
+        expect_integrity(len(free) == len(self._free_block_ids), "a block is free twice")
+        expect_integrity(0 not in free | evictable | set(holders), "block 0 is handed out")
+        expect_integrity(self._ref_counts[0] == 0, "block 0 has references")
         for block_id in range(1, self.num_blocks):
             ref_count = self._ref_counts[block_id]
-            _expect(ref_count == holders[block_id], f"block {block_id}: ref count != holders")
+            expect_integrity(
+                ref_count == holders[block_id], f"block {block_id}: ref count != holders"
+            )
             regions = (ref_count > 0) + (block_id in free) + (block_id in evictable)
-            _expect(regions == 1, f"block {block_id} is in {regions} regions")
-            _expect(
+            expect_integrity(regions == 1, f"block {block_id} is in {regions} regions")
+            expect_integrity(
                 (block_id in evictable) <= (block_id in self._block_to_hash),
                 f"evictable block {block_id} has no hash",
             )
-            _expect(block_id not in free or block_id not in self._block_to_hash, "free but cached")
+            expect_integrity(
+                block_id not in free or block_id not in self._block_to_hash, "free but cached"
+            )
         in_use = sum(1 for count in self._ref_counts if count > 0)
-        _expect(len(free) + in_use + len(evictable) == self.num_usable_blocks, "blocks leak")
-        _expect(
+        expect_integrity(
+            len(free) + in_use + len(evictable) == self.num_usable_blocks, "blocks leak"
+        )
+        expect_integrity(
             all(self._hash_to_block[h] == b for b, h in self._block_to_hash.items())
             and len(self._hash_to_block) == len(self._block_to_hash),
             "hash maps disagree",
         )
 
 
-def _expect(condition: bool, message: str) -> None:
+def expect_integrity(condition: bool, message: str) -> None:
+    """An assert that `python -O` keeps."""
     if not condition:
         raise AssertionError(f"KV integrity: {message}")

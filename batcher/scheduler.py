@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from batcher.config import SchedulerConfig
-from batcher.kv_manager import KVManager
+from batcher.kv_manager import KVManager, expect_integrity
 from batcher.request import Request, RequestStatus
 from batcher.scheduler_output import SchedulerOutput, StepBuilder
 from gpu_worker.plan import NewSequence, ScheduledChunk, StepResult
@@ -116,7 +116,7 @@ class Scheduler:
         has_admitted = len(self.running) > num_running
         self._num_steps_since_admission = 0 if has_admitted else self._num_steps_since_admission + 1
         if not self.requests:
-            self.kv.check_integrity()
+            self.check_integrity()
         self._runner_request_ids.update(step.new_sequences)
         dropped, self._dropped_request_ids = self._dropped_request_ids, []
         return SchedulerOutput(
@@ -125,6 +125,19 @@ class Scheduler:
             dropped,
             step.preempted_request_ids,
         )
+
+    def check_integrity(self) -> None:
+        """The KV manager's accounting, and each request's block table agreeing with it."""
+        self.kv.check_integrity()
+        for request in self.running:
+            is_consistent = request.block_ids == self.kv.block_ids(request.request_id)
+            expect_integrity(is_consistent, f"{request.request_id!r}: block table differs")
+            is_behind = request.num_computed_tokens < request.num_tokens
+            expect_integrity(is_behind, f"{request.request_id!r}: computed past its tokens")
+        for request in self.waiting:
+            is_empty = not self.kv.block_ids(request.request_id) and not request.num_computed_tokens
+            expect_integrity(is_empty, f"waiting {request.request_id!r} holds KV")
+        expect_integrity(len(self.running) <= self.config.max_batch_size, "batch too large")
 
     def _schedule_running(self, step: StepBuilder) -> None:
         shares = self._shares(step.token_budget)
