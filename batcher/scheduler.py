@@ -110,10 +110,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = StepBuilder(self.config.max_batch_prefill_tokens)
         self._schedule_running(step)
-        num_running = len(self.running)
         if self.waiting and self._may_admit(step):
             self._schedule_waiting(step)
-        has_admitted = len(self.running) > num_running
+        has_admitted = bool(step.new_sequences)  # only admission sends a request in full
         self._num_steps_since_admission = 0 if has_admitted else self._num_steps_since_admission + 1
         if not self.requests:
             self.check_integrity()
