@@ -5,12 +5,13 @@ turns them into one `StepPlan` per step (`schedule`), then folds the runner's an
 The one rule: each step gives every running request the tokens it still needs
 (`num_computed_tokens` catching up to `num_tokens`) within `max_batch_prefill_tokens` tokens, the
 KV pool (`max_batch_total_tokens`) and `max_batch_size` requests — running requests first (one
-token each before any gets more, so decodes never wait behind a long prefill), then waiting ones
-by priority then arrival. Chunked prefill, prefix hits, decode and recompute after preemption are
-all this rule. When blocks run out, the lowest-priority newest running request is preempted (its
-blocks freed, recomputed later); a waiting request may only preempt lower-priority ones. A request
-that could never fit the pool is rejected when added, so the oldest highest-priority request always
-progresses: no crash, no deadlock.
+token each before any gets more, so decodes never wait behind a long prefill; no more than that
+for one outranked by a waiting request, so a bulk prefill never delays an interactive one), then
+waiting ones by priority then arrival. Chunked prefill, prefix hits, decode and recompute after
+preemption are all this rule. When blocks run out, the lowest-priority newest running request is
+preempted (its blocks freed, recomputed later); a waiting request may only preempt lower-priority
+ones. A request that could never fit the pool is rejected when added, so the oldest
+highest-priority request always progresses: no crash, no deadlock.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from batcher.config import SchedulerConfig
 from batcher.kv_manager import KVManager, expect_integrity
-from batcher.request import Request, RequestStatus
+from batcher.request import Priority, Request, RequestStatus
 from batcher.scheduler_output import SchedulerOutput, StepBuilder
 from gpu_worker.plan import NewSequence, ScheduledChunk, StepResult
 
@@ -155,13 +156,18 @@ class Scheduler:
                 )
 
     def _shares(self, token_budget: int) -> dict[str, int]:
-        """One token for each running request first, then the rest of the budget in queue order."""
+        """One token for each running request first, then the rest of the budget in queue order
+        to those that no waiting request outranks."""
         needs = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.running}
         shares: dict[str, int] = {}
         for request_id, need in needs.items():
             shares[request_id] = min(need, 1, token_budget)
             token_budget -= shares[request_id]
-        for request_id, need in needs.items():
+        min_priority = self.waiting[0].priority if self.waiting else min(Priority)
+        for request in self.running:
+            if request.priority < min_priority:
+                break  # the rest of the queue is outranked too
+            request_id, need = request.request_id, needs[request.request_id]
             extra = min(need - shares[request_id], token_budget)
             shares[request_id] += extra
             token_budget -= extra

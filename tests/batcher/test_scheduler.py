@@ -117,6 +117,22 @@ def test_long_prompt_is_chunked_while_others_decode() -> None:
         assert plan.num_tokens == 512
 
 
+def test_a_bulk_prefill_does_not_delay_an_interactive_request() -> None:
+    rng = random.Random(12)
+    engine = make_engine(num_blocks=3000, block_size=4, max_batch_prefill_tokens=512)
+    runner = engine.runner
+    assert isinstance(runner, FakeRunner)
+    bulk_id = engine.add_request(random_prompt(rng, 10_000), priority=Priority.BULK)
+    engine.step()
+    interactive_id = engine.add_request(random_prompt(rng, 300), stopping=stopping(2))
+    engine.step()
+    chunks = {c.seq_id: c.num_new_tokens for c in runner.plans[-1].chunks}
+    assert chunks == {bulk_id: 1, interactive_id: 300}
+    engine.step()
+    chunks = {c.seq_id: c.num_new_tokens for c in runner.plans[-1].chunks}
+    assert chunks == {interactive_id: 1, bulk_id: 511}
+
+
 def test_interactive_preempts_bulk_for_a_batch_slot_and_finishes_first() -> None:
     rng = random.Random(10)
     engine = make_engine(max_batch_size=2, max_batch_prefill_tokens=16)
