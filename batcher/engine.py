@@ -1,7 +1,9 @@
 """Offline engine in the shape of vLLM's `LLMEngine`: add requests, step, stream outputs.
 
 It drives anything with `execute(StepPlan) -> StepResult`, `num_blocks` and `block_size` (the
-`ModelRunner` in `gpu_worker`, or a fake in tests) without importing it.
+`ModelRunner` in `gpu_worker`, or a fake in tests) without importing it. Given a tokenizer
+(`TokenDecoder`), it also detokenizes each request's output incrementally, streams the text with
+every token event, and stops a request when one of its stop strings completes in that text.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from batcher.config import SchedulerConfig
+from batcher.detokenize import TokenDecoder
 from batcher.request import Priority, Request, StoppingParams
 from batcher.scheduler import Scheduler
+from batcher.stopping import OutputText
 from gpu_worker.plan import SamplingParams, StepPlan, StepResult, TokenLogprob
 
 GREEDY = SamplingParams()
@@ -40,6 +44,7 @@ class RequestOutput:
     new_top_logprobs: list[list[TokenLogprob]]
     finish_reason: str | None  # None while it runs
     finish_detail: str | None = None
+    new_text: str = ""  # text released by this event (with a tokenizer; may lag the tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -58,6 +63,7 @@ class Generation:
     finish_detail: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    text: str | None = None  # the released output text, with a tokenizer
 
     @classmethod
     def of(cls, request: Request) -> Generation:
@@ -70,12 +76,19 @@ class Generation:
             request.finish_detail,
             request.num_cached_tokens,
             request.num_preemptions,
+            request.output_text.text if request.output_text is not None else None,
         )
 
 
 class LLMEngine:
-    def __init__(self, runner: StepRunner, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        runner: StepRunner,
+        config: SchedulerConfig | None = None,
+        decoder: TokenDecoder | None = None,
+    ) -> None:
         self.runner = runner
+        self.decoder = decoder
         config = config or SchedulerConfig()
         self.scheduler = Scheduler(config, runner.num_blocks, runner.block_size)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
@@ -100,11 +113,20 @@ class LLMEngine:
             priority,
             time.monotonic(),
         )
+        request.output_text = self._output_text(request)
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
         if request.is_finished:
             self._pending.append(_end_of(request))
         return request.request_id
+
+    def _output_text(self, request: Request) -> OutputText | None:
+        stop_strings = request.stopping.stop_strings
+        if self.decoder is None:
+            if stop_strings:
+                raise ValueError("stop strings need an engine with a tokenizer (decoder)")
+            return None
+        return OutputText(self.decoder, request.prompt_token_ids, stop_strings)
 
     def abort(self, request_id: str) -> None:
         request = self.scheduler.abort(request_id)
@@ -155,10 +177,22 @@ def _token_of(request: Request) -> RequestOutput:
         request.output_top_logprobs[-1:],
         request.finish_reason,
         request.finish_detail,
+        _take_text(request),
     )
 
 
 def _end_of(request: Request) -> RequestOutput:
     return RequestOutput(
-        request.request_id, [], [], [], request.finish_reason, request.finish_detail
+        request.request_id,
+        [],
+        [],
+        [],
+        request.finish_reason,
+        request.finish_detail,
+        _take_text(request),
     )
+
+
+def _take_text(request: Request) -> str:
+    text, request.new_text = request.new_text, ""
+    return text

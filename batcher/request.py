@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from batcher.stopping import OutputText
 from gpu_worker.plan import SamplingParams, TokenLogprob
 
 
@@ -103,6 +104,9 @@ class Request:
     output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     num_preemptions: int = 0
     finish_detail: str | None = None  # why it finished, in words (e.g. the rejection reason)
+    # Detokenized output, when the engine has a tokenizer; stop strings are matched on it.
+    output_text: OutputText | None = None
+    new_text: str = ""  # text released since the last output event (taken by the engine)
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):
@@ -150,19 +154,28 @@ class Request:
         self.status = status
         if detail is not None:
             self.finish_detail = detail
+        text = self.output_text
+        if status.is_finished and text is not None and text.matched_stop is None:
+            self.new_text += text.finish()  # held-back text was not a stop string after all
 
     def append_token(self, token_id: int, logprob: float | None, top: list[TokenLogprob]) -> None:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.output_top_logprobs.append(top)
+        if self.output_text is not None:
+            self.new_text += self.output_text.push(token_id)[0]
 
-    def stop_status(self) -> RequestStatus | None:
-        """Token-level stopping after the last sampled token: EOS, stop token ids, length."""
+    def stop_status(self) -> tuple[RequestStatus, str | None] | None:
+        """Stopping after the last sampled token: a stop string completed in the text, EOS, stop
+        token ids, length. Returns the status and a detail, or None to go on."""
+        matched = self.output_text.matched_stop if self.output_text is not None else None
+        if matched is not None:
+            return RequestStatus.FINISHED_STOPPED, f"stop string {matched!r}"
         last = self.token_ids[-1]
         if not self.stopping.ignore_eos and last in self.stopping.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED, "eos token"
         if last in self.stopping.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED, f"stop token {last}"
         if self.num_output_tokens >= self.stopping.max_new_tokens:
-            return RequestStatus.FINISHED_LENGTH
+            return RequestStatus.FINISHED_LENGTH, None
         return None

@@ -289,9 +289,9 @@ class Scheduler:
                 continue
             request.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             updated.append(request)
-            status = request.stop_status()
-            if status is not None:
-                self._finish(request, status)
+            stop = request.stop_status()
+            if stop is not None:
+                self._finish(request, *stop)
         return updated
 
 

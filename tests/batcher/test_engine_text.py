@@ -1,0 +1,108 @@
+"""The engine's text output: streamed deltas, stop strings across token boundaries, held text."""
+
+from __future__ import annotations
+
+import pytest
+
+from batcher.detokenize import HFTokenDecoder
+from batcher.engine import LLMEngine, RequestOutput
+from batcher.request import StoppingParams
+from gpu_worker.plan import SampledToken, StepPlan, StepResult
+from tests.batcher import tokenizer_zoo
+
+PROMPT_TEXT = "The answer is"
+OUTPUT_TEXT = " forty-two, said the computer. 你好 — café ✓ and then nothing more at all"
+
+
+class ScriptedRunner:
+    """Emits a fixed token sequence to every sequence, one token per completed chunk."""
+
+    def __init__(self, script: list[int], num_blocks: int = 64, block_size: int = 4) -> None:
+        self.script = script
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_outputs: dict[str, int] = {}
+        self.num_tokens: dict[str, int] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for new in plan.new_sequences:
+            self.num_tokens[new.seq_id] = len(new.token_ids)
+            self.num_outputs.setdefault(new.seq_id, len(new.token_ids) - new.num_prompt_tokens)
+        sampled = []
+        for chunk in plan.chunks:
+            if chunk.num_computed_tokens + chunk.num_new_tokens == self.num_tokens[chunk.seq_id]:
+                token_id = self.script[self.num_outputs[chunk.seq_id]]
+                self.num_outputs[chunk.seq_id] += 1
+                self.num_tokens[chunk.seq_id] += 1
+                sampled.append(SampledToken(chunk.seq_id, token_id))
+        return StepResult(sampled)
+
+
+def script_for(tokenizer_name: str) -> tuple[list[int], list[int]]:
+    """The prompt's token ids, and those of OUTPUT_TEXT following it."""
+    tokenizer = tokenizer_zoo.load(tokenizer_name)
+    prompt = tokenizer.encode(PROMPT_TEXT, add_special_tokens=False).ids
+    both = tokenizer.encode(PROMPT_TEXT + OUTPUT_TEXT, add_special_tokens=False).ids
+    return prompt, both[len(prompt) :]
+
+
+def continuation(tokenizer_name: str, num_tokens: int | None = None) -> str:
+    """What a full decode says the first `num_tokens` output tokens add to the prompt's text."""
+    tokenizer = tokenizer_zoo.load(tokenizer_name)
+    prompt, script = script_for(tokenizer_name)
+    return tokenizer.decode(prompt + script[:num_tokens])[len(tokenizer.decode(prompt)) :]
+
+
+def run(
+    tokenizer_name: str, stop_strings: tuple[str, ...], max_new_tokens: int | None = None
+) -> tuple[list[RequestOutput], str]:
+    """Streams OUTPUT_TEXT's tokens through an engine: the request's events and the text their
+    deltas add up to."""
+    prompt, script = script_for(tokenizer_name)
+    decoder = HFTokenDecoder(tokenizer_zoo.load(tokenizer_name))
+    engine = LLMEngine(ScriptedRunner(script), decoder=decoder)
+    stopping = StoppingParams(
+        max_new_tokens=max_new_tokens or len(script), stop_strings=stop_strings
+    )
+    engine.add_request(prompt, stopping=stopping)
+    events = list(engine.stream())
+    assert events[-1].is_finished
+    return events, "".join(event.new_text for event in events)
+
+
+@pytest.mark.parametrize("tokenizer_name", ["bpe", "mistral"])
+def test_streamed_text_is_the_decoded_output_when_no_stop_string_matches(
+    tokenizer_name: str,
+) -> None:
+    events, text = run(tokenizer_name, ("nothing less",))  # "nothing " is held, then released
+    assert text == continuation(tokenizer_name)
+    assert all("\ufffd" not in event.new_text for event in events)  # multibyte never split
+    assert events[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("tokenizer_name", ["bpe", "mistral"])
+@pytest.mark.parametrize("stop", ["said the", "é ✓", "computer."])
+def test_a_stop_string_across_tokens_stops_the_request_before_it(
+    tokenizer_name: str, stop: str
+) -> None:
+    events, text = run(tokenizer_name, (stop, "never there"))
+    full = continuation(tokenizer_name)
+    assert text == full[: full.index(stop)]
+    final = events[-1]
+    assert (final.finish_reason, final.finish_detail) == ("stop", f"stop string {stop!r}")
+    num_tokens = sum(len(event.new_token_ids) for event in events)
+    assert num_tokens < len(script_for(tokenizer_name)[1])  # it stopped generating, too
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop() -> None:
+    num_script = len(script_for("bpe")[1])
+    needed = next(n for n in range(1, num_script + 1) if "said" in continuation("bpe", n))
+    events, text = run("bpe", ("said",), max_new_tokens=needed)
+    assert events[-1].finish_reason == "stop"
+    assert text == continuation("bpe")[: continuation("bpe").index("said")]
+
+
+def test_stop_strings_without_a_tokenizer_are_refused() -> None:
+    engine = LLMEngine(ScriptedRunner([5, 6, 7]))
+    with pytest.raises(ValueError, match="stop strings need an engine with a tokenizer"):
+        engine.add_request([1, 2], stopping=StoppingParams(stop_strings=("x",)))
