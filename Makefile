@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-kernels gpu-check clean lock
+.PHONY: run test lint bench bench-scheduler bench-kernels gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_engine
+
+bench-scheduler: $(STAMP)
+	$(PY) -m bench.bench_scheduler
 
 bench-kernels: $(STAMP)
 	$(PY) -m bench.bench_cpu_ops
