@@ -39,9 +39,9 @@ def _reference(model_dir: Path, prompt: tuple[int, ...]) -> Reference:
 
 
 def make_engine(model_dir: Path, num_blocks: int = 512, **limits: Any) -> LLMEngine:
-    config = RunnerConfig(
-        str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE, attention_backend="torch"
-    )
+    """The runner as served ("auto": the CPU kernels here); the torch oracle itself is checked
+    against transformers in tests/gpu_worker."""
+    config = RunnerConfig(str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE)
     return LLMEngine(ModelRunner(config, _loaded(model_dir)), SchedulerConfig(**limits))
 
 
@@ -97,8 +97,11 @@ def test_chunk_budgets_and_prefix_cache(
     engine.scheduler.kv.check_integrity()
 
 
-def test_a_small_kv_pool_preempts_and_still_matches(model_dirs: dict[str, Path]) -> None:
-    model_dir, batch = model_dirs[VARIANT], mixed_prompts()
+@pytest.mark.parametrize("variant", [VARIANT, "qwen2-bias", "mistral-window", "qwen3-qknorm"])
+def test_a_small_kv_pool_preempts_and_still_matches(
+    variant: str, model_dirs: dict[str, Path]
+) -> None:
+    model_dir, batch = model_dirs[variant], mixed_prompts()
     engine = make_engine(model_dir, num_blocks=24, max_batch_prefill_tokens=64, max_batch_size=32)
     results = engine.generate(batch, GREEDY_LOGPROBS, STOPPING)
     assert engine.scheduler.num_preemptions > 0
