@@ -8,6 +8,7 @@ every token event, and stops a request when one of its stop strings completes in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -86,9 +87,13 @@ class LLMEngine:
         runner: StepRunner,
         config: SchedulerConfig | None = None,
         decoder: TokenDecoder | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`eos_token_ids`: the model's (`gpu_worker.config.model_eos_token_ids`), used by every
+        request whose StoppingParams names none."""
         self.runner = runner
         self.decoder = decoder
+        self.eos_token_ids = eos_token_ids
         config = config or SchedulerConfig()
         self.scheduler = Scheduler(config, runner.num_blocks, runner.block_size)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
@@ -104,12 +109,15 @@ class LLMEngine:
         priority: Priority = Priority.INTERACTIVE,
         request_id: str | None = None,
     ) -> str:
+        stopping = stopping or StoppingParams()
+        if not stopping.eos_token_ids:
+            stopping = dataclasses.replace(stopping, eos_token_ids=self.eos_token_ids)
         request = Request(
             request_id or f"req-{next(self._ids)}",
             list(prompt_token_ids),
             len(prompt_token_ids),
             sampling,
-            stopping or StoppingParams(),
+            stopping,
             priority,
             time.monotonic(),
         )

@@ -148,6 +148,13 @@ def extra_eos_token_ids(model_dir: str | Path) -> list[int]:
     return _as_id_list(load_generation_config(model_dir).get("eos_token_id"))
 
 
+def model_eos_token_ids(model_dir: str | Path) -> frozenset[int]:
+    """Every id that ends a generation: config.json's EOS plus generation_config.json's. Torch-free,
+    so the batcher reads it for its stopping rules."""
+    config_ids = _as_id_list(_read_json(Path(model_dir) / "config.json").get("eos_token_id"))
+    return frozenset(config_ids) | frozenset(extra_eos_token_ids(model_dir))
+
+
 def resolve_dtype(requested: str | None, config_dtype: str | None, device_type: str) -> str:
     """Pick the weight dtype: the request, else ("auto"/None) the config's, else float32.
 

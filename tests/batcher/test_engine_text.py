@@ -1,12 +1,17 @@
-"""The engine's text output: streamed deltas, stop strings across token boundaries, held text."""
+"""The engine's stopping and text output: the model's EOS ids (generation_config extras included),
+streamed text deltas, stop strings across token boundaries, held-back text."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from batcher.detokenize import HFTokenDecoder
 from batcher.engine import LLMEngine, RequestOutput
 from batcher.request import StoppingParams
+from gpu_worker.config import model_eos_token_ids
 from gpu_worker.plan import SampledToken, StepPlan, StepResult
 from tests.batcher import tokenizer_zoo
 
@@ -106,3 +111,20 @@ def test_stop_strings_without_a_tokenizer_are_refused() -> None:
     engine = LLMEngine(ScriptedRunner([5, 6, 7]))
     with pytest.raises(ValueError, match="stop strings need an engine with a tokenizer"):
         engine.add_request([1, 2], stopping=StoppingParams(stop_strings=("x",)))
+
+
+def test_the_models_eos_ids_include_generation_config_extras(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    eos_ids = model_eos_token_ids(tmp_path)
+    assert eos_ids == {2, 7, 9}
+    engine = LLMEngine(ScriptedRunner([5, 6, 9, 8]), eos_token_ids=eos_ids)
+    [result] = engine.generate([[1, 2, 3]], stopping=StoppingParams(max_new_tokens=4))
+    assert (result.token_ids, result.finish_reason, result.finish_detail) == (
+        [5, 6, 9],
+        "stop",
+        "eos token",
+    )
+    explicit = StoppingParams(max_new_tokens=4, eos_token_ids=frozenset({6}))
+    [result] = engine.generate([[1, 2, 3]], stopping=explicit)  # a request's own ids win
+    assert result.token_ids == [5, 6]
