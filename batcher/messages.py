@@ -1,0 +1,226 @@
+"""Everything that crosses the api ↔ batcher boundary: typed, versioned, JSON on the wire.
+
+A frame is `{"v": VERSION, "type": <kind>, "body": {...}}`. Decoding checks the version, the kind
+and every field's type, and raises `MessageError` (never anything else) on bad input, so a garbage
+entry in Redis is rejected with a reason instead of crashing the batcher. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from batcher.request import Priority, StoppingParams
+from gpu_worker.plan import SamplingParams
+
+VERSION = 1
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid message of this version."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    priority: Priority = Priority.INTERACTIVE
+    deadline: float | None = None  # unix time; past it the request finishes ("deadline")
+    attempt: int = 1  # 1 on first delivery; a reclaim requeues it with attempt + 1
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+    reason: str = "aborted by client"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """Output event `seq_index` (0, 1, ... per request) of one attempt; a rerun replays the same
+    indices, and the transport keeps only the first event per index."""
+
+    request_id: str
+    seq_index: int
+    token_ids: list[int]
+    logprobs: list[float | None]
+    text: str = ""  # text delta released with these tokens (with a tokenizer)
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class FinalResult:
+    request_id: str
+    token_ids: list[int]  # the whole output
+    finish_reason: str  # "stop" | "length" | "abort" | "rejected" | "deadline" | "failed"
+    finish_detail: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    attempt: int
+    batcher_id: str
+    text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    batcher_id: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    max_batch_size: int
+    time: float  # unix time it was sent
+
+
+Message = SubmitRequest | AbortRequest | TokenEvent | FinalResult | Heartbeat
+
+_KINDS: dict[type[Any], str] = {
+    SubmitRequest: "submit",
+    AbortRequest: "abort",
+    TokenEvent: "token",
+    FinalResult: "final",
+    Heartbeat: "heartbeat",
+}
+
+
+def encode(message: Message) -> bytes:
+    body = {f.name: _plain(getattr(message, f.name)) for f in dataclasses.fields(message)}
+    frame = {"v": VERSION, "type": _KINDS[type(message)], "body": body}
+    return json.dumps(frame, separators=(",", ":")).encode()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, frozenset):
+        return sorted(value)
+    if isinstance(value, tuple):
+        return list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def decode(data: bytes | str) -> Message:
+    try:
+        frame = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise MessageError(f"not a JSON message frame: {error}") from None
+    if not isinstance(frame, dict) or not isinstance(frame.get("body"), dict):
+        raise MessageError("a message frame is an object with 'v', 'type' and 'body'")
+    if frame.get("v") != VERSION:
+        raise MessageError(f"unsupported message version {frame.get('v')!r} (this is {VERSION})")
+    decoder = _DECODERS.get(str(frame.get("type")))
+    if decoder is None:
+        raise MessageError(f"unknown message type {frame.get('type')!r}")
+    try:
+        return decoder(frame["body"])
+    except MessageError:
+        raise
+    except (KeyError, TypeError, ValueError) as error:
+        raise MessageError(f"malformed {frame['type']} message: {error!r}") from None
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in body:
+        raise MessageError(f"missing field {name!r}")
+    value, kinds = body[name], kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise MessageError(f"field {name!r} has the wrong type: {value!r}")
+    return value
+
+
+def _ints(body: dict[str, Any], name: str) -> list[int]:
+    values = _field(body, name, list)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise MessageError(f"field {name!r} must be a list of integers")
+    return list(values)
+
+
+def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    return None if body.get(name) is None else _field(body, name, kind)
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    if not set(body) <= names:
+        raise MessageError(f"unknown sampling fields {sorted(set(body) - names)}")
+    return SamplingParams(**body)
+
+
+def _stopping(body: dict[str, Any]) -> StoppingParams:
+    return StoppingParams(
+        max_new_tokens=_field(body, "max_new_tokens", int),
+        eos_token_ids=frozenset(_ints(body, "eos_token_ids")),
+        stop_token_ids=frozenset(_ints(body, "stop_token_ids")),
+        stop_strings=tuple(str(s) for s in _field(body, "stop_strings", list)),
+        ignore_eos=_field(body, "ignore_eos", bool),
+    )
+
+
+def _submit(body: dict[str, Any]) -> SubmitRequest:
+    return SubmitRequest(
+        request_id=_field(body, "request_id", str),
+        prompt_token_ids=_ints(body, "prompt_token_ids"),
+        sampling=_sampling(_field(body, "sampling", dict)),
+        stopping=_stopping(_field(body, "stopping", dict)),
+        priority=Priority(_field(body, "priority", int)),
+        deadline=_optional(body, "deadline", (int, float)),
+        attempt=_field(body, "attempt", int),
+    )
+
+
+def _abort(body: dict[str, Any]) -> AbortRequest:
+    return AbortRequest(_field(body, "request_id", str), _field(body, "reason", str))
+
+
+def _token(body: dict[str, Any]) -> TokenEvent:
+    logprobs = _field(body, "logprobs", list)
+    if not all(v is None or isinstance(v, (int, float)) for v in logprobs):
+        raise MessageError("field 'logprobs' must be a list of numbers or nulls")
+    return TokenEvent(
+        request_id=_field(body, "request_id", str),
+        seq_index=_field(body, "seq_index", int),
+        token_ids=_ints(body, "token_ids"),
+        logprobs=list(logprobs),
+        text=_field(body, "text", str),
+        attempt=_field(body, "attempt", int),
+    )
+
+
+def _final(body: dict[str, Any]) -> FinalResult:
+    return FinalResult(
+        request_id=_field(body, "request_id", str),
+        token_ids=_ints(body, "token_ids"),
+        finish_reason=_field(body, "finish_reason", str),
+        finish_detail=_optional(body, "finish_detail", str),
+        num_prompt_tokens=_field(body, "num_prompt_tokens", int),
+        num_output_tokens=_field(body, "num_output_tokens", int),
+        num_cached_tokens=_field(body, "num_cached_tokens", int),
+        attempt=_field(body, "attempt", int),
+        batcher_id=_field(body, "batcher_id", str),
+        text=_optional(body, "text", str),
+    )
+
+
+def _heartbeat(body: dict[str, Any]) -> Heartbeat:
+    return Heartbeat(
+        batcher_id=_field(body, "batcher_id", str),
+        num_running=_field(body, "num_running", int),
+        num_waiting=_field(body, "num_waiting", int),
+        num_free_blocks=_field(body, "num_free_blocks", int),
+        max_batch_size=_field(body, "max_batch_size", int),
+        time=_field(body, "time", (int, float)),
+    )
+
+
+_DECODERS: dict[str, Callable[[dict[str, Any]], Message]] = {
+    "submit": _submit,
+    "abort": _abort,
+    "token": _token,
+    "final": _final,
+    "heartbeat": _heartbeat,
+}

@@ -1,0 +1,100 @@
+"""Wire messages: every kind round-trips exactly; garbage and other versions are rejected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batcher.messages import (
+    VERSION,
+    AbortRequest,
+    FinalResult,
+    Heartbeat,
+    Message,
+    MessageError,
+    SubmitRequest,
+    TokenEvent,
+    decode,
+    encode,
+)
+from batcher.request import Priority, StoppingParams
+from gpu_worker.plan import SamplingParams
+
+SUBMIT = SubmitRequest(
+    "req-1",
+    [1, 2, 3],
+    SamplingParams(temperature=0.7, top_k=5, seed=3, logprobs=True),
+    StoppingParams(max_new_tokens=9, eos_token_ids=frozenset({2, 7}), stop_strings=("\n\n",)),
+    Priority.BULK,
+    deadline=1.9e9,
+    attempt=2,
+)
+MESSAGES: list[Message] = [
+    SUBMIT,
+    SubmitRequest("req-2", [5], SamplingParams(), StoppingParams()),
+    AbortRequest("req-1", "client disconnected"),
+    TokenEvent("req-1", 3, [11, 12], [-0.5, None], "hé", attempt=2),
+    FinalResult("req-1", [11, 12], "stop", "eos token", 3, 2, 0, 1, "b0", "hé"),
+    FinalResult("req-1", [], "failed", None, 3, 0, 0, 3, "b1"),
+    Heartbeat("b0", 3, 4, 100, 32, 1.7e9),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: Message) -> None:
+    data = encode(message)
+    assert isinstance(data, bytes)
+    assert decode(data) == message
+    assert decode(data.decode()) == message
+
+
+def test_the_frame_carries_version_and_kind() -> None:
+    frame = json.loads(encode(SUBMIT))
+    assert frame["v"] == VERSION
+    assert frame["type"] == "submit"
+    assert frame["body"]["stopping"]["eos_token_ids"] == [2, 7]
+
+
+def _frame(**changes: object) -> bytes:
+    frame = json.loads(encode(SUBMIT))
+    frame.update(changes)
+    return json.dumps(frame).encode()
+
+
+def _body(**changes: object) -> bytes:
+    frame = json.loads(encode(SUBMIT))
+    frame["body"].update(changes)
+    return json.dumps(frame).encode()
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"\x80\x04garbage", "not a JSON message frame"),
+        (b"[1, 2]", "a message frame is an object"),
+        (b"{}", "a message frame is an object"),
+        (_frame(v=2), "unsupported message version 2 \\(this is 1\\)"),
+        (_frame(v=None), "unsupported message version None"),
+        (_frame(type="launch"), "unknown message type 'launch'"),
+        (_body(request_id=7), "field 'request_id' has the wrong type: 7"),
+        (_body(prompt_token_ids=[1, "2"]), "'prompt_token_ids' must be a list of integers"),
+        (_body(prompt_token_ids=[True]), "'prompt_token_ids' must be a list of integers"),
+        (_body(attempt=True), "field 'attempt' has the wrong type"),
+        (_body(priority=9), "malformed submit message"),
+        (_body(sampling={"temperature": -1.0}), "malformed submit message.*temperature"),
+        (_body(sampling={"evil": 1}), "unknown sampling fields \\['evil'\\]"),
+        (_body(stopping={"max_new_tokens": 3}), "missing field 'eos_token_ids'"),
+        (_body(deadline="soon"), "field 'deadline' has the wrong type"),
+    ],
+)
+def test_garbage_is_rejected_with_a_reason(data: bytes, match: str) -> None:
+    with pytest.raises(MessageError, match=match):
+        decode(data)
+
+
+def test_a_missing_field_is_named() -> None:
+    frame = json.loads(encode(MESSAGES[3]))
+    del frame["body"]["seq_index"]
+    with pytest.raises(MessageError, match="missing field 'seq_index'"):
+        decode(json.dumps(frame))
