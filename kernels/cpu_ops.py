@@ -139,14 +139,17 @@ def linear_bf16(
     weight: torch.Tensor,  # [N, K] bf16, contiguous
     bias: torch.Tensor | None = None,  # [N]
     path: str = "auto",
-) -> torch.Tensor:  # [M, N] in x's dtype
-    """`x @ weight.T + bias` accumulated in fp32.
+    *,
+    out_fp32: bool = False,
+) -> torch.Tensor:  # [M, N] in x's dtype, or fp32 with out_fp32
+    """`x @ weight.T + bias` accumulated in fp32, rounded to x's dtype; `out_fp32` returns that
+    widened to fp32, i.e. `linear_bf16(...).float()` in one pass where the kernel allows (logits).
 
     `path` picks the kernel; "auto" takes the fastest for this CPU and M (see linear_bf16.cpp):
     "avx512" (AVX512_BF16 CPUs, bf16 x, small M), "native" (at::linear, oneDNN; bf16 x) or
     "avx2" (any AVX2/FMA CPU). Tests name paths to check each one.
     """
-    out: torch.Tensor = _ops().linear_bf16(x, weight, bias, path)
+    out: torch.Tensor = _ops().linear_bf16(x, weight, bias, path, out_fp32)
     return out
 
 

@@ -110,7 +110,12 @@ void store_tile(const SmallLinear& a, const float* sums, int mt, int nt, int64_t
   for (int m = 0; m < mt; ++m) {
     for (int j = 0; j < nt; ++j) {
       const float v = sums[m * nt + j] + (a.bias != nullptr ? a.bias[n + j] : 0.0f);
-      store_out(a.out + (m0 + m) * a.N + n + j, v);
+      const int64_t at = (m0 + m) * a.N + n + j;
+      if (a.out_f32 != nullptr) {
+        a.out_f32[at] = static_cast<float>(c10::BFloat16(v));  // as bf16 output, then .float()
+      } else {
+        store_out(a.out + at, v);
+      }
     }
   }
 }

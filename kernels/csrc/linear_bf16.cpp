@@ -235,18 +235,20 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& weight,
 constexpr int64_t kAvx512MaxRows = 40;
 
 at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias) {
+                         const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "linear_bf16: path 'avx512' needs a CPU with AVX512_BF16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16: path 'avx512' needs bf16 x");
   const at::Tensor xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0 || N == 0) return out;
+  const bool f32 = out_dtype == at::kFloat;
   linear_bf16_avx512(SmallLinear{data_as<bf16_bits>(xc), data_as<bf16_bits>(weight),
                                  b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, K,
-                                 mutable_data_as<bf16_bits>(out)});
+                                 f32 ? nullptr : mutable_data_as<bf16_bits>(out),
+                                 f32 ? out.data_ptr<float>() : nullptr});
   return out;
 }
 
@@ -259,7 +261,8 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& weight,
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias, std::string_view path) {
+                       const std::optional<at::Tensor>& bias, std::string_view path,
+                       bool out_fp32) {
   TORCH_CHECK(x.dim() == 2, "linear_bf16: x must be [M, K], got ", x.sizes());
   TORCH_CHECK(weight.dim() == 2, "linear_bf16: weight must be [N, K], got ", weight.sizes());
   TORCH_CHECK(x.size(1) == weight.size(1), "linear_bf16: K mismatch, x ", x.sizes(),
@@ -280,20 +283,29 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     const bool fast_bf16 = cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16;
     path = !fast_bf16 ? "avx2" : x.size(0) <= kAvx512MaxRows ? "avx512" : "native";
   }
-  if (path == "avx2") return linear_avx2(x, weight, bias);
-  if (path == "avx512") return linear_avx512(x, weight, bias);
-  if (path == "native") return linear_native(x, weight, bias);
+  // out_fp32: the result as x's dtype would round it, widened to fp32 (= linear(...).float()).
+  // Only the AVX-512 kernel stores it directly; it saves a pass over a decode step's logits.
+  if (path == "avx512") {
+    return linear_avx512(x, weight, bias, out_fp32 ? at::kFloat : x.scalar_type());
+  }
+  at::Tensor out;
+  if (path == "avx2") out = linear_avx2(x, weight, bias);
+  if (path == "native") out = linear_native(x, weight, bias);
+  if (out.defined()) return out_fp32 ? out.to(at::kFloat) : out;
   TORCH_CHECK(false, "linear_bf16: unknown path '", path, "' (auto, avx2, avx512, native)");
 }
 
 at::Tensor linear_bf16_op(const at::Tensor& x, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias, c10::string_view path) {
-  return linear_bf16(x, weight, bias, std::string_view(path.data(), path.size()));
+                          const std::optional<at::Tensor>& bias, c10::string_view path,
+                          bool out_fp32) {
+  return linear_bf16(x, weight, bias, std::string_view(path.data(), path.size()), out_fp32);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tgq_cpu_ops, m) {
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias, str path='auto') -> Tensor",
-        &linear_bf16_op);
+  m.def(
+      "linear_bf16(Tensor x, Tensor weight, Tensor? bias, str path='auto', bool out_fp32=False)"
+      " -> Tensor",
+      &linear_bf16_op);
 }

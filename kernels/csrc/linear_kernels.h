@@ -11,7 +11,8 @@ struct SmallLinear {
   const bf16_bits* w;  // [N, K]
   const float* bias;   // [N] or nullptr
   int64_t M, N, K;
-  bf16_bits* out;  // [M, N]
+  bf16_bits* out;    // [M, N] bf16, or nullptr when out_f32 is set
+  float* out_f32;    // [M, N]: the bf16-rounded results widened to fp32 (logits), or nullptr
 };
 
 // True on CPUs with AVX512F/BW/VL and AVX512_BF16 (vdpbf16ps); checked once.

@@ -72,6 +72,19 @@ def test_linear_every_path_every_small_batch_and_k_remainder(k: int, path: str) 
 
 
 @requires_kernels
+@pytest.mark.parametrize("path", LINEAR_PATHS)
+@pytest.mark.parametrize("m", [1, 5, 16, 100])
+def test_linear_fp32_output_is_the_rounded_result_widened(m: int, path: str) -> None:
+    """out_fp32 (used for logits) returns exactly `linear_bf16(...).float()`."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 72, generator=gen).bfloat16()
+    weight = torch.randn(301, 72, generator=gen).bfloat16()
+    out = cpu_ops.linear_bf16(x, weight, None, path, out_fp32=True)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, cpu_ops.linear_bf16(x, weight, None, path).float())
+
+
+@requires_kernels
 @pytest.mark.parametrize("k", [1, 8, 24, 40, 72, 200])
 def test_linear_fp32_x_small_batch_k_remainders(k: int) -> None:
     gen = torch.Generator().manual_seed(k)
