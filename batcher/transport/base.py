@@ -1,0 +1,110 @@
+"""The transport contract, as both sides see it. Redis and in-process backends honour the same
+one; `tests/batcher/test_transport_contract.py` runs the same tests against both.
+
+Lifecycle of a request:
+
+    api: submit ──▶ queue[priority] ──pull──▶ batcher (pending, owned by it)
+                                               │ publish_tokens (seq 0, 1, ...)
+                                               │ publish_final  (durable; first one wins)
+                                               ▼ ack            (only after publish_final)
+
+A request pulled but not acked stays pending to its batcher. When that batcher's heartbeat expires
+and the entry has been pending longer than the lease, any batcher's `reclaim` requeues it with
+`attempt + 1`, or, past `max_attempts`, publishes a "failed" final result and acks it. A rerun
+replays seq indices from 0: the transport keeps the first event per (request, seq index), so a
+reader never sees an index twice (with greedy or seeded sampling the rerun's events are the same).
+Anything published after a request's final result is dropped, and so is a second final result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    max_attempts: int = 3
+    lease_s: float = 30.0  # a pending entry is reclaimable only after this long
+    heartbeat_ttl_s: float = 10.0  # a batcher silent this long is presumed dead
+    token_ttl_s: float = 3600.0  # token events live this long after the last one
+    final_ttl_s: float = 86400.0  # a final result lives this long (the api persists it sooner)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A pulled request, pending to the batcher until acked. `entry_id` is the transport's handle;
+    `is_aborted`: an abort for it arrived before it was pulled."""
+
+    entry_id: str
+    request: SubmitRequest
+    is_aborted: bool = False
+
+
+def failed_result(request: SubmitRequest, batcher_id: str) -> FinalResult:
+    detail = f"failed after {request.attempt} attempts: the batcher running it died each time"
+    return FinalResult(
+        request.request_id,
+        [],
+        "failed",
+        detail,
+        len(request.prompt_token_ids),
+        0,
+        0,
+        request.attempt,
+        batcher_id,
+    )
+
+
+class ApiTransport(Protocol):
+    """What the api does: enqueue, cancel, follow a request's tokens, read its result."""
+
+    def submit(self, request: SubmitRequest) -> None: ...
+
+    def abort(self, request_id: str, reason: str = "aborted by client") -> None: ...
+
+    def read_tokens(self, request_id: str, from_seq: int, timeout_s: float) -> list[TokenEvent]:
+        """Events with seq index >= `from_seq`, in order; waits up to `timeout_s` for the first
+        one, returns [] on timeout or when the request is final and has no more."""
+        ...
+
+    def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None: ...
+
+    def live_batchers(self) -> list[Heartbeat]: ...
+
+
+class BatcherTransport(Protocol):
+    """What a batcher does: pull work (interactive before bulk), publish, ack, reclaim."""
+
+    def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
+        """Up to `max_count` requests, interactive first; waits up to `block_ms` only when none
+        is queued (0: never waits)."""
+        ...
+
+    def publish_tokens(self, events: list[TokenEvent]) -> None: ...
+
+    def publish_final(self, result: FinalResult) -> bool:
+        """Stores the result durably; False when the request already had one (dropped)."""
+        ...
+
+    def ack(self, batcher_id: str, delivery: Delivery) -> None: ...
+
+    def poll_aborts(self, batcher_id: str) -> list[str]:
+        """Request ids aborted since this batcher's previous poll (broadcast to every batcher)."""
+        ...
+
+    def heartbeat(self, beat: Heartbeat) -> None: ...
+
+    def reclaim(self, batcher_id: str, max_count: int = 100) -> int:
+        """Requeues (or fails, past max attempts) entries of dead batchers; returns how many."""
+        ...
+
+
+class Transport(ApiTransport, BatcherTransport, Protocol):
+    """Both sides: each backend implements the whole contract."""

@@ -1,0 +1,149 @@
+"""In-process transport (`tgq serve` without Redis, fast tests): the Redis contract in a lock.
+
+Thread-safe: one lock guards all state and one condition wakes every waiter on any change.
+Unlike Redis, token events and final results never expire: they live as long as the process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from batcher.request import Priority
+from batcher.transport.base import Delivery, TransportConfig, failed_result
+
+_PRIORITY_ORDER = sorted(Priority, reverse=True)  # interactive first
+
+
+@dataclass(slots=True)
+class _Pending:
+    owner: str
+    since: float  # monotonic time of the (latest) delivery
+    request: SubmitRequest
+
+
+class MemoryTransport:
+    def __init__(self, config: TransportConfig | None = None) -> None:
+        self.config = config or TransportConfig()
+        self._changed = threading.Condition(threading.Lock())
+        self._queues: dict[Priority, deque[tuple[str, SubmitRequest]]] = {
+            p: deque() for p in Priority
+        }
+        self._pending: dict[str, _Pending] = {}
+        self._events: dict[str, list[TokenEvent]] = {}
+        self._finals: dict[str, FinalResult] = {}
+        self._aborted: set[str] = set()
+        self._abort_log: list[str] = []
+        self._abort_cursors: dict[str, int] = {}
+        self._heartbeats: dict[str, tuple[Heartbeat, float]] = {}  # beat, monotonic expiry
+        self._entry_ids = itertools.count(1)
+
+    # api side
+
+    def submit(self, request: SubmitRequest) -> None:
+        with self._changed:
+            self._queues[request.priority].append((str(next(self._entry_ids)), request))
+            self._changed.notify_all()
+
+    def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        with self._changed:
+            self._aborted.add(request_id)
+            self._abort_log.append(request_id)
+            self._changed.notify_all()
+
+    def read_tokens(self, request_id: str, from_seq: int, timeout_s: float) -> list[TokenEvent]:
+        with self._changed:
+            self._changed.wait_for(
+                lambda: (
+                    len(self._events.get(request_id, ())) > from_seq or request_id in self._finals
+                ),
+                timeout_s,
+            )
+            return self._events.get(request_id, [])[from_seq:]
+
+    def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
+        with self._changed:
+            self._changed.wait_for(lambda: request_id in self._finals, timeout_s)
+            return self._finals.get(request_id)
+
+    def live_batchers(self) -> list[Heartbeat]:
+        now = time.monotonic()
+        with self._changed:
+            return [beat for beat, expiry in self._heartbeats.values() if expiry > now]
+
+    # batcher side
+
+    def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
+        with self._changed:
+            self._changed.wait_for(lambda: any(self._queues.values()), block_ms / 1000)
+            deliveries: list[Delivery] = []
+            for priority in _PRIORITY_ORDER:
+                queue = self._queues[priority]
+                while queue and len(deliveries) < max_count:
+                    entry_id, request = queue.popleft()
+                    self._pending[entry_id] = _Pending(batcher_id, time.monotonic(), request)
+                    is_aborted = request.request_id in self._aborted
+                    deliveries.append(Delivery(entry_id, request, is_aborted))
+            return deliveries
+
+    def publish_tokens(self, events: list[TokenEvent]) -> None:
+        with self._changed:
+            for event in events:
+                published = self._events.setdefault(event.request_id, [])
+                # First event per seq index wins; nothing after the final result.
+                if event.seq_index == len(published) and event.request_id not in self._finals:
+                    published.append(event)
+            self._changed.notify_all()
+
+    def publish_final(self, result: FinalResult) -> bool:
+        with self._changed:
+            if result.request_id in self._finals:
+                return False
+            self._finals[result.request_id] = result
+            self._changed.notify_all()
+            return True
+
+    def ack(self, batcher_id: str, delivery: Delivery) -> None:
+        with self._changed:
+            pending = self._pending.get(delivery.entry_id)
+            if pending is not None and pending.owner == batcher_id:
+                del self._pending[delivery.entry_id]
+
+    def poll_aborts(self, batcher_id: str) -> list[str]:
+        with self._changed:
+            start = self._abort_cursors.get(batcher_id, len(self._abort_log))
+            self._abort_cursors[batcher_id] = len(self._abort_log)
+            return self._abort_log[start:]
+
+    def heartbeat(self, beat: Heartbeat) -> None:
+        expiry = time.monotonic() + self.config.heartbeat_ttl_s
+        with self._changed:
+            self._heartbeats[beat.batcher_id] = (beat, expiry)
+
+    def reclaim(self, batcher_id: str, max_count: int = 100) -> int:
+        now = time.monotonic()
+        with self._changed:
+            live = {b for b, (_, expiry) in self._heartbeats.items() if expiry > now}
+            expired = [
+                entry_id
+                for entry_id, p in self._pending.items()
+                if p.owner not in live and now - p.since >= self.config.lease_s
+            ][:max_count]
+            for entry_id in expired:
+                self._requeue_or_fail(entry_id, batcher_id)
+            self._changed.notify_all()
+            return len(expired)
+
+    def _requeue_or_fail(self, entry_id: str, batcher_id: str) -> None:
+        request = self._pending.pop(entry_id).request
+        if request.request_id in self._finals:
+            return  # it finished; only the ack was lost
+        if request.attempt >= self.config.max_attempts:
+            self._finals[request.request_id] = failed_result(request, batcher_id)
+            return
+        retry = replace(request, attempt=request.attempt + 1)
+        self._queues[request.priority].append((str(next(self._entry_ids)), retry))

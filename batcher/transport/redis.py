@@ -1,0 +1,299 @@
+"""Redis transport: many api replicas and batchers on one Redis.
+
+Key layout (every key under `prefix`, so deployments and tests can share a server):
+
+    {p}:queue:interactive, {p}:queue:bulk   streams of submits; one consumer group "batchers",
+                                            each batcher one consumer. Acked entries are deleted
+                                            (Postgres is the record, not the stream).
+    {p}:tokens:{request_id}                 stream of token events with explicit ids `0-(seq+1)`,
+                                            then `1-0` once the final result is stored. Redis
+                                            rejects an id not above the last, which gives the
+                                            contract for free: first event per seq index wins,
+                                            nothing lands after the end. A late or reconnecting
+                                            reader catches up with XRANGE from `0-(seq+1)`, then
+                                            blocks in XREAD. Expires `token_ttl_s` after the last
+                                            event (a stream, not pub/sub, so nothing is lost to a
+                                            reader that was not subscribed yet).
+    {p}:final:{request_id}                  the final result, SET NX (first one wins) with
+                                            `final_ttl_s`: long enough for the api to persist it.
+    {p}:abort:{request_id}                  abort flag, seen by `pull` of a still-queued request.
+    {p}:aborts                              broadcast stream of aborts (each batcher reads it
+                                            with its own cursor), capped near 10,000 entries.
+    {p}:heartbeat:{batcher_id}              the batcher's last heartbeat, expiring after
+                                            `heartbeat_ttl_s`: no key means a dead batcher.
+
+Reclaim uses XPENDING (entries idle >= lease, with their owner) and XCLAIM with the same min idle
+time, so of two racing reclaimers only one wins an entry; the winner requeues it with attempt + 1
+(XADD + XACK + XDEL in one MULTI) or fails it past `max_attempts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, TypeVar
+
+import redis
+from redis.typing import EncodableT, KeyT, StreamIdT
+
+from batcher.messages import (
+    AbortRequest,
+    FinalResult,
+    Heartbeat,
+    MessageError,
+    SubmitRequest,
+    TokenEvent,
+    decode,
+    encode,
+)
+from batcher.request import Priority
+from batcher.transport.base import Delivery, TransportConfig, failed_result
+
+log = logging.getLogger(__name__)
+_M = TypeVar("_M", TokenEvent, FinalResult, Heartbeat, AbortRequest)
+
+GROUP = "batchers"
+END_ID = "1-0"  # above every token event id `0-n`
+AFTER_EVENTS_ID = f"0-{2**64 - 1}"  # XREAD from here sees only END_ID
+MAX_ABORT_LOG = 10_000
+_PRIORITY_ORDER = sorted(Priority, reverse=True)  # interactive first
+
+# SET NX the final result; only the winner closes the token stream.
+_PUBLISH_FINAL = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('XADD', KEYS[2], ARGV[4], 'end', '1')
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
+class RedisTransport:
+    def __init__(
+        self, client: redis.Redis, prefix: str = "tgq", config: TransportConfig | None = None
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.config = config or TransportConfig()
+        self._publish_final = client.register_script(_PUBLISH_FINAL)
+        self._held: dict[str, list[Delivery]] = {}  # pulled past max_count, returned next pull
+        self._abort_cursors: dict[str, str] = {}
+        for priority in Priority:
+            try:
+                client.xgroup_create(self._queue(priority), GROUP, id="0", mkstream=True)
+            except redis.ResponseError as error:
+                if "BUSYGROUP" not in str(error):
+                    raise
+
+    @classmethod
+    def from_url(
+        cls, url: str, prefix: str = "tgq", config: TransportConfig | None = None
+    ) -> RedisTransport:
+        return cls(redis.Redis.from_url(url), prefix, config)
+
+    def _queue(self, priority: Priority) -> str:
+        return f"{self.prefix}:queue:{priority.name.lower()}"
+
+    def _key(self, kind: str, name: str) -> str:
+        return f"{self.prefix}:{kind}:{name}"
+
+    # api side
+
+    def submit(self, request: SubmitRequest) -> None:
+        self.client.xadd(self._queue(request.priority), {"m": encode(request)})
+
+    def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        pipe = self.client.pipeline()
+        pipe.set(self._key("abort", request_id), 1, px=_ms(self.config.final_ttl_s))
+        message = encode(AbortRequest(request_id, reason))
+        pipe.xadd(f"{self.prefix}:aborts", {"m": message}, maxlen=MAX_ABORT_LOG, approximate=True)
+        pipe.execute()
+
+    def read_tokens(self, request_id: str, from_seq: int, timeout_s: float) -> list[TokenEvent]:
+        key = self._key("tokens", request_id)
+        entries: Any = self.client.xrange(key, f"0-{from_seq + 1}", "+")
+        if not entries and timeout_s > 0:
+            found: Any = self.client.xread({key: f"0-{from_seq}"}, block=_ms(timeout_s))
+            entries = found[0][1] if found else []
+        return [_event(fields) for entry_id, fields in entries if _id(entry_id) != END_ID]
+
+    def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
+        key = self._key("final", request_id)
+        data: Any = self.client.get(key)
+        if data is None and timeout_s > 0:
+            tokens = self._key("tokens", request_id)
+            self.client.xread({tokens: AFTER_EVENTS_ID}, block=_ms(timeout_s))
+            data = self.client.get(key)
+        return None if data is None else _final(data)
+
+    def live_batchers(self) -> list[Heartbeat]:
+        keys = list(self.client.scan_iter(match=self._key("heartbeat", "*")))
+        values: Any = self.client.mget(keys) if keys else []
+        return [_heartbeat(v) for v in values if v is not None]
+
+    # batcher side
+
+    def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
+        held = self._held.pop(batcher_id, [])
+        deliveries, rest = held[:max_count], held[max_count:]
+        for priority in _PRIORITY_ORDER:
+            if len(deliveries) < max_count:
+                num_wanted = max_count - len(deliveries)
+                deliveries += self._read_group(batcher_id, [priority], num_wanted, None)
+        if not deliveries and block_ms > 0:
+            # One entry per stream at most; an extra one is held for the next pull.
+            found = self._read_group(batcher_id, _PRIORITY_ORDER, 1, block_ms)
+            deliveries, rest = found[:max_count], found[max_count:]
+        if rest:
+            self._held[batcher_id] = rest
+        return self._mark_aborted(deliveries)
+
+    def _read_group(
+        self, batcher_id: str, priorities: list[Priority], count: int, block_ms: int | None
+    ) -> list[Delivery]:
+        streams: dict[KeyT, StreamIdT] = {self._queue(p): ">" for p in priorities}
+        found: Any = self.client.xreadgroup(GROUP, batcher_id, streams, count, block_ms)
+        deliveries = []
+        for stream, entries in found or []:
+            for entry_id, fields in entries:
+                try:
+                    request = decode(fields[b"m"])
+                    if not isinstance(request, SubmitRequest):
+                        raise MessageError(f"a {type(request).__name__} in a request queue")
+                except (KeyError, MessageError) as error:
+                    log.error("dropping malformed queue entry %s: %s", _id(entry_id), error)
+                    self._delete(stream, entry_id)
+                    continue
+                deliveries.append(Delivery(_id(entry_id), request))
+        return deliveries
+
+    def _mark_aborted(self, deliveries: list[Delivery]) -> list[Delivery]:
+        if not deliveries:
+            return deliveries
+        pipe = self.client.pipeline()
+        for delivery in deliveries:
+            pipe.exists(self._key("abort", delivery.request.request_id))
+        flags = pipe.execute()
+        return [
+            Delivery(d.entry_id, d.request, bool(f)) for d, f in zip(deliveries, flags, strict=True)
+        ]
+
+    def publish_tokens(self, events: list[TokenEvent]) -> None:
+        if not events:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for event in events:
+            key = self._key("tokens", event.request_id)
+            pipe.xadd(key, {"m": encode(event)}, id=f"0-{event.seq_index + 1}")
+            pipe.pexpire(key, _ms(self.config.token_ttl_s))
+        for outcome in pipe.execute(raise_on_error=False):
+            # A rejected id is a replayed or late event: dropped by design.
+            if isinstance(outcome, Exception) and "equal or smaller" not in str(outcome):
+                raise outcome
+
+    def publish_final(self, result: FinalResult) -> bool:
+        keys = [self._key("final", result.request_id), self._key("tokens", result.request_id)]
+        config = self.config
+        args: list[EncodableT] = [
+            encode(result),
+            _ms(config.final_ttl_s),
+            _ms(config.token_ttl_s),
+            END_ID,
+        ]
+        return bool(self._publish_final(keys=keys, args=args))
+
+    def ack(self, batcher_id: str, delivery: Delivery) -> None:
+        self._delete(self._queue(delivery.request.priority), delivery.entry_id)
+
+    def _delete(self, stream: str | bytes, entry_id: str | bytes) -> None:
+        pipe = self.client.pipeline()
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+
+    def poll_aborts(self, batcher_id: str) -> list[str]:
+        stream = f"{self.prefix}:aborts"
+        cursor = self._abort_cursors.get(batcher_id)
+        if cursor is None:
+            last: Any = self.client.xrevrange(stream, "+", "-", count=1)
+            self._abort_cursors[batcher_id] = _id(last[0][0]) if last else "0-0"
+            return []
+        found: Any = self.client.xread({stream: cursor}, count=MAX_ABORT_LOG)
+        entries = found[0][1] if found else []
+        if entries:
+            self._abort_cursors[batcher_id] = _id(entries[-1][0])
+        return [_abort(fields).request_id for _, fields in entries]
+
+    def heartbeat(self, beat: Heartbeat) -> None:
+        key = self._key("heartbeat", beat.batcher_id)
+        self.client.set(key, encode(beat), px=_ms(self.config.heartbeat_ttl_s))
+
+    def reclaim(self, batcher_id: str, max_count: int = 100) -> int:
+        num_reclaimed = 0
+        for priority in _PRIORITY_ORDER:
+            num_reclaimed += self._reclaim_stream(self._queue(priority), batcher_id, max_count)
+        return num_reclaimed
+
+    def _reclaim_stream(self, stream: str, batcher_id: str, max_count: int) -> int:
+        lease_ms = _ms(self.config.lease_s)
+        pending: Any = self.client.xpending_range(stream, GROUP, "-", "+", max_count, idle=lease_ms)
+        owners = sorted({entry["consumer"] for entry in pending})
+        pipe = self.client.pipeline()
+        for owner in owners:
+            pipe.exists(self._key("heartbeat", owner.decode()))
+        dead = {owner for owner, alive in zip(owners, pipe.execute(), strict=True) if not alive}
+        entry_ids = [entry["message_id"] for entry in pending if entry["consumer"] in dead]
+        if not entry_ids:
+            return 0
+        claimed: Any = self.client.xclaim(stream, GROUP, batcher_id, lease_ms, entry_ids)
+        for entry_id, fields in claimed:
+            self._requeue_or_fail(stream, entry_id, fields, batcher_id)
+        return len(claimed)
+
+    def _requeue_or_fail(
+        self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], batcher_id: str
+    ) -> None:
+        request = decode(fields[b"m"])
+        assert isinstance(request, SubmitRequest)  # only submits reach the queue streams
+        is_final = self.client.exists(self._key("final", request.request_id))
+        if not is_final and request.attempt >= self.config.max_attempts:
+            self.publish_final(failed_result(request, batcher_id))
+        pipe = self.client.pipeline()
+        if not is_final and request.attempt < self.config.max_attempts:
+            retry = dataclasses.replace(request, attempt=request.attempt + 1)
+            pipe.xadd(stream, {"m": encode(retry)})
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _id(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+def _typed(data: bytes, kind: type[_M]) -> _M:
+    message = decode(data)
+    if not isinstance(message, kind):
+        raise MessageError(f"expected a {kind.__name__}, got a {type(message).__name__}")
+    return message
+
+
+def _event(fields: dict[bytes, bytes]) -> TokenEvent:
+    return _typed(fields[b"m"], TokenEvent)
+
+
+def _final(data: bytes) -> FinalResult:
+    return _typed(data, FinalResult)
+
+
+def _heartbeat(data: bytes) -> Heartbeat:
+    return _typed(data, Heartbeat)
+
+
+def _abort(fields: dict[bytes, bytes]) -> AbortRequest:
+    return _typed(fields[b"m"], AbortRequest)
