@@ -1,14 +1,13 @@
-"""Benchmark the AVX2 CPU kernels against torch in the same process, on 2 threads.
+"""Benchmark the CPU kernels against torch in the same process, on 2 threads.
 
     python3 bench/bench_cpu_ops.py [--quick]
 
 Linear: F.linear in bf16 (the baseline), F.linear in fp32 (weights pre-widened, not timed) and
-`linear_bf16`, for the model's projection shapes. GB/s is the bf16 weight bytes over the time, the
-rate a bandwidth-bound decode step would stream them at; `read` is a plain fp32 sum over as many
-bytes, the machine's streaming roofline right now. Every weight but the (32000, 768) one fits in
-an 8 MiB L3, so their M = 1 rows show cache, not DRAM, bandwidth. Decode attention:
-`paged_decode_attention` against gathering the blocks and calling F.scaled_dot_product_attention,
-both bf16.
+each path of `linear_bf16` this CPU runs, for the model's projection shapes. GB/s is the bf16
+weight bytes over the baseline's time; `read` is a plain fp32 sum over as many bytes, the
+machine's streaming roofline right now. Weights that fit the L3 show cache, not DRAM, bandwidth at
+M = 1. Decode attention: `paged_decode_attention` against gathering the blocks and calling
+F.scaled_dot_product_attention, both bf16.
 """
 
 from __future__ import annotations
@@ -60,11 +59,12 @@ def read_roofline_gbs(num_bytes: int) -> float:
 
 
 def bench_linear(rows: list[int], budget_s: float) -> None:
+    """Each path of linear_bf16 this CPU runs, as a speed-up over F.linear in bf16; "auto" is
+    what the model uses (see kernels/csrc/linear_bf16.cpp for how it picks)."""
     gen = torch.Generator().manual_seed(0)
-    print(
-        f"{'N':>6} {'K':>5} {'M':>4} | {'bf16 ms':>9} {'GB/s':>5} | {'fp32 ms':>9} {'GB/s':>5}"
-        f" {'x':>5} | {'ours ms':>9} {'GB/s':>5} {'x':>6}"
-    )
+    paths = ["auto", "avx2", *(["avx512"] if cpu_ops.has_avx512_bf16() else [])]
+    header = f"{'N':>6} {'K':>5} {'M':>4} | {'bf16 ms':>9} {'GB/s':>5} | {'fp32 x':>7}"
+    print(header + "".join(f" | {path + ' ms':>10} {'x':>5}" for path in paths))
     for n, k in LINEAR_SHAPES:
         weight = torch.randn(n, k, generator=gen).bfloat16()
         weight32 = weight.float()
@@ -74,13 +74,11 @@ def bench_linear(rows: list[int], budget_s: float) -> None:
             x32 = x.float()
             base = time_ms(lambda: F.linear(x, weight), budget_s)  # noqa: B023
             fp32 = time_ms(lambda: F.linear(x32, weight32), budget_s)  # noqa: B023
-            ours = time_ms(lambda: cpu_ops.linear_bf16(x, weight), budget_s)  # noqa: B023
-            print(
-                f"{n:>6} {k:>5} {m:>4} | {base:>9.3f} {gb / base:>5.1f} | {fp32:>9.3f}"
-                f" {gb / fp32:>5.1f} {base / fp32:>5.1f} | {ours:>9.3f} {gb / ours:>5.1f}"
-                f" {base / ours:>6.1f}",
-                flush=True,
-            )
+            line = f"{n:>6} {k:>5} {m:>4} | {base:>9.3f} {gb / base:>5.1f} | {base / fp32:>7.1f}"
+            for path in paths:
+                ours = time_ms(lambda p=path: cpu_ops.linear_bf16(x, weight, None, p), budget_s)  # noqa: B023
+                line += f" | {ours:>10.3f} {base / ours:>5.1f}"
+            print(line, flush=True)
     print(f"read roofline: {read_roofline_gbs(32000 * 768 * 2):.1f} GB/s")
 
 
