@@ -13,6 +13,7 @@ F.scaled_dot_product_attention, both bf16.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -76,7 +77,9 @@ def bench_linear(rows: list[int], budget_s: float) -> None:
             fp32 = time_ms(lambda: F.linear(x32, weight32), budget_s)  # noqa: B023
             line = f"{n:>6} {k:>5} {m:>4} | {base:>9.3f} {gb / base:>5.1f} | {base / fp32:>7.1f}"
             for path in paths:
-                ours = time_ms(lambda p=path: cpu_ops.linear_bf16(x, weight, None, p), budget_s)  # noqa: B023
+                ours = time_ms(
+                    functools.partial(cpu_ops.linear_bf16, x, weight, None, path), budget_s
+                )
                 line += f" | {ours:>10.3f} {base / ours:>5.1f}"
             print(line, flush=True)
     print(f"read roofline: {read_roofline_gbs(32000 * 768 * 2):.1f} GB/s")
