@@ -95,6 +95,10 @@ class BatcherTransport(Protocol):
 
     def ack(self, batcher_id: str, delivery: Delivery) -> None: ...
 
+    def release(self, batcher_id: str, delivery: Delivery) -> None:
+        """Hands an unfinished request back to the queue, same attempt (a draining batcher)."""
+        ...
+
     def poll_aborts(self, batcher_id: str) -> list[str]:
         """Request ids aborted since this batcher's previous poll (broadcast to every batcher)."""
         ...

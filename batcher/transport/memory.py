@@ -113,6 +113,15 @@ class MemoryTransport:
             if pending is not None and pending.owner == batcher_id:
                 del self._pending[delivery.entry_id]
 
+    def release(self, batcher_id: str, delivery: Delivery) -> None:
+        with self._changed:
+            pending = self._pending.get(delivery.entry_id)
+            if pending is not None and pending.owner == batcher_id:
+                del self._pending[delivery.entry_id]
+                entry = (str(next(self._entry_ids)), pending.request)
+                self._queues[pending.request.priority].append(entry)
+                self._changed.notify_all()
+
     def poll_aborts(self, batcher_id: str) -> list[str]:
         with self._changed:
             start = self._abort_cursors.get(batcher_id, len(self._abort_log))

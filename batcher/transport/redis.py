@@ -212,6 +212,14 @@ class RedisTransport:
         pipe.xdel(stream, entry_id)
         pipe.execute()
 
+    def release(self, batcher_id: str, delivery: Delivery) -> None:
+        stream = self._queue(delivery.request.priority)
+        pipe = self.client.pipeline()
+        pipe.xadd(stream, {"m": encode(delivery.request)})
+        pipe.xack(stream, GROUP, delivery.entry_id)
+        pipe.xdel(stream, delivery.entry_id)
+        pipe.execute()
+
     def poll_aborts(self, batcher_id: str) -> list[str]:
         stream = f"{self.prefix}:aborts"
         cursor = self._abort_cursors.get(batcher_id)

@@ -109,6 +109,16 @@ def test_pull_blocks_only_when_the_queue_is_empty(transport: Transport) -> None:
     assert time.monotonic() - start < 2
 
 
+def test_a_released_request_goes_back_to_the_queue(transport: Transport) -> None:
+    submit(transport, "r0")
+    (delivery,) = transport.pull("draining", 1, 0)
+    transport.release("draining", delivery)
+    (again,) = transport.pull("b1", 1, 0)
+    assert again.request == delivery.request
+    time.sleep(LEASE_S * 2)
+    assert transport.reclaim("b2") == 1  # b1 holds it now, "draining" does not
+
+
 def test_token_events_catch_up_from_a_seq_index(transport: Transport) -> None:
     transport.publish_tokens([event("r0", i) for i in range(5)])
     assert transport.read_tokens("r0", 0, 0) == [event("r0", i) for i in range(5)]
