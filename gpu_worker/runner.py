@@ -14,7 +14,6 @@ from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from gpu_worker.loader import LoadedModel, load_model
 from gpu_worker.plan import (
-    NewSequence,
     SampledToken,
     SamplingParams,
     ScheduledChunk,
@@ -87,19 +86,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one step. A plan that breaks the contract raises ValueError before any state
+        changes, so the runner stays usable (and in step with the scheduler) afterwards."""
+        self._validate(plan)
         for seq_id in plan.finished_seq_ids:
             self.sequences.pop(seq_id, None)
         for new in plan.new_sequences:
-            self._add(new)
+            self.sequences[new.seq_id] = _Sequence(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
+            )
         if not plan.chunks:
             return StepResult()
-        if len({c.seq_id for c in plan.chunks}) != len(plan.chunks):
-            raise ValueError("a sequence is scheduled twice in one step")
         # Single-token chunks first: the attention backends batch them in one call.
         chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
         for chunk in chunks:
-            self._check(chunk)
-        for chunk in chunks:  # only once every chunk is known to be valid
             self.sequences[chunk.seq_id].block_ids.extend(chunk.new_block_ids)
         inputs = self._flatten(chunks)
         meta = self.backend.prepare(inputs.attention, self.device)
@@ -112,31 +112,39 @@ class ModelRunner:
         output = self.sampler(logits, self._sampling_inputs(inputs.sample_seq_ids))
         return self._record(inputs.sample_seq_ids, output)
 
-    def _add(self, new: NewSequence) -> None:
-        if new.seq_id in self.sequences:
-            raise ValueError(f"sequence {new.seq_id!r} is already running")
-        if not 0 < new.num_prompt_tokens <= len(new.token_ids):
-            raise ValueError(
-                f"sequence {new.seq_id!r}: {new.num_prompt_tokens} prompt tokens out of"
-                f" {len(new.token_ids)} tokens"
-            )
-        self._check_block_ids(new.seq_id, new.block_ids)
-        self.sequences[new.seq_id] = _Sequence(
-            list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
-        )
+    def _validate(self, plan: StepPlan) -> None:
+        # (number of tokens, number of blocks) of every sequence the plan's chunks may name
+        shapes = {
+            seq_id: (len(seq.token_ids), len(seq.block_ids))
+            for seq_id, seq in self.sequences.items()
+            if seq_id not in plan.finished_seq_ids
+        }
+        for new in plan.new_sequences:
+            if new.seq_id in shapes:
+                raise ValueError(f"sequence {new.seq_id!r} is already running")
+            if not 0 < new.num_prompt_tokens <= len(new.token_ids):
+                raise ValueError(
+                    f"sequence {new.seq_id!r}: {new.num_prompt_tokens} prompt tokens out of"
+                    f" {len(new.token_ids)} tokens"
+                )
+            self._check_block_ids(new.seq_id, new.block_ids)
+            shapes[new.seq_id] = (len(new.token_ids), len(new.block_ids))
+        if len({c.seq_id for c in plan.chunks}) != len(plan.chunks):
+            raise ValueError("a sequence is scheduled twice in one step")
+        for chunk in plan.chunks:
+            if chunk.seq_id not in shapes:
+                raise ValueError(f"chunk for unknown sequence {chunk.seq_id!r}")
+            self._check(chunk, *shapes[chunk.seq_id])
 
-    def _check(self, chunk: ScheduledChunk) -> None:
-        seq = self.sequences.get(chunk.seq_id)
-        if seq is None:
-            raise ValueError(f"chunk for unknown sequence {chunk.seq_id!r}")
+    def _check(self, chunk: ScheduledChunk, num_tokens: int, num_blocks: int) -> None:
         end = chunk.num_computed_tokens + chunk.num_new_tokens
-        if chunk.num_new_tokens < 1 or end > len(seq.token_ids):
+        if chunk.num_new_tokens < 1 or end > num_tokens:
             raise ValueError(
                 f"sequence {chunk.seq_id!r}: chunk [{chunk.num_computed_tokens}, {end}) is outside"
-                f" its {len(seq.token_ids)} tokens"
+                f" its {num_tokens} tokens"
             )
         self._check_block_ids(chunk.seq_id, chunk.new_block_ids)
-        num_blocks = len(seq.block_ids) + len(chunk.new_block_ids)
+        num_blocks += len(chunk.new_block_ids)
         if num_blocks * self.block_size < end:
             raise ValueError(
                 f"sequence {chunk.seq_id!r}: {num_blocks} blocks cannot hold {end} tokens"

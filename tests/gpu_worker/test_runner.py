@@ -131,6 +131,23 @@ def test_bad_plans_are_refused(
         runner.execute(StepPlan(new_sequences=[new], chunks=chunks))
 
 
+def test_a_refused_plan_changes_nothing(model_dirs: dict[str, Path]) -> None:
+    runner = ModelRunner(RunnerConfig(str(model_dirs["llama3-gqa"]), num_blocks=16))
+    running = NewSequence("a", PROMPT, len(PROMPT), SamplingParams(), [1])
+    runner.execute(StepPlan(new_sequences=[running], chunks=[ScheduledChunk("a", 0, 9)]))
+    bad = StepPlan(
+        new_sequences=[NewSequence("b", PROMPT, len(PROMPT), SamplingParams(), [2])],
+        chunks=[ScheduledChunk("b", 0, 9), ScheduledChunk("a", 10, 1, [3])],  # "a" has 10 tokens
+        finished_seq_ids=["a"],
+    )
+    with pytest.raises(ValueError, match="chunk for unknown sequence 'a'"):
+        runner.execute(bad)
+    assert set(runner.sequences) == {"a"}  # neither "b" registered nor "a" dropped
+    assert runner.sequences["a"].block_ids == [1]
+    [token] = runner.execute(StepPlan(chunks=[ScheduledChunk("a", 9, 1, [3])])).sampled
+    assert token.seq_id == "a"
+
+
 def test_too_few_blocks_are_refused(model_dirs: dict[str, Path]) -> None:
     runner = ModelRunner(RunnerConfig(str(model_dirs["llama3-gqa"]), num_blocks=16, block_size=4))
     new = NewSequence("a", PROMPT, len(PROMPT), SamplingParams(), [1, 2])
