@@ -1,0 +1,95 @@
+"""`python -m batcher --model-id DIR --redis-url URL --batcher-id ID`: one batcher process.
+
+Loads the model through `gpu_worker` (the only torch import, done here at start-up), connects to
+Redis and runs the batcher loop until SIGTERM or SIGINT, then drains and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+from pathlib import Path
+from types import FrameType
+
+from batcher.config import SchedulerConfig
+from batcher.detokenize import HFTokenDecoder
+from batcher.engine import LLMEngine
+from batcher.service import BatcherService, ServiceConfig
+from batcher.transport.base import TransportConfig
+from batcher.transport.redis import RedisTransport
+from gpu_worker.config import model_eos_token_ids
+
+log = logging.getLogger("batcher")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m batcher", description=__doc__)
+    parser.add_argument("--model-id", required=True, help="local model directory")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--prefix", default="tgq", help="Redis key prefix")
+    parser.add_argument("--batcher-id", default=socket.gethostname())
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
+    parser.add_argument("--heartbeat-ttl-s", type=float, default=10.0)
+    parser.add_argument("--lease-s", type=float, default=30.0)
+    parser.add_argument("--max-attempts", type=int, default=3)
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    return parser.parse_args(argv)
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    from gpu_worker.runner import ModelRunner, RunnerConfig  # torch, at start-up only
+
+    runner = ModelRunner(
+        RunnerConfig(
+            args.model_id,
+            device=args.device,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+        )
+    )
+    tokenizer = Path(args.model_id) / "tokenizer.json"
+    decoder = HFTokenDecoder.from_file(str(tokenizer)) if tokenizer.exists() else None
+    config = SchedulerConfig(
+        max_batch_size=args.max_batch_size,
+        max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+    )
+    return LLMEngine(runner, config, decoder, model_eos_token_ids(args.model_id))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: draining", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    transport_config = TransportConfig(
+        max_attempts=args.max_attempts, lease_s=args.lease_s, heartbeat_ttl_s=args.heartbeat_ttl_s
+    )
+    transport = RedisTransport.from_url(args.redis_url, args.prefix, transport_config)
+    engine = build_engine(args)
+    service_config = ServiceConfig(
+        args.batcher_id,
+        heartbeat_interval_s=args.heartbeat_ttl_s / 4,
+        reclaim_interval_s=args.lease_s / 2,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+    service = BatcherService(engine, transport, service_config)
+    log.info("batcher %s serving %s", args.batcher_id, args.model_id)
+    service.run(stop)
+    log.info("batcher %s drained", args.batcher_id)
+
+
+if __name__ == "__main__":
+    main()

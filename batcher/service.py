@@ -1,0 +1,215 @@
+"""The batcher loop: the offline engine behind a transport.
+
+Each iteration: pull (never blocking while the engine has work, blocking up to `idle_block_ms`
+when it has none) → aborts and deadlines → one engine step → publish that step's token events in
+one batch → for each finished request publish its final result, then ack. A request is acked only
+after its final result is stored, so a batcher that dies at any point loses nothing: the pending
+entry is reclaimed and rerun elsewhere.
+
+It pulls at most `max_batch_size` minus what it already holds, so work it could not schedule soon
+stays in the queue for idle batchers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from batcher.engine import LLMEngine, RequestOutput
+from batcher.messages import FinalResult, Heartbeat, TokenEvent
+from batcher.request import Request
+from batcher.transport.base import BatcherTransport, Delivery
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    batcher_id: str
+    idle_block_ms: int = 500
+    heartbeat_interval_s: float = 2.0
+    reclaim_interval_s: float = 5.0
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(slots=True)
+class _Active:
+    """A pulled request the engine runs; `request` is None when the engine rejected it."""
+
+    delivery: Delivery
+    request: Request | None
+    num_events: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    deadline_passed: bool = False
+
+
+class BatcherService:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        transport: BatcherTransport,
+        config: ServiceConfig,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.config = config
+        self.clock = clock  # unix time, for deadlines
+        self.active: dict[str, _Active] = {}
+        self._next_heartbeat = 0.0
+        self._next_reclaim = 0.0
+        transport.poll_aborts(config.batcher_id)  # start the abort cursor before any pull
+
+    @property
+    def batcher_id(self) -> str:
+        return self.config.batcher_id
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set, then drain: finish in-flight work within the drain timeout
+        and hand back whatever is left."""
+        while not stop.is_set():
+            self.run_once(is_pulling=True)
+        drain_end = time.monotonic() + self.config.drain_timeout_s
+        while self.active and time.monotonic() < drain_end:
+            self.run_once(is_pulling=False)
+        for active in self.active.values():
+            self.transport.release(self.batcher_id, active.delivery)
+        self.active.clear()
+
+    def run_once(self, *, is_pulling: bool = True) -> None:
+        self._maintain()
+        if is_pulling:
+            self._pull()
+        self._apply_aborts_and_deadlines()
+        if self.engine.has_unfinished:
+            self._step()
+
+    def _maintain(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval_s
+            self.transport.heartbeat(self.heartbeat())
+        if now >= self._next_reclaim:
+            self._next_reclaim = now + self.config.reclaim_interval_s
+            num_reclaimed = self.transport.reclaim(self.batcher_id)
+            if num_reclaimed:
+                log.warning("requeued %d requests of dead batchers", num_reclaimed)
+
+    def heartbeat(self) -> Heartbeat:
+        scheduler = self.engine.scheduler
+        return Heartbeat(
+            self.batcher_id,
+            len(scheduler.running),
+            len(scheduler.waiting),
+            scheduler.kv.num_free_blocks,
+            scheduler.config.max_batch_size,
+            self.clock(),
+        )
+
+    def _pull(self) -> None:
+        num_wanted = self.engine.scheduler.config.max_batch_size - len(self.active)
+        if num_wanted <= 0:
+            return
+        block_ms = 0 if self.engine.has_unfinished else self.config.idle_block_ms
+        for delivery in self.transport.pull(self.batcher_id, num_wanted, block_ms):
+            self._admit(delivery)
+
+    def _admit(self, delivery: Delivery) -> None:
+        submit = delivery.request
+        if submit.request_id in self.active:
+            return  # already running here (a redelivery); the running copy will ack
+        if delivery.is_aborted:
+            self._finish(_Active(delivery, None), "abort", "aborted before it started")
+            return
+        if submit.deadline is not None and submit.deadline <= self.clock():
+            self._finish(_Active(delivery, None), "deadline", "deadline passed before it started")
+            return
+        try:
+            self.engine.add_request(
+                submit.prompt_token_ids,
+                submit.sampling,
+                submit.stopping,
+                priority=submit.priority,
+                request_id=submit.request_id,
+            )
+        except ValueError as error:  # e.g. stop strings for a batcher without a tokenizer
+            self._finish(_Active(delivery, None), "rejected", str(error))
+            return
+        request = self.engine.scheduler.requests.get(submit.request_id)
+        self.active[submit.request_id] = _Active(delivery, request)
+
+    def _apply_aborts_and_deadlines(self) -> None:
+        for request_id in self.transport.poll_aborts(self.batcher_id):
+            if request_id in self.active:
+                self.engine.abort(request_id)
+        now = self.clock()
+        for request_id, active in self.active.items():
+            deadline = active.delivery.request.deadline
+            if deadline is not None and deadline <= now and not active.deadline_passed:
+                active.deadline_passed = True
+                self.engine.abort(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            self._fail_all(f"engine error: {error!r}")
+            raise
+        events = [self._event(output) for output in outputs if output.request_id in self.active]
+        self.transport.publish_tokens([e for e in events if e is not None])
+        for output in outputs:
+            active = self.active.get(output.request_id)
+            if active is not None and output.is_finished:
+                self._finish_output(active, output)
+
+    def _event(self, output: RequestOutput) -> TokenEvent | None:
+        active = self.active[output.request_id]
+        active.token_ids += output.new_token_ids
+        active.text += output.new_text
+        if not output.new_token_ids and not output.new_text:
+            return None
+        event = TokenEvent(
+            output.request_id,
+            active.num_events,
+            output.new_token_ids,
+            output.new_logprobs,
+            output.new_text,
+            active.delivery.request.attempt,
+        )
+        active.num_events += 1
+        return event
+
+    def _finish_output(self, active: _Active, output: RequestOutput) -> None:
+        if active.deadline_passed:
+            num_tokens = len(active.token_ids)
+            self._finish(active, "deadline", f"deadline passed after {num_tokens} tokens")
+        else:
+            self._finish(active, output.finish_reason or "abort", output.finish_detail)
+
+    def _finish(self, active: _Active, reason: str, detail: str | None) -> None:
+        submit, request = active.delivery.request, active.request
+        has_text = request is not None and request.output_text is not None
+        result = FinalResult(
+            submit.request_id,
+            active.token_ids,
+            reason,
+            detail,
+            len(submit.prompt_token_ids),
+            len(active.token_ids),
+            request.num_cached_tokens if request is not None else 0,
+            submit.attempt,
+            self.batcher_id,
+            active.text if has_text else None,
+        )
+        if not self.transport.publish_final(result):
+            log.info("request %s already had a final result; dropped ours", submit.request_id)
+        self.transport.ack(self.batcher_id, active.delivery)
+        self.active.pop(submit.request_id, None)
+
+    def _fail_all(self, detail: str) -> None:
+        for active in list(self.active.values()):
+            self._finish(active, "failed", detail)

@@ -1,0 +1,226 @@
+"""The batcher loop over the in-process transport and the fake runner: what it publishes, when it
+acks, and how aborts, deadlines, drain and engine errors end requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from batcher.config import SchedulerConfig
+from batcher.engine import LLMEngine
+from batcher.messages import FinalResult, SubmitRequest
+from batcher.request import Priority, StoppingParams
+from batcher.service import BatcherService, ServiceConfig
+from batcher.transport.base import TransportConfig
+from batcher.transport.memory import MemoryTransport
+from gpu_worker.plan import SamplingParams, StepPlan, StepResult
+from tests.batcher.fake_runner import FakeRunner
+
+NUM_BLOCKS = 64
+BLOCK_SIZE = 4
+CONFIG = TransportConfig(lease_s=0.01, heartbeat_ttl_s=0.01)
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_engine(max_batch_size: int = 8) -> LLMEngine:
+    config = SchedulerConfig(max_batch_size=max_batch_size, max_batch_prefill_tokens=64)
+    return LLMEngine(FakeRunner(NUM_BLOCKS, BLOCK_SIZE), config)
+
+
+def make_service(
+    transport: MemoryTransport, clock: Clock | None = None, max_batch_size: int = 8
+) -> BatcherService:
+    config = ServiceConfig("b0", idle_block_ms=0, drain_timeout_s=5.0)
+    return BatcherService(make_engine(max_batch_size), transport, config, clock or Clock())
+
+
+def submit(
+    transport: MemoryTransport,
+    request_id: str,
+    prompt: list[int],
+    max_new_tokens: int = 6,
+    deadline: float | None = None,
+    stop_strings: tuple[str, ...] = (),
+) -> None:
+    stopping = StoppingParams(max_new_tokens=max_new_tokens, stop_strings=stop_strings)
+    request = SubmitRequest(
+        request_id, prompt, SamplingParams(), stopping, Priority.INTERACTIVE, deadline
+    )
+    transport.submit(request)
+
+
+def run_until_final(service: BatcherService, transport: MemoryTransport, request_id: str) -> None:
+    for _ in range(100):
+        if transport.read_final(request_id) is not None:
+            return
+        service.run_once()
+    raise AssertionError(f"{request_id} never finished")
+
+
+def final_of(transport: MemoryTransport, request_id: str) -> FinalResult:
+    result = transport.read_final(request_id)
+    assert result is not None
+    return result
+
+
+def assert_nothing_pending(transport: MemoryTransport) -> None:
+    time.sleep(CONFIG.lease_s * 2)
+    assert transport.reclaim("other") == 0
+
+
+def test_outputs_equal_the_offline_engine_and_each_request_is_acked() -> None:
+    prompts = [[i + 1, i + 2, (3 * i) % 7 + 1] for i in range(12)]
+    expected = make_engine().generate(prompts, stopping=StoppingParams(max_new_tokens=6))
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport)
+    for i, prompt in enumerate(prompts):
+        submit(transport, f"r{i}", prompt)
+    for i in range(len(prompts)):
+        run_until_final(service, transport, f"r{i}")
+    for i, reference in enumerate(expected):
+        events = transport.read_tokens(f"r{i}", 0, 0)
+        assert [e.seq_index for e in events] == list(range(len(events)))
+        assert [t for e in events for t in e.token_ids] == reference.token_ids
+        result = final_of(transport, f"r{i}")
+        assert result.token_ids == reference.token_ids
+        assert (result.finish_reason, result.batcher_id, result.attempt) == ("length", "b0", 1)
+        assert (result.num_prompt_tokens, result.num_output_tokens) == (3, 6)
+    assert not service.active
+    assert_nothing_pending(transport)
+
+
+def test_pulls_no_more_than_it_can_batch() -> None:
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport, max_batch_size=2)
+    for i in range(5):
+        submit(transport, f"r{i}", [1, 2, 3], max_new_tokens=20)
+    service.run_once()
+    assert sorted(service.active) == ["r0", "r1"]
+    assert len(transport.pull("idle-batcher", 10, 0)) == 3
+
+
+def test_abort_mid_generation_frees_the_blocks_within_one_step() -> None:
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport)
+    kv = service.engine.scheduler.kv
+    num_free = kv.num_free_blocks
+    submit(transport, "r0", list(range(1, 10)), max_new_tokens=40)
+    for _ in range(3):
+        service.run_once()
+    assert kv.num_free_blocks < num_free
+    transport.abort("r0")
+    service.run_once()
+    assert kv.num_free_blocks == num_free
+    result = final_of(transport, "r0")
+    assert (result.finish_reason, result.finish_detail) == ("abort", "aborted")
+    assert len(result.token_ids) == len(transport.read_tokens("r0", 0, 0)) == 3
+    kv.check_integrity()
+    assert_nothing_pending(transport)
+
+
+def test_an_abort_before_the_pull_never_reaches_the_engine() -> None:
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport)
+    submit(transport, "r0", [1, 2])
+    transport.abort("r0")
+    service.run_once()
+    result = final_of(transport, "r0")
+    assert (result.finish_reason, result.finish_detail) == ("abort", "aborted before it started")
+    assert not service.engine.has_unfinished
+    assert_nothing_pending(transport)
+
+
+def test_deadlines_fire_for_waiting_and_running_requests() -> None:
+    clock = Clock()
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport, clock)
+    submit(transport, "late", [1, 2], deadline=clock.now - 1)
+    submit(transport, "running", [1, 2], max_new_tokens=40, deadline=clock.now + 10)
+    for _ in range(3):
+        service.run_once()
+    clock.now += 11
+    service.run_once()
+    late, running = final_of(transport, "late"), final_of(transport, "running")
+    assert (late.finish_reason, late.finish_detail) == (
+        "deadline",
+        "deadline passed before it started",
+    )
+    assert running.finish_reason == "deadline"
+    assert running.finish_detail == "deadline passed after 3 tokens"
+    assert (
+        service.engine.scheduler.kv.num_free_blocks == service.engine.scheduler.kv.num_usable_blocks
+    )
+    assert_nothing_pending(transport)
+
+
+def test_a_request_the_engine_rejects_gets_a_final_result() -> None:
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport)
+    submit(transport, "stops", [1, 2], stop_strings=("\n",))
+    submit(transport, "huge", [1] * 300)
+    service.run_once()
+    service.run_once()
+    stops, huge = final_of(transport, "stops"), final_of(transport, "huge")
+    assert stops.finish_reason == huge.finish_reason == "rejected"
+    assert stops.finish_detail == "stop strings need an engine with a tokenizer (decoder)"
+    assert huge.finish_detail
+    assert_nothing_pending(transport)
+
+
+class BrokenRunner(FakeRunner):
+    def execute(self, plan: StepPlan) -> StepResult:
+        raise RuntimeError("device lost")
+
+
+def test_an_engine_error_fails_every_request_it_holds() -> None:
+    transport = MemoryTransport(CONFIG)
+    engine = LLMEngine(BrokenRunner(NUM_BLOCKS, BLOCK_SIZE), SchedulerConfig())
+    service = BatcherService(engine, transport, ServiceConfig("b0", idle_block_ms=0))
+    submit(transport, "r0", [1, 2])
+    submit(transport, "r1", [3, 4])
+    with pytest.raises(RuntimeError, match="device lost"):
+        service.run_once()
+    for request_id in ("r0", "r1"):
+        result = final_of(transport, request_id)
+        assert result.finish_reason == "failed"
+        assert result.finish_detail == "engine error: RuntimeError('device lost')"
+    assert_nothing_pending(transport)
+
+
+def test_drain_finishes_in_flight_work_and_stops_pulling() -> None:
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport)
+    submit(transport, "r0", [1, 2], max_new_tokens=10)
+    service.run_once()
+    submit(transport, "queued", [3, 4])
+    stop = threading.Event()
+    stop.set()
+    service.run(stop)
+    assert final_of(transport, "r0").finish_reason == "length"
+    assert transport.read_final("queued") is None
+    assert [d.request.request_id for d in transport.pull("b1", 5, 0)] == ["queued"]
+
+
+def test_drain_hands_back_what_it_cannot_finish_in_time() -> None:
+    transport = MemoryTransport(CONFIG)
+    config = ServiceConfig("b0", idle_block_ms=0, drain_timeout_s=0.0)
+    service = BatcherService(make_engine(), transport, config)
+    submit(transport, "r0", [1, 2], max_new_tokens=30)
+    service.run_once()
+    stop = threading.Event()
+    stop.set()
+    service.run(stop)
+    assert transport.read_final("r0") is None
+    (again,) = transport.pull("b1", 5, 0)
+    assert (again.request.request_id, again.request.attempt) == ("r0", 1)
