@@ -1,0 +1,110 @@
+"""A real batcher process on a tiny model, fed through the real Redis: 50 requests come back with
+exactly the offline engine's greedy tokens, streamed in order, each with one final result; SIGTERM
+exits 0."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from batcher.config import SchedulerConfig
+from batcher.engine import LLMEngine
+from batcher.messages import SubmitRequest
+from batcher.request import Priority, StoppingParams
+from batcher.transport.redis import RedisTransport
+from gpu_worker.config import model_eos_token_ids
+from gpu_worker.plan import SamplingParams
+from gpu_worker.runner import ModelRunner, RunnerConfig
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+NUM_REQUESTS = 50
+NUM_BLOCKS = 256
+BLOCK_SIZE = 16
+STOPPING = StoppingParams(max_new_tokens=8)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    prefix = f"test-{uuid.uuid4().hex}"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def make_prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, 40))] for _ in range(50)]
+
+
+def offline_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    config = RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    eos_token_ids = model_eos_token_ids(model_dir)
+    engine = LLMEngine(ModelRunner(config), SchedulerConfig(), eos_token_ids=eos_token_ids)
+    return [g.token_ids for g in engine.generate(prompts, stopping=STOPPING)]
+
+
+def start_batcher(model_dir: Path, prefix: str, batcher_id: str) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "batcher", "--model-id", str(model_dir), "--redis-url", REDIS_URL,
+        "--prefix", prefix, "--batcher-id", batcher_id, "--num-blocks", str(NUM_BLOCKS),
+        "--block-size", str(BLOCK_SIZE), "--max-batch-size", "16",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE)
+
+
+def follow(transport: RedisTransport, request_id: str) -> list[int]:
+    """A streaming reader: token ids of every event in order, until the final result."""
+    token_ids: list[int] = []
+    seq_index = 0
+    while transport.read_final(request_id) is None or transport.read_tokens(
+        request_id, seq_index, 0
+    ):
+        for event in transport.read_tokens(request_id, seq_index, 5.0):
+            assert event.seq_index == seq_index
+            token_ids += event.token_ids
+            seq_index += 1
+    return token_ids
+
+
+@pytest.mark.timeout(180)
+def test_fifty_requests_through_redis_match_the_offline_engine(
+    model_dirs: dict[str, Path], redis_prefix: str
+) -> None:
+    model_dir, prompts = model_dirs["llama3-gqa"], make_prompts()
+    process = start_batcher(model_dir, redis_prefix, "b0")
+    try:
+        expected = offline_tokens(model_dir, prompts)
+        transport = RedisTransport(redis.Redis.from_url(REDIS_URL), redis_prefix)
+        for i, prompt in enumerate(prompts):
+            priority = Priority.BULK if i % 3 == 0 else Priority.INTERACTIVE
+            transport.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING, priority))
+        for i, reference in enumerate(expected):
+            assert follow(transport, f"r{i}") == reference
+            result = transport.read_final(f"r{i}", 60)
+            assert result is not None
+            assert result.token_ids == reference
+            assert (result.attempt, result.batcher_id) == (1, "b0")
+            assert result.finish_reason in ("length", "stop")
+        assert [b.batcher_id for b in transport.live_batchers()] == ["b0"]
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 0, stderr.decode()[-2000:]
+        assert b"drained" in stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
