@@ -48,6 +48,7 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool
     sliding_window: int | None
+    layer_types: tuple[str, ...]  # per layer: "full_attention" or "sliding_attention"
     hidden_act: str
     dtype: str | None
     eos_token_ids: list[int]
@@ -79,6 +80,7 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=_parse_sliding_window(d),
+            layer_types=_parse_layer_types(d),
             hidden_act=_parse_hidden_act(d),
             dtype=d.get("dtype") or d.get("torch_dtype"),
             eos_token_ids=_as_id_list(d.get("eos_token_id")),
@@ -122,6 +124,26 @@ def _parse_sliding_window(d: dict[str, Any]) -> int | None:
         return None
     window = d.get("sliding_window")
     return None if window is None else int(window)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _parse_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
+    """Which layers use the sliding window: `layer_types` when given; else, with a window, the
+    layers from `max_window_layers` on (Qwen2/Qwen3), or every layer (Mistral)."""
+    num_layers = int(_require(d, "num_hidden_layers"))
+    explicit = d.get("layer_types")
+    if explicit is not None:
+        if len(explicit) != num_layers or any(t not in LAYER_TYPES for t in explicit):
+            raise ValueError(
+                f"layer_types must list {num_layers} of {', '.join(LAYER_TYPES)}, got {explicit}"
+            )
+        return tuple(explicit)
+    if _parse_sliding_window(d) is None:
+        return ("full_attention",) * num_layers
+    first_sliding = int(d.get("max_window_layers") or 0)
+    return tuple(LAYER_TYPES[i >= first_sliding] for i in range(num_layers))
 
 
 def _parse_hidden_act(d: dict[str, Any]) -> str:

@@ -157,7 +157,9 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, [self._layer(config) for _ in range(config.num_layers)])
+        self.model = DecoderModel(
+            config, [self._layer(config, i) for i in range(config.num_layers)]
+        )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
             config.head_dim,
@@ -171,14 +173,15 @@ class DecoderForCausalLM(nn.Module):
         """(q/k/v bias, o_proj bias); by default both follow `attention_bias`."""
         return config.attention_bias, config.attention_bias
 
-    def _layer(self, config: ModelConfig) -> DecoderLayer:
+    def _layer(self, config: ModelConfig, index: int) -> DecoderLayer:
         qkv_bias, o_bias = self.attention_biases(config)
+        is_sliding = self.uses_sliding_window and config.layer_types[index] == "sliding_attention"
         attention = Attention(
             config,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=self.qk_norm,
-            sliding_window=config.sliding_window if self.uses_sliding_window else None,
+            sliding_window=config.sliding_window if is_sliding else None,
         )
         return DecoderLayer(config, attention)
 

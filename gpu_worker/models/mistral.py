@@ -1,4 +1,5 @@
-"""Mistral: Llama with an optional sliding attention window on every layer."""
+"""Mistral: Llama with an optional sliding attention window (on every layer unless
+`layer_types` says otherwise)."""
 
 from __future__ import annotations
 

@@ -134,6 +134,20 @@ def test_qwen2_sliding_window_is_off_unless_enabled() -> None:
     assert ModelConfig.from_dict(qwen2).sliding_window == 131072
 
 
+def test_layer_types_say_which_layers_slide() -> None:
+    base = {**llama_base(), "num_hidden_layers": 4, "sliding_window": 16}
+    full, sliding = "full_attention", "sliding_attention"
+    assert ModelConfig.from_dict(base).layer_types == (sliding,) * 4  # Mistral: every layer
+    qwen = {**base, "use_sliding_window": True, "max_window_layers": 3}
+    assert ModelConfig.from_dict(qwen).layer_types == (full, full, full, sliding)
+    off = {**qwen, "use_sliding_window": False}
+    assert ModelConfig.from_dict(off).layer_types == (full,) * 4
+    explicit = {**base, "layer_types": [sliding, full, sliding, full]}
+    assert ModelConfig.from_dict(explicit).layer_types == (sliding, full, sliding, full)
+    with pytest.raises(ValueError, match="layer_types must list 4 of"):
+        ModelConfig.from_dict({**base, "layer_types": [full]})
+
+
 def test_mistral_sliding_window() -> None:
     mistral = {**llama_base(), "sliding_window": 4096}
     assert ModelConfig.from_dict(mistral).sliding_window == 4096

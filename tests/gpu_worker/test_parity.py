@@ -120,3 +120,19 @@ def test_dynamic_rope_past_the_original_length(tmp_path: Path) -> None:
     prompt = prompts(1, 512, 5, (20, 20))[0]
     [ours] = engine(model_dir).generate([prompt], GREEDY_WITH_LOGPROBS, max_new_tokens=16)
     assert_matches(ours, hf_generate(model_dir, prompt, num_new=16))
+
+
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_sliding_window_on_the_upper_layers_only(architecture: str, tmp_path: Path) -> None:
+    """`use_sliding_window` with `max_window_layers`: layer 0 attends fully, layer 1 to the last
+    8 positions; prompts and decodes run well past the window, prefilled in chunks."""
+    config = make_config(
+        architecture, use_sliding_window=True, sliding_window=8, max_window_layers=1
+    )
+    model_dir = write_model(tmp_path / architecture, config, seed=3)
+    batch = prompts(2, 512, 6, (20, 40))
+    results = engine(model_dir).generate(
+        batch, GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW, chunk_size=7
+    )
+    for ours, prompt in zip(results, batch, strict=True):
+        assert_matches(ours, hf_generate(model_dir, prompt))
