@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+import redis
+
 from batcher.config import SchedulerConfig
 from batcher.detokenize import HFTokenDecoder
 from batcher.engine import LLMEngine
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         reclaim_interval_s=args.lease_s / 2,
         drain_timeout_s=args.drain_timeout_s,
     )
-    service = BatcherService(engine, transport, service_config)
+    transient_errors = (redis.ConnectionError, redis.TimeoutError)
+    service = BatcherService(engine, transport, service_config, transient_errors=transient_errors)
     log.info("batcher %s serving %s", args.batcher_id, args.model_id)
     service.run(stop)
     log.info("batcher %s drained", args.batcher_id)

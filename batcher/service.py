@@ -8,6 +8,10 @@ entry is reclaimed and rerun elsewhere.
 
 It pulls at most `max_batch_size` minus what it already holds, so work it could not schedule soon
 stays in the queue for idle batchers.
+
+Events and final results go through an outbox: when the transport is down (`transient_errors`,
+e.g. Redis restarting), `run` backs off and retries, and the outbox is flushed, in order, before
+the engine steps again, so a reader never sees a gap in a request's seq indices.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class ServiceConfig:
     heartbeat_interval_s: float = 2.0
     reclaim_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
+    max_backoff_s: float = 5.0
 
 
 @dataclass(slots=True)
@@ -54,12 +59,16 @@ class BatcherService:
         transport: BatcherTransport,
         config: ServiceConfig,
         clock: Callable[[], float] = time.time,
+        transient_errors: tuple[type[Exception], ...] = (),
     ) -> None:
         self.engine = engine
         self.transport = transport
         self.config = config
         self.clock = clock  # unix time, for deadlines
+        self.transient_errors = transient_errors
         self.active: dict[str, _Active] = {}
+        self._outbox_events: list[TokenEvent] = []
+        self._outbox_finals: list[tuple[FinalResult, Delivery]] = []  # published, then acked
         self._next_heartbeat = 0.0
         self._next_reclaim = 0.0
         transport.poll_aborts(config.batcher_id)  # start the abort cursor before any pull
@@ -72,21 +81,38 @@ class BatcherService:
         """Serve until `stop` is set, then drain: finish in-flight work within the drain timeout
         and hand back whatever is left."""
         while not stop.is_set():
-            self.run_once(is_pulling=True)
+            self._run_once_or_back_off(is_pulling=True)
         drain_end = time.monotonic() + self.config.drain_timeout_s
-        while self.active and time.monotonic() < drain_end:
-            self.run_once(is_pulling=False)
+        while self._has_work and time.monotonic() < drain_end:
+            self._run_once_or_back_off(is_pulling=False)
         for active in self.active.values():
             self.transport.release(self.batcher_id, active.delivery)
         self.active.clear()
 
+    @property
+    def _has_work(self) -> bool:
+        return bool(self.active or self._outbox_events or self._outbox_finals)
+
+    def _run_once_or_back_off(self, *, is_pulling: bool) -> None:
+        backoff_s = 0.05
+        while True:
+            try:
+                self.run_once(is_pulling=is_pulling)
+                return
+            except self.transient_errors as error:
+                log.warning("transport unavailable (%r); retrying in %.2fs", error, backoff_s)
+                time.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, self.config.max_backoff_s)
+
     def run_once(self, *, is_pulling: bool = True) -> None:
+        self._flush()  # left over from a transport error
         self._maintain()
         if is_pulling:
             self._pull()
         self._apply_aborts_and_deadlines()
         if self.engine.has_unfinished:
             self._step()
+        self._flush()
 
     def _maintain(self) -> None:
         now = time.monotonic()
@@ -160,11 +186,22 @@ class BatcherService:
             self._fail_all(f"engine error: {error!r}")
             raise
         events = [self._event(output) for output in outputs if output.request_id in self.active]
-        self.transport.publish_tokens([e for e in events if e is not None])
+        self._outbox_events += [e for e in events if e is not None]
         for output in outputs:
             active = self.active.get(output.request_id)
             if active is not None and output.is_finished:
                 self._finish_output(active, output)
+
+    def _flush(self) -> None:
+        if self._outbox_events:
+            self.transport.publish_tokens(self._outbox_events)
+            self._outbox_events = []
+        while self._outbox_finals:
+            result, delivery = self._outbox_finals[0]
+            if not self.transport.publish_final(result):
+                log.info("request %s already had a final result; dropped ours", result.request_id)
+            self.transport.ack(self.batcher_id, delivery)
+            self._outbox_finals.pop(0)
 
     def _event(self, output: RequestOutput) -> TokenEvent | None:
         active = self.active[output.request_id]
@@ -205,11 +242,10 @@ class BatcherService:
             self.batcher_id,
             active.text if has_text else None,
         )
-        if not self.transport.publish_final(result):
-            log.info("request %s already had a final result; dropped ours", submit.request_id)
-        self.transport.ack(self.batcher_id, active.delivery)
+        self._outbox_finals.append((result, active.delivery))
         self.active.pop(submit.request_id, None)
 
     def _fail_all(self, detail: str) -> None:
         for active in list(self.active.values()):
             self._finish(active, "failed", detail)
+        self._flush()

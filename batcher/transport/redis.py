@@ -79,12 +79,23 @@ class RedisTransport:
         self._publish_final = client.register_script(_PUBLISH_FINAL)
         self._held: dict[str, list[Delivery]] = {}  # pulled past max_count, returned next pull
         self._abort_cursors: dict[str, str] = {}
+        self._create_groups()
+
+    def _create_groups(self) -> None:
+        """Idempotent; run again when Redis lost the streams (restarted without persistence)."""
         for priority in Priority:
             try:
-                client.xgroup_create(self._queue(priority), GROUP, id="0", mkstream=True)
+                self.client.xgroup_create(self._queue(priority), GROUP, id="0", mkstream=True)
             except redis.ResponseError as error:
                 if "BUSYGROUP" not in str(error):
                     raise
+
+    def _recreated_lost_groups(self, error: redis.ResponseError) -> bool:
+        if "NOGROUP" not in str(error):
+            return False
+        log.warning("the request streams are gone (Redis restarted empty?); recreating them")
+        self._create_groups()
+        return True
 
     @classmethod
     def from_url(
@@ -153,7 +164,12 @@ class RedisTransport:
         self, batcher_id: str, priorities: list[Priority], count: int, block_ms: int | None
     ) -> list[Delivery]:
         streams: dict[KeyT, StreamIdT] = {self._queue(p): ">" for p in priorities}
-        found: Any = self.client.xreadgroup(GROUP, batcher_id, streams, count, block_ms)
+        try:
+            found: Any = self.client.xreadgroup(GROUP, batcher_id, streams, count, block_ms)
+        except redis.ResponseError as error:
+            if not self._recreated_lost_groups(error):
+                raise
+            return []
         deliveries = []
         for stream, entries in found or []:
             for entry_id, fields in entries:
@@ -245,7 +261,14 @@ class RedisTransport:
 
     def _reclaim_stream(self, stream: str, batcher_id: str, max_count: int) -> int:
         lease_ms = _ms(self.config.lease_s)
-        pending: Any = self.client.xpending_range(stream, GROUP, "-", "+", max_count, idle=lease_ms)
+        try:
+            pending: Any = self.client.xpending_range(
+                stream, GROUP, "-", "+", max_count, idle=lease_ms
+            )
+        except redis.ResponseError as error:
+            if not self._recreated_lost_groups(error):
+                raise
+            return 0
         owners = sorted({entry["consumer"] for entry in pending})
         pipe = self.client.pipeline()
         for owner in owners:

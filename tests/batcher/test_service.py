@@ -10,7 +10,7 @@ import pytest
 
 from batcher.config import SchedulerConfig
 from batcher.engine import LLMEngine
-from batcher.messages import FinalResult, SubmitRequest
+from batcher.messages import FinalResult, SubmitRequest, TokenEvent
 from batcher.request import Priority, StoppingParams
 from batcher.service import BatcherService, ServiceConfig
 from batcher.transport.base import TransportConfig
@@ -224,3 +224,56 @@ def test_drain_hands_back_what_it_cannot_finish_in_time() -> None:
     assert transport.read_final("r0") is None
     (again,) = transport.pull("b1", 5, 0)
     assert (again.request.request_id, again.request.attempt) == ("r0", 1)
+
+
+class OutageError(Exception):
+    pass
+
+
+class FlakyTransport(MemoryTransport):
+    """Publishing fails while `is_down`."""
+
+    is_down = False
+
+    def publish_tokens(self, events: list[TokenEvent]) -> None:
+        if self.is_down:
+            raise OutageError("transport down")
+        super().publish_tokens(events)
+
+
+def test_events_wait_in_the_outbox_through_an_outage() -> None:
+    expected = make_engine().generate([[5, 6, 7]], stopping=StoppingParams(max_new_tokens=8))
+    transport = FlakyTransport(CONFIG)
+    service = make_service(transport)
+    submit(transport, "r0", [5, 6, 7], max_new_tokens=8)
+    service.run_once()
+    service.run_once()
+    transport.is_down = True
+    for _ in range(3):
+        with pytest.raises(OutageError):
+            service.run_once()
+    transport.is_down = False
+    run_until_final(service, transport, "r0")
+    events = transport.read_tokens("r0", 0, 0)
+    assert [e.seq_index for e in events] == list(range(8))
+    assert [t for e in events for t in e.token_ids] == expected[0].token_ids
+
+
+def test_run_backs_off_and_carries_on_after_an_outage() -> None:
+    transport = FlakyTransport(CONFIG)
+    transport.is_down = True
+    config = ServiceConfig("b0", idle_block_ms=10, max_backoff_s=0.05)
+    service = BatcherService(make_engine(), transport, config, transient_errors=(OutageError,))
+    submit(transport, "r0", [5, 6, 7], max_new_tokens=8)
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,))
+    thread.start()
+    time.sleep(0.2)
+    assert transport.read_final("r0") is None
+    transport.is_down = False
+    result = transport.read_final("r0", 5)
+    stop.set()
+    thread.join(5)
+    assert result is not None
+    assert result.finish_reason == "length"
+    assert not thread.is_alive()
