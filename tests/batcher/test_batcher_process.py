@@ -44,23 +44,27 @@ def redis_prefix() -> Iterator[str]:
     client.close()
 
 
-def make_prompts() -> list[list[int]]:
+def make_prompts(num_prompts: int = NUM_REQUESTS) -> list[list[int]]:
     rng = random.Random(4)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, 40))] for _ in range(50)]
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(1, 40))] for _ in range(num_prompts)]
 
 
-def offline_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+def offline_tokens(
+    model_dir: Path, prompts: list[list[int]], stopping: StoppingParams = STOPPING
+) -> list[list[int]]:
     config = RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     eos_token_ids = model_eos_token_ids(model_dir)
     engine = LLMEngine(ModelRunner(config), SchedulerConfig(), eos_token_ids=eos_token_ids)
-    return [g.token_ids for g in engine.generate(prompts, stopping=STOPPING)]
+    return [g.token_ids for g in engine.generate(prompts, stopping=stopping)]
 
 
-def start_batcher(model_dir: Path, prefix: str, batcher_id: str) -> subprocess.Popen[bytes]:
+def start_batcher(
+    model_dir: Path, prefix: str, batcher_id: str, *options: str, redis_url: str = REDIS_URL
+) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "batcher", "--model-id", str(model_dir), "--redis-url", REDIS_URL,
+        sys.executable, "-m", "batcher", "--model-id", str(model_dir), "--redis-url", redis_url,
         "--prefix", prefix, "--batcher-id", batcher_id, "--num-blocks", str(NUM_BLOCKS),
-        "--block-size", str(BLOCK_SIZE), "--max-batch-size", "16",
+        "--block-size", str(BLOCK_SIZE), "--max-batch-size", "16", *options,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE)

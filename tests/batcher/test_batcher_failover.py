@@ -1,0 +1,152 @@
+"""Batcher processes losing a peer or their Redis: `kill -9` of one of two batchers mid-generation
+and a Redis restart mid-run both end with every request complete, with exactly the offline
+engine's greedy tokens and one final result each."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from batcher.messages import FinalResult, SubmitRequest
+from batcher.request import StoppingParams
+from batcher.transport.redis import RedisTransport
+from gpu_worker.plan import SamplingParams
+from tests.batcher.test_batcher_process import (
+    REDIS_URL,
+    follow,
+    make_prompts,
+    offline_tokens,
+    start_batcher,
+)
+
+STOPPING = StoppingParams(max_new_tokens=64, ignore_eos=True)
+FAST_FAILOVER = ("--heartbeat-ttl-s", "1", "--lease-s", "1", "--max-batch-size", "6")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 60, what: object = "") -> None:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < end, f"timed out: {what() if callable(what) else what}"
+        time.sleep(0.05)
+
+
+def submit_all(transport: RedisTransport, prompts: list[list[int]]) -> None:
+    for i, prompt in enumerate(prompts):
+        transport.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING))
+
+
+def check_results(transport: RedisTransport, expected: list[list[int]]) -> list[FinalResult]:
+    results = []
+    for i, reference in enumerate(expected):
+        assert follow(transport, f"r{i}") == reference
+        result = transport.read_final(f"r{i}")
+        assert result is not None
+        assert (result.token_ids, result.finish_reason) == (reference, "length")
+        results.append(result)
+    return results
+
+
+def drain(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+
+
+@pytest.mark.timeout(240)
+def test_kill_9_of_one_batcher_loses_nothing(
+    model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]]
+) -> None:
+    model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(30)
+    prefix = f"test-{uuid.uuid4().hex}"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        transport = RedisTransport(client, prefix)
+        processes += [start_batcher(model_dir, prefix, b, *FAST_FAILOVER) for b in ("b0", "b1")]
+        expected = offline_tokens(model_dir, prompts, STOPPING)
+        wait_for(lambda: len(transport.live_batchers()) == 2, what=transport.live_batchers)
+        submit_all(transport, prompts)
+        wait_for(lambda: _is_running(transport, "b1"), what=transport.live_batchers)
+        processes[1].kill()  # mid-generation
+        results = check_results(transport, expected)
+        assert any(r.batcher_id == "b0" and r.attempt == 1 for r in results)
+        assert any(r.batcher_id == "b0" and r.attempt == 2 for r in results)  # b1's, rerun
+        drain(processes[0])
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def _is_running(transport: RedisTransport, batcher_id: str) -> bool:
+    return any(b.batcher_id == batcher_id and b.num_running for b in transport.live_batchers())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_redis(port: int, data_dir: Path) -> subprocess.Popen[bytes]:
+    command = [
+        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "yes", "--appendfsync", "always", "--dir", str(data_dir),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    wait_for(lambda: _pings(client), 10)
+    client.close()
+    return process
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.mark.timeout(240)
+def test_a_redis_restart_mid_run_is_survived(
+    model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(20)
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    processes.append(start_redis(port, tmp_path))
+    processes.append(start_batcher(model_dir, "tgq", "b0", redis_url=url))
+    client = redis.Redis.from_url(url)
+    transport = RedisTransport(client, "tgq")
+    expected = offline_tokens(model_dir, prompts, STOPPING)
+    submit_all(transport, prompts)
+    assert transport.read_final("r0", 60) is not None
+    assert transport.read_final(f"r{len(prompts) - 1}") is None  # mid-run
+    processes[0].send_signal(signal.SIGTERM)  # a clean shutdown keeps the AOF
+    processes[0].wait(10)
+    time.sleep(1)
+    processes[0] = start_redis(port, tmp_path)
+    results = check_results(transport, expected)
+    assert processes[1].poll() is None  # the same batcher process, no crash loop
+    assert {r.batcher_id for r in results} == {"b0"}
+    drain(processes[1])
+    client.close()
