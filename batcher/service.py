@@ -72,6 +72,9 @@ class BatcherService:
         self._next_heartbeat = 0.0
         self._next_reclaim = 0.0
         transport.poll_aborts(config.batcher_id)  # start the abort cursor before any pull
+        num_recovered = transport.recover(config.batcher_id)
+        if num_recovered:
+            log.warning("requeued %d requests left by a previous process", num_recovered)
 
     @property
     def batcher_id(self) -> str:

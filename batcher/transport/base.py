@@ -109,6 +109,12 @@ class BatcherTransport(Protocol):
         """Requeues (or fails, past max attempts) entries of dead batchers; returns how many."""
         ...
 
+    def recover(self, batcher_id: str, max_count: int = 1000) -> int:
+        """At start-up, before the first pull: requeues (or fails) what is still pending to this
+        batcher id. A previous process with the same id left it; its heartbeat (ours now) would
+        keep `reclaim` off it forever."""
+        ...
+
 
 class Transport(ApiTransport, BatcherTransport, Protocol):
     """Both sides: each backend implements the whole contract."""

@@ -147,6 +147,14 @@ class MemoryTransport:
             self._changed.notify_all()
             return len(expired)
 
+    def recover(self, batcher_id: str, max_count: int = 1000) -> int:
+        with self._changed:
+            own = [e for e, p in self._pending.items() if p.owner == batcher_id][:max_count]
+            for entry_id in own:
+                self._requeue_or_fail(entry_id, batcher_id)
+            self._changed.notify_all()
+            return len(own)
+
     def _requeue_or_fail(self, entry_id: str, batcher_id: str) -> None:
         request = self._pending.pop(entry_id).request
         if request.request_id in self._finals:

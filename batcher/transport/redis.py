@@ -282,6 +282,21 @@ class RedisTransport:
             self._requeue_or_fail(stream, entry_id, fields, batcher_id)
         return len(claimed)
 
+    def recover(self, batcher_id: str, max_count: int = 1000) -> int:
+        num_recovered = 0
+        for priority in _PRIORITY_ORDER:
+            stream = self._queue(priority)
+            pending: Any = self.client.xpending_range(
+                stream, GROUP, "-", "+", max_count, consumername=batcher_id
+            )
+            if pending:
+                entry_ids = [entry["message_id"] for entry in pending]
+                claimed: Any = self.client.xclaim(stream, GROUP, batcher_id, 0, entry_ids)
+                for entry_id, fields in claimed:
+                    self._requeue_or_fail(stream, entry_id, fields, batcher_id)
+                num_recovered += len(claimed)
+        return num_recovered
+
     def _requeue_or_fail(
         self, stream: str, entry_id: bytes, fields: dict[bytes, bytes], batcher_id: str
     ) -> None:

@@ -100,6 +100,15 @@ def test_outputs_equal_the_offline_engine_and_each_request_is_acked() -> None:
     assert_nothing_pending(transport)
 
 
+def test_a_new_process_reruns_what_the_last_one_with_its_id_held() -> None:
+    transport = MemoryTransport(CONFIG)
+    submit(transport, "r0", [1, 2])
+    transport.pull("b0", 1, 0)  # then that process died
+    service = make_service(transport)
+    run_until_final(service, transport, "r0")
+    assert final_of(transport, "r0").attempt == 2
+
+
 def test_pulls_no_more_than_it_can_batch() -> None:
     transport = MemoryTransport(CONFIG)
     service = make_service(transport, max_batch_size=2)

@@ -212,6 +212,19 @@ def test_a_dead_batchers_entries_are_rerun_after_the_lease(transport: Transport)
     assert transport.read_final("r0") == final("r0", "b1")
 
 
+def test_a_restarted_batcher_recovers_what_its_previous_process_held(
+    transport: Transport,
+) -> None:
+    submit(transport, "r0")
+    submit(transport, "r1")
+    beat(transport, "b0")
+    transport.pull("b0", 1, 0)
+    assert transport.recover("b0") == 1
+    assert transport.recover("b0") == 0
+    deliveries = transport.pull("b0", 5, 0)
+    assert [(d.request.request_id, d.request.attempt) for d in deliveries] == [("r1", 1), ("r0", 2)]
+
+
 def test_acked_only_after_final_so_a_lost_ack_does_not_rerun(transport: Transport) -> None:
     submit(transport, "r0")
     transport.pull("dead", 1, 0)
