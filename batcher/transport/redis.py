@@ -1,26 +1,5 @@
-"""Redis transport: many api replicas and batchers on one Redis.
-
-Key layout (every key under `prefix`, so deployments and tests can share a server):
-
-    {p}:queue:interactive, {p}:queue:bulk   streams of submits; one consumer group "batchers",
-                                            each batcher one consumer. Acked entries are deleted
-                                            (Postgres is the record, not the stream).
-    {p}:tokens:{request_id}                 stream of token events with explicit ids `0-(seq+1)`,
-                                            then `1-0` once the final result is stored. Redis
-                                            rejects an id not above the last, which gives the
-                                            contract for free: first event per seq index wins,
-                                            nothing lands after the end. A late or reconnecting
-                                            reader catches up with XRANGE from `0-(seq+1)`, then
-                                            blocks in XREAD. Expires `token_ttl_s` after the last
-                                            event (a stream, not pub/sub, so nothing is lost to a
-                                            reader that was not subscribed yet).
-    {p}:final:{request_id}                  the final result, SET NX (first one wins) with
-                                            `final_ttl_s`: long enough for the api to persist it.
-    {p}:abort:{request_id}                  abort flag, seen by `pull` of a still-queued request.
-    {p}:aborts                              broadcast stream of aborts (each batcher reads it
-                                            with its own cursor), capped near 10,000 entries.
-    {p}:heartbeat:{batcher_id}              the batcher's last heartbeat, expiring after
-                                            `heartbeat_ttl_s`: no key means a dead batcher.
+"""Redis transport: many api replicas and batchers on one Redis. The key layout and why each
+key is what it is: `batcher/transport/redis_keys.py`.
 
 Reclaim uses XPENDING (entries idle >= lease, with their owner) and XCLAIM with the same min idle
 time, so of two racing reclaimers only one wins an entry; the winner requeues it with attempt + 1
@@ -48,13 +27,11 @@ from batcher.messages import (
 )
 from batcher.request import Priority
 from batcher.transport.base import Delivery, TransportConfig, failed_result
+from batcher.transport.redis_keys import AFTER_EVENTS_ID, END_ID, GROUP, RedisKeys, event_id
 
 log = logging.getLogger(__name__)
 _M = TypeVar("_M", TokenEvent, FinalResult, Heartbeat, AbortRequest)
 
-GROUP = "batchers"
-END_ID = "1-0"  # above every token event id `0-n`
-AFTER_EVENTS_ID = f"0-{2**64 - 1}"  # XREAD from here sees only END_ID
 MAX_ABORT_LOG = 10_000
 _PRIORITY_ORDER = sorted(Priority, reverse=True)  # interactive first
 
@@ -75,6 +52,7 @@ class RedisTransport:
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.keys = RedisKeys(prefix)
         self.config = config or TransportConfig()
         self._publish_final = client.register_script(_PUBLISH_FINAL)
         self._held: dict[str, list[Delivery]] = {}  # pulled past max_count, returned next pull
@@ -85,7 +63,7 @@ class RedisTransport:
         """Idempotent; run again when Redis lost the streams (restarted without persistence)."""
         for priority in Priority:
             try:
-                self.client.xgroup_create(self._queue(priority), GROUP, id="0", mkstream=True)
+                self.client.xgroup_create(self.keys.queue(priority), GROUP, id="0", mkstream=True)
             except redis.ResponseError as error:
                 if "BUSYGROUP" not in str(error):
                     raise
@@ -103,43 +81,37 @@ class RedisTransport:
     ) -> RedisTransport:
         return cls(redis.Redis.from_url(url), prefix, config)
 
-    def _queue(self, priority: Priority) -> str:
-        return f"{self.prefix}:queue:{priority.name.lower()}"
-
-    def _key(self, kind: str, name: str) -> str:
-        return f"{self.prefix}:{kind}:{name}"
-
     # api side
 
     def submit(self, request: SubmitRequest) -> None:
-        self.client.xadd(self._queue(request.priority), {"m": encode(request)})
+        self.client.xadd(self.keys.queue(request.priority), {"m": encode(request)})
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         pipe = self.client.pipeline()
-        pipe.set(self._key("abort", request_id), 1, px=_ms(self.config.final_ttl_s))
+        pipe.set(self.keys.abort(request_id), 1, px=_ms(self.config.final_ttl_s))
         message = encode(AbortRequest(request_id, reason))
-        pipe.xadd(f"{self.prefix}:aborts", {"m": message}, maxlen=MAX_ABORT_LOG, approximate=True)
+        pipe.xadd(self.keys.aborts, {"m": message}, maxlen=MAX_ABORT_LOG, approximate=True)
         pipe.execute()
 
     def read_tokens(self, request_id: str, from_seq: int, timeout_s: float) -> list[TokenEvent]:
-        key = self._key("tokens", request_id)
-        entries: Any = self.client.xrange(key, f"0-{from_seq + 1}", "+")
+        key = self.keys.tokens(request_id)
+        entries: Any = self.client.xrange(key, event_id(from_seq), "+")
         if not entries and timeout_s > 0:
             found: Any = self.client.xread({key: f"0-{from_seq}"}, block=_ms(timeout_s))
             entries = found[0][1] if found else []
         return [_event(fields) for entry_id, fields in entries if _id(entry_id) != END_ID]
 
     def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
-        key = self._key("final", request_id)
+        key = self.keys.final(request_id)
         data: Any = self.client.get(key)
         if data is None and timeout_s > 0:
-            tokens = self._key("tokens", request_id)
+            tokens = self.keys.tokens(request_id)
             self.client.xread({tokens: AFTER_EVENTS_ID}, block=_ms(timeout_s))
             data = self.client.get(key)
         return None if data is None else _final(data)
 
     def live_batchers(self) -> list[Heartbeat]:
-        keys = list(self.client.scan_iter(match=self._key("heartbeat", "*")))
+        keys = list(self.client.scan_iter(match=self.keys.heartbeat("*")))
         values: Any = self.client.mget(keys) if keys else []
         return [_heartbeat(v) for v in values if v is not None]
 
@@ -163,7 +135,7 @@ class RedisTransport:
     def _read_group(
         self, batcher_id: str, priorities: list[Priority], count: int, block_ms: int | None
     ) -> list[Delivery]:
-        streams: dict[KeyT, StreamIdT] = {self._queue(p): ">" for p in priorities}
+        streams: dict[KeyT, StreamIdT] = {self.keys.queue(p): ">" for p in priorities}
         try:
             found: Any = self.client.xreadgroup(GROUP, batcher_id, streams, count, block_ms)
         except redis.ResponseError as error:
@@ -189,7 +161,7 @@ class RedisTransport:
             return deliveries
         pipe = self.client.pipeline()
         for delivery in deliveries:
-            pipe.exists(self._key("abort", delivery.request.request_id))
+            pipe.exists(self.keys.abort(delivery.request.request_id))
         flags = pipe.execute()
         return [
             Delivery(d.entry_id, d.request, bool(f)) for d, f in zip(deliveries, flags, strict=True)
@@ -200,8 +172,8 @@ class RedisTransport:
             return
         pipe = self.client.pipeline(transaction=False)
         for event in events:
-            key = self._key("tokens", event.request_id)
-            pipe.xadd(key, {"m": encode(event)}, id=f"0-{event.seq_index + 1}")
+            key = self.keys.tokens(event.request_id)
+            pipe.xadd(key, {"m": encode(event)}, id=event_id(event.seq_index))
             pipe.pexpire(key, _ms(self.config.token_ttl_s))
         for outcome in pipe.execute(raise_on_error=False):
             # A rejected id is a replayed or late event: dropped by design.
@@ -209,7 +181,7 @@ class RedisTransport:
                 raise outcome
 
     def publish_final(self, result: FinalResult) -> bool:
-        keys = [self._key("final", result.request_id), self._key("tokens", result.request_id)]
+        keys = [self.keys.final(result.request_id), self.keys.tokens(result.request_id)]
         config = self.config
         args: list[EncodableT] = [
             encode(result),
@@ -220,7 +192,7 @@ class RedisTransport:
         return bool(self._publish_final(keys=keys, args=args))
 
     def ack(self, batcher_id: str, delivery: Delivery) -> None:
-        self._delete(self._queue(delivery.request.priority), delivery.entry_id)
+        self._delete(self.keys.queue(delivery.request.priority), delivery.entry_id)
 
     def _delete(self, stream: str | bytes, entry_id: str | bytes) -> None:
         pipe = self.client.pipeline()
@@ -229,7 +201,7 @@ class RedisTransport:
         pipe.execute()
 
     def release(self, batcher_id: str, delivery: Delivery) -> None:
-        stream = self._queue(delivery.request.priority)
+        stream = self.keys.queue(delivery.request.priority)
         pipe = self.client.pipeline()
         pipe.xadd(stream, {"m": encode(delivery.request)})
         pipe.xack(stream, GROUP, delivery.entry_id)
@@ -237,7 +209,7 @@ class RedisTransport:
         pipe.execute()
 
     def poll_aborts(self, batcher_id: str) -> list[str]:
-        stream = f"{self.prefix}:aborts"
+        stream = self.keys.aborts
         cursor = self._abort_cursors.get(batcher_id)
         if cursor is None:
             last: Any = self.client.xrevrange(stream, "+", "-", count=1)
@@ -250,13 +222,13 @@ class RedisTransport:
         return [_abort(fields).request_id for _, fields in entries]
 
     def heartbeat(self, beat: Heartbeat) -> None:
-        key = self._key("heartbeat", beat.batcher_id)
+        key = self.keys.heartbeat(beat.batcher_id)
         self.client.set(key, encode(beat), px=_ms(self.config.heartbeat_ttl_s))
 
     def reclaim(self, batcher_id: str, max_count: int = 100) -> int:
         num_reclaimed = 0
         for priority in _PRIORITY_ORDER:
-            num_reclaimed += self._reclaim_stream(self._queue(priority), batcher_id, max_count)
+            num_reclaimed += self._reclaim_stream(self.keys.queue(priority), batcher_id, max_count)
         return num_reclaimed
 
     def _reclaim_stream(self, stream: str, batcher_id: str, max_count: int) -> int:
@@ -272,7 +244,7 @@ class RedisTransport:
         owners = sorted({entry["consumer"] for entry in pending})
         pipe = self.client.pipeline()
         for owner in owners:
-            pipe.exists(self._key("heartbeat", owner.decode()))
+            pipe.exists(self.keys.heartbeat(owner.decode()))
         dead = {owner for owner, alive in zip(owners, pipe.execute(), strict=True) if not alive}
         entry_ids = [entry["message_id"] for entry in pending if entry["consumer"] in dead]
         if not entry_ids:
@@ -285,7 +257,7 @@ class RedisTransport:
     def recover(self, batcher_id: str, max_count: int = 1000) -> int:
         num_recovered = 0
         for priority in _PRIORITY_ORDER:
-            stream = self._queue(priority)
+            stream = self.keys.queue(priority)
             pending: Any = self.client.xpending_range(
                 stream, GROUP, "-", "+", max_count, consumername=batcher_id
             )
@@ -302,7 +274,7 @@ class RedisTransport:
     ) -> None:
         request = decode(fields[b"m"])
         assert isinstance(request, SubmitRequest)  # only submits reach the queue streams
-        is_final = self.client.exists(self._key("final", request.request_id))
+        is_final = self.client.exists(self.keys.final(request.request_id))
         if not is_final and request.attempt >= self.config.max_attempts:
             self.publish_final(failed_result(request, batcher_id))
         pipe = self.client.pipeline()

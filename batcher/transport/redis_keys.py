@@ -1,0 +1,62 @@
+"""Where the Redis transport keeps what. Every key is under `prefix`, so deployments and tests
+can share a server:
+
+{p}:queue:interactive, {p}:queue:bulk   streams of submits; one consumer group "batchers",
+                                        each batcher one consumer. Acked entries are deleted
+                                        (Postgres is the record, not the stream).
+{p}:tokens:{request_id}                 stream of token events with explicit ids `0-(seq+1)`,
+                                        then `1-0` once the final result is stored. Redis
+                                        rejects an id not above the last, which gives the
+                                        contract for free: first event per seq index wins,
+                                        nothing lands after the end. A late or reconnecting
+                                        reader catches up with XRANGE from `0-(seq+1)`, then
+                                        blocks in XREAD. Expires `token_ttl_s` after the last
+                                        event (a stream, not pub/sub, so nothing is lost to a
+                                        reader that was not subscribed yet).
+{p}:final:{request_id}                  the final result, SET NX (first one wins) with
+                                        `final_ttl_s`: long enough for the api to persist it.
+{p}:abort:{request_id}                  abort flag, seen by `pull` of a still-queued request.
+{p}:aborts                              broadcast stream of aborts (each batcher reads it
+                                        with its own cursor), capped near 10,000 entries.
+{p}:heartbeat:{batcher_id}              the batcher's last heartbeat, expiring after
+                                        `heartbeat_ttl_s`: no key means a dead batcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batcher.request import Priority
+
+GROUP = "batchers"  # the one consumer group on each queue stream
+END_ID = "1-0"  # above every token event id `0-n`: written once, with the final result
+AFTER_EVENTS_ID = f"0-{2**64 - 1}"  # XREAD from here wakes only on END_ID
+
+
+def event_id(seq_index: int) -> str:
+    """The token-stream entry id of event `seq_index` (`0-0` is not a valid id)."""
+    return f"0-{seq_index + 1}"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    prefix: str
+
+    def queue(self, priority: Priority) -> str:
+        return f"{self.prefix}:queue:{priority.name.lower()}"
+
+    def tokens(self, request_id: str) -> str:
+        return f"{self.prefix}:tokens:{request_id}"
+
+    def final(self, request_id: str) -> str:
+        return f"{self.prefix}:final:{request_id}"
+
+    def abort(self, request_id: str) -> str:
+        return f"{self.prefix}:abort:{request_id}"
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.prefix}:aborts"
+
+    def heartbeat(self, batcher_id: str) -> str:
+        return f"{self.prefix}:heartbeat:{batcher_id}"
