@@ -81,9 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     transport = RedisTransport.from_url(args.redis_url, args.prefix, transport_config)
     engine = build_engine(args)
+    heartbeat_interval_s = args.heartbeat_ttl_s / 4
     service_config = ServiceConfig(
         args.batcher_id,
-        heartbeat_interval_s=args.heartbeat_ttl_s / 4,
+        idle_block_ms=min(500, round(heartbeat_interval_s * 1000)),  # an idle batcher still beats
+        heartbeat_interval_s=heartbeat_interval_s,
         reclaim_interval_s=args.lease_s / 2,
         drain_timeout_s=args.drain_timeout_s,
     )
