@@ -225,6 +225,25 @@ def test_a_restarted_batcher_recovers_what_its_previous_process_held(
     assert [(d.request.request_id, d.request.attempt) for d in deliveries] == [("r1", 1), ("r0", 2)]
 
 
+def test_a_presumed_dead_batcher_finishing_late_changes_nothing(transport: Transport) -> None:
+    submit(transport, "r0")
+    (zombie,) = transport.pull("slow", 1, 0)
+    time.sleep(LEASE_S * 2)
+    assert transport.reclaim("b1") == 1
+    (rerun,) = transport.pull("b1", 1, 0)
+    transport.publish_tokens([event("r0", 0, attempt=2), event("r0", 1, attempt=2)])
+    assert transport.publish_final(final("r0", "b1"))
+    transport.ack("b1", rerun)
+    transport.publish_tokens([event("r0", 0), event("r0", 1), event("r0", 2)])
+    assert not transport.publish_final(final("r0", "slow"))  # the duplicate is dropped
+    transport.ack("slow", zombie)
+    assert transport.read_final("r0") == final("r0", "b1")
+    assert [e.attempt for e in transport.read_tokens("r0", 0, 0)] == [2, 2]
+    time.sleep(LEASE_S * 2)
+    assert transport.reclaim("b2") == 0
+    assert pulled_ids(transport, "b2") == []
+
+
 def test_acked_only_after_final_so_a_lost_ack_does_not_rerun(transport: Transport) -> None:
     submit(transport, "r0")
     transport.pull("dead", 1, 0)
