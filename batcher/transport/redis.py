@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 _M = TypeVar("_M", TokenEvent, FinalResult, Heartbeat, AbortRequest)
 
 MAX_ABORT_LOG = 10_000
+EXPIRY_REFRESH_EVERY = 32  # token events; one PEXPIRE per event would double the ops per token
 _PRIORITY_ORDER = sorted(Priority, reverse=True)  # interactive first
 
 # SET NX the final result; only the winner closes the token stream.
@@ -174,7 +175,8 @@ class RedisTransport:
         for event in events:
             key = self.keys.tokens(event.request_id)
             pipe.xadd(key, {"m": encode(event)}, id=event_id(event.seq_index))
-            pipe.pexpire(key, _ms(self.config.token_ttl_s))
+            if event.seq_index % EXPIRY_REFRESH_EVERY == 0:
+                pipe.pexpire(key, _ms(self.config.token_ttl_s))
         for outcome in pipe.execute(raise_on_error=False):
             # A rejected id is a replayed or late event: dropped by design.
             if isinstance(outcome, Exception) and "equal or smaller" not in str(outcome):

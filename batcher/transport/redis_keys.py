@@ -10,9 +10,10 @@ can share a server:
                                         contract for free: first event per seq index wins,
                                         nothing lands after the end. A late or reconnecting
                                         reader catches up with XRANGE from `0-(seq+1)`, then
-                                        blocks in XREAD. Expires `token_ttl_s` after the last
-                                        event (a stream, not pub/sub, so nothing is lost to a
-                                        reader that was not subscribed yet).
+                                        blocks in XREAD. Expires about `token_ttl_s` after the
+                                        last event (refreshed every 32 events and at the end).
+                                        A stream, not pub/sub, so nothing is lost to a reader
+                                        that was not subscribed yet.
 {p}:final:{request_id}                  the final result, SET NX (first one wins) with
                                         `final_ttl_s`: long enough for the api to persist it.
 {p}:abort:{request_id}                  abort flag, seen by `pull` of a still-queued request.
