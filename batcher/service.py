@@ -84,21 +84,30 @@ class BatcherService:
         """Serve until `stop` is set, then drain: finish in-flight work within the drain timeout
         and hand back whatever is left."""
         while not stop.is_set():
-            self._run_once_or_back_off(is_pulling=True)
+            self._run_once_or_back_off(is_pulling=True, until=stop.is_set)
         drain_end = time.monotonic() + self.config.drain_timeout_s
-        while self._has_work and time.monotonic() < drain_end:
-            self._run_once_or_back_off(is_pulling=False)
-        for active in self.active.values():
-            self.transport.release(self.batcher_id, active.delivery)
+
+        def is_drain_over() -> bool:
+            return time.monotonic() >= drain_end
+
+        while self._has_work and not is_drain_over():
+            self._run_once_or_back_off(is_pulling=False, until=is_drain_over)
+        try:
+            for active in self.active.values():
+                self.transport.release(self.batcher_id, active.delivery)
+        except self.transient_errors as error:  # still pending to us: reclaimed when we are gone
+            log.warning("could not hand back in-flight work (%r)", error)
         self.active.clear()
 
     @property
     def _has_work(self) -> bool:
         return bool(self.active or self._outbox_events or self._outbox_finals)
 
-    def _run_once_or_back_off(self, *, is_pulling: bool) -> None:
+    def _run_once_or_back_off(self, *, is_pulling: bool, until: Callable[[], bool]) -> None:
+        """One iteration, retried with exponential backoff while the transport is down, until it
+        succeeds or `until()` (stop requested, drain timeout)."""
         backoff_s = 0.05
-        while True:
+        while not until():
             try:
                 self.run_once(is_pulling=is_pulling)
                 return

@@ -286,3 +286,20 @@ def test_run_backs_off_and_carries_on_after_an_outage() -> None:
     assert result is not None
     assert result.finish_reason == "length"
     assert not thread.is_alive()
+
+
+def test_a_stop_during_an_outage_still_ends_within_the_drain_timeout() -> None:
+    transport = FlakyTransport(CONFIG)
+    config = ServiceConfig("b0", idle_block_ms=10, drain_timeout_s=0.2, max_backoff_s=0.05)
+    service = BatcherService(make_engine(), transport, config, transient_errors=(OutageError,))
+    submit(transport, "r0", [5, 6, 7], max_new_tokens=8)
+    transport.is_down = True
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,))
+    thread.start()
+    time.sleep(0.1)
+    stop.set()
+    thread.join(3)
+    assert not thread.is_alive()
+    (again,) = transport.pull("b1", 5, 0)  # handed back
+    assert again.request.request_id == "r0"
