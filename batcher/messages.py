@@ -51,6 +51,7 @@ class TokenEvent:
     logprobs: list[float | None]
     text: str = ""  # text delta released with these tokens (with a tokenizer)
     attempt: int = 1
+    created_at: float = 0.0  # unix time the engine step produced it (latency, ITL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +189,7 @@ def _token(body: dict[str, Any]) -> TokenEvent:
         logprobs=list(logprobs),
         text=_field(body, "text", str),
         attempt=_field(body, "attempt", int),
+        created_at=float(_field(body, "created_at", (int, float))),
     )
 
 

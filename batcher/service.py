@@ -228,6 +228,7 @@ class BatcherService:
             output.new_logprobs,
             output.new_text,
             active.delivery.request.attempt,
+            time.time(),
         )
         active.num_events += 1
         return event

@@ -34,7 +34,7 @@ MESSAGES: list[Message] = [
     SUBMIT,
     SubmitRequest("req-2", [5], SamplingParams(), StoppingParams()),
     AbortRequest("req-1", "client disconnected"),
-    TokenEvent("req-1", 3, [11, 12], [-0.5, None], "hé", attempt=2),
+    TokenEvent("req-1", 3, [11, 12], [-0.5, None], "hé", attempt=2, created_at=1.7e9),
     FinalResult("req-1", [11, 12], "stop", "eos token", 3, 2, 0, 1, "b0", "hé"),
     FinalResult("req-1", [], "failed", None, 3, 0, 0, 3, "b1"),
     Heartbeat("b0", 3, 4, 100, 32, 1.7e9),
