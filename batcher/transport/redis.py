@@ -58,6 +58,7 @@ class RedisTransport:
         self._publish_final = client.register_script(_PUBLISH_FINAL)
         self._held: dict[str, list[Delivery]] = {}  # pulled past max_count, returned next pull
         self._abort_cursors: dict[str, str] = {}
+        self._max_block_ms = _max_block_ms(client)
         self._create_groups()
 
     def _create_groups(self) -> None:
@@ -98,7 +99,7 @@ class RedisTransport:
         key = self.keys.tokens(request_id)
         entries: Any = self.client.xrange(key, event_id(from_seq), "+")
         if not entries and timeout_s > 0:
-            found: Any = self.client.xread({key: f"0-{from_seq}"}, block=_ms(timeout_s))
+            found: Any = self.client.xread({key: f"0-{from_seq}"}, block=self._block(timeout_s))
             entries = found[0][1] if found else []
         return [_event(fields) for entry_id, fields in entries if _id(entry_id) != END_ID]
 
@@ -107,7 +108,7 @@ class RedisTransport:
         data: Any = self.client.get(key)
         if data is None and timeout_s > 0:
             tokens = self.keys.tokens(request_id)
-            self.client.xread({tokens: AFTER_EVENTS_ID}, block=_ms(timeout_s))
+            self.client.xread({tokens: AFTER_EVENTS_ID}, block=self._block(timeout_s))
             data = self.client.get(key)
         return None if data is None else _final(data)
 
@@ -138,6 +139,8 @@ class RedisTransport:
     ) -> list[Delivery]:
         streams: dict[KeyT, StreamIdT] = {self.keys.queue(p): ">" for p in priorities}
         try:
+            if block_ms is not None:
+                block_ms = min(block_ms, self._max_block_ms)
             found: Any = self.client.xreadgroup(GROUP, batcher_id, streams, count, block_ms)
         except redis.ResponseError as error:
             if not self._recreated_lost_groups(error):
@@ -287,9 +290,24 @@ class RedisTransport:
         pipe.xdel(stream, entry_id)
         pipe.execute()
 
+    def _block(self, timeout_s: float) -> int:
+        return min(_ms(timeout_s), self._max_block_ms)
+
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
+
+
+def _max_block_ms(client: redis.Redis) -> int:
+    """The longest a blocking read may wait: half a second under the client's socket timeout
+    (redis-py 8 sets 5 s by default), or the read fails with a TimeoutError instead of returning
+    empty. Blocking reads return early then; their callers loop."""
+    connection = client.connection_pool.get_connection()
+    try:
+        timeout = connection.socket_timeout
+    finally:
+        client.connection_pool.release(connection)
+    return 2**31 - 1 if timeout is None else max(1, round(timeout * 1000) - 500)
 
 
 def _id(entry_id: bytes | str) -> str:

@@ -3,6 +3,7 @@ and streams lost to a Redis restart."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -72,3 +73,18 @@ def test_streams_lost_to_a_restart_are_recreated(
     assert transport.reclaim("b0") == 0
     transport.submit(request("after"))
     assert [d.request.request_id for d in transport.pull("b0", 5, 0)] == ["after"]
+
+
+def test_blocking_reads_return_before_the_socket_timeout() -> None:
+    """A read asked to block longer than the client's socket timeout returns empty (its caller
+    loops) instead of failing with a TimeoutError."""
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=1.0)
+    prefix = f"test-{uuid.uuid4().hex}"
+    transport = RedisTransport(client, prefix)
+    start = time.monotonic()
+    assert transport.read_tokens("nobody", 0, timeout_s=3.0) == []
+    assert transport.read_final("nobody", timeout_s=3.0) is None
+    assert transport.pull("b0", 1, block_ms=3000) == []
+    assert time.monotonic() - start < 3 * 1.0
+    client.delete(*client.scan_iter(match=f"{prefix}:*"))
+    client.close()
