@@ -97,10 +97,12 @@ class RedisTransport:
 
     def read_tokens(self, request_id: str, from_seq: int, timeout_s: float) -> list[TokenEvent]:
         key = self.keys.tokens(request_id)
-        entries: Any = self.client.xrange(key, event_id(from_seq), "+")
-        if not entries and timeout_s > 0:
+        entries: Any
+        if timeout_s > 0:  # one command: XREAD returns at once when entries are already there
             found: Any = self.client.xread({key: f"0-{from_seq}"}, block=self._block(timeout_s))
             entries = found[0][1] if found else []
+        else:
+            entries = self.client.xrange(key, event_id(from_seq), "+")
         return [_event(fields) for entry_id, fields in entries if _id(entry_id) != END_ID]
 
     def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
