@@ -38,6 +38,8 @@ class ServiceConfig:
     reclaim_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
     max_backoff_s: float = 5.0
+    # Requests taken per pull; more only once the scheduler has admitted every one it holds.
+    max_pull: int = 16
 
 
 @dataclass(slots=True)
@@ -149,7 +151,14 @@ class BatcherService:
         )
 
     def _pull(self) -> None:
-        num_wanted = self.engine.scheduler.config.max_batch_size - len(self.active)
+        """Takes only what the scheduler can admit soon: nothing while requests it already holds
+        wait for admission (KV or token budget), at most `max_pull` at a time, never past the
+        batch size. What it leaves stays in the queue for idle batchers."""
+        scheduler = self.engine.scheduler
+        if scheduler.waiting:
+            return
+        num_slots = scheduler.config.max_batch_size - len(self.active)
+        num_wanted = min(num_slots, self.config.max_pull)
         if num_wanted <= 0:
             return
         block_ms = 0 if self.engine.has_unfinished else self.config.idle_block_ms

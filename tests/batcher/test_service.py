@@ -119,6 +119,23 @@ def test_pulls_no_more_than_it_can_batch() -> None:
     assert len(transport.pull("idle-batcher", 10, 0)) == 3
 
 
+def test_pulls_nothing_while_its_own_requests_wait_for_admission() -> None:
+    """A pool of 10 blocks of 4 tokens holds one 30-token request at a time: the rest stays in
+    the queue, where an idle batcher takes it."""
+    transport = MemoryTransport(CONFIG)
+    config = SchedulerConfig(max_batch_size=8, max_batch_prefill_tokens=64)
+    engine = LLMEngine(FakeRunner(11, BLOCK_SIZE), config)
+    service = BatcherService(engine, transport, ServiceConfig("b0", idle_block_ms=0, max_pull=2))
+    for i in range(5):
+        submit(transport, f"r{i}", list(range(1, 25)), max_new_tokens=6)
+    service.run_once()
+    assert sorted(service.active) == ["r0", "r1"]  # max_pull
+    assert [r.request_id for r in engine.scheduler.waiting] == ["r1"]
+    service.run_once()
+    assert sorted(service.active) == ["r0", "r1"]  # r1 still waits: no pull
+    assert len(transport.pull("idle-batcher", 10, 0)) == 3
+
+
 def test_abort_mid_generation_frees_the_blocks_within_one_step() -> None:
     transport = MemoryTransport(CONFIG)
     service = make_service(transport)
