@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-scheduler bench-kernels gpu-check clean lock
+.PHONY: run test lint bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench: $(STAMP)
 
 bench-scheduler: $(STAMP)
 	$(PY) -m bench.bench_scheduler
+
+bench-transport: $(STAMP)
+	$(PY) -m bench.bench_transport
 
 bench-kernels: $(STAMP)
 	$(PY) -m bench.bench_cpu_ops
