@@ -11,13 +11,15 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from batcher.messages import FinalResult, SubmitRequest
-from batcher.request import StoppingParams
+from batcher.request import Priority, StoppingParams
 from batcher.transport.redis import RedisTransport
+from batcher.transport.redis_keys import GROUP
 from gpu_worker.plan import SamplingParams
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
@@ -41,11 +43,13 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
         process.wait()
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 60, what: object = "") -> None:
+def wait_for(
+    condition: Callable[[], bool], timeout_s: float = 60, what: object = "", poll_s: float = 0.05
+) -> None:
     end = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < end, f"timed out: {what() if callable(what) else what}"
-        time.sleep(0.05)
+        time.sleep(poll_s)
 
 
 def submit_all(transport: RedisTransport, prompts: list[list[int]]) -> None:
@@ -83,7 +87,11 @@ def test_kill_9_of_one_batcher_loses_nothing(
         expected = offline_tokens(model_dir, prompts, STOPPING)
         wait_for(lambda: len(transport.live_batchers()) == 2, what=transport.live_batchers)
         submit_all(transport, prompts)
-        wait_for(lambda: _is_running(transport, "b1"), what=transport.live_batchers)
+        # b1 holds unacknowledged requests, i.e. unfinished ones: watched on the consumer group
+        # itself, since a tiny model can finish a request between two heartbeats.
+        wait_for(
+            lambda: _holds_requests(transport, "b1"), what=transport.live_batchers, poll_s=0.002
+        )
         processes[1].kill()  # mid-generation
         results = check_results(transport, expected)
         assert any(r.batcher_id == "b0" and r.attempt == 1 for r in results)
@@ -96,8 +104,14 @@ def test_kill_9_of_one_batcher_loses_nothing(
         client.close()
 
 
-def _is_running(transport: RedisTransport, batcher_id: str) -> bool:
-    return any(b.batcher_id == batcher_id and b.num_running for b in transport.live_batchers())
+def _holds_requests(transport: RedisTransport, batcher_id: str) -> bool:
+    for priority in Priority:
+        pending: Any = transport.client.xpending_range(
+            transport.keys.queue(priority), GROUP, "-", "+", 1, consumername=batcher_id
+        )
+        if pending:
+            return True
+    return False
 
 
 def free_port() -> int:
