@@ -1,1 +1,1 @@
-"""HTTP frontend (TGI- and OpenAI-compatible routes, jobs). Never imports torch."""
+"""HTTP api: TGI-compatible and OpenAI-compatible routes, durable jobs. Never imports torch."""

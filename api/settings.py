@@ -1,0 +1,57 @@
+"""Settings of the api process, validated at start. Every field is also an environment variable
+of the same upper-case name (TGI launcher names where TGI has the flag: `MAX_INPUT_TOKENS`,
+`MAX_CONCURRENT_REQUESTS`, `PAYLOAD_LIMIT`, ...)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", frozen=True)
+
+    model_id: str = "tgq-demo"
+    model_dir: str | None = None  # local directory with tokenizer.json (and config.json)
+    database_url: str = "sqlite+aiosqlite:///tgq.db"
+    redis_url: str | None = None  # None: the in-process transport (api and batcher together)
+    redis_prefix: str = "tgq"
+    hostname: str = "127.0.0.1"
+    port: int = 3000
+
+    # TGI's limits, same names and defaults.
+    max_concurrent_requests: int = Field(128, ge=1)
+    max_best_of: int = Field(2, ge=1)
+    max_stop_sequences: int = Field(4, ge=0)
+    max_top_n_tokens: int = Field(5, ge=0)
+    max_input_tokens: int = Field(1023, ge=1)
+    max_total_tokens: int = Field(1024, ge=2)
+    max_client_batch_size: int = Field(4, ge=1)
+    max_choices: int = Field(8, ge=1)  # OpenAI `n` (TGI ignores `n`; tgq runs n samples)
+    payload_limit: int = Field(2_000_000, ge=1)
+    validation_workers: int = Field(2, ge=1)
+    # What TGI lacks: a bounded queue (requests queued but not finished, over all api replicas)
+    # and a bound on the tokens this replica has in flight; past either: 429 with Retry-After.
+    max_queued_requests: int = Field(4096, ge=1)
+    max_queued_tokens: int = Field(4_000_000, ge=1)
+    max_job_prompts: int = Field(1000, ge=1)  # prompts in one POST /v1/jobs
+    retry_after_s: int = Field(1, ge=1)
+
+    # Auth: when on, every route outside `public_routes` needs `Authorization: Bearer <key>`.
+    api_key: str | None = None  # a single static key, as TGI's --api-key
+    require_api_keys: bool = False  # keys stored (hashed) in the database
+    public_routes: tuple[str, ...] = ("/health", "/ping", "/info", "/metrics", "/v1/models")
+    cors_allow_origin: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> Settings:
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError(
+                "`max_input_tokens` must be < `max_total_tokens`. Given: "
+                f"{self.max_input_tokens} and {self.max_total_tokens}"
+            )
+        return self
+
+    @property
+    def is_auth_enabled(self) -> bool:
+        return self.api_key is not None or self.require_api_keys
