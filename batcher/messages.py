@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batcher.request import Priority, StoppingParams
@@ -52,6 +52,8 @@ class TokenEvent:
     text: str = ""  # text delta released with these tokens (with a tokenizer)
     attempt: int = 1
     created_at: float = 0.0  # unix time the engine step produced it (latency, ITL)
+    # Per token: the most likely tokens as (token id, logprob), when the request asked for them.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,8 @@ class FinalResult:
     attempt: int
     batcher_id: str
     text: str | None = None
+    matched_stop: str | None = None  # the stop string that ended it (finish_reason "stop")
+    logprobs: list[float | None] = field(default_factory=list)  # per output token, if asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +182,23 @@ def _abort(body: dict[str, Any]) -> AbortRequest:
     return AbortRequest(_field(body, "request_id", str), _field(body, "reason", str))
 
 
-def _token(body: dict[str, Any]) -> TokenEvent:
-    logprobs = _field(body, "logprobs", list)
+def _logprobs(body: dict[str, Any], name: str) -> list[float | None]:
+    logprobs = _field(body, name, list) if name in body else []
     if not all(v is None or isinstance(v, (int, float)) for v in logprobs):
-        raise MessageError("field 'logprobs' must be a list of numbers or nulls")
+        raise MessageError(f"field {name!r} must be a list of numbers or nulls")
+    return list(logprobs)
+
+
+def _top_logprobs(body: dict[str, Any]) -> list[list[tuple[int, float]]]:
+    per_token = body.get("top_logprobs", [])
+    try:
+        return [[(int(i), float(lp)) for i, lp in top] for top in per_token]
+    except (TypeError, ValueError):
+        raise MessageError("field 'top_logprobs' must be lists of [token id, logprob]") from None
+
+
+def _token(body: dict[str, Any]) -> TokenEvent:
+    logprobs = _logprobs(body, "logprobs")
     return TokenEvent(
         request_id=_field(body, "request_id", str),
         seq_index=_field(body, "seq_index", int),
@@ -190,6 +207,7 @@ def _token(body: dict[str, Any]) -> TokenEvent:
         text=_field(body, "text", str),
         attempt=_field(body, "attempt", int),
         created_at=float(_field(body, "created_at", (int, float))),
+        top_logprobs=_top_logprobs(body),
     )
 
 
@@ -205,6 +223,8 @@ def _final(body: dict[str, Any]) -> FinalResult:
         attempt=_field(body, "attempt", int),
         batcher_id=_field(body, "batcher_id", str),
         text=_optional(body, "text", str),
+        matched_stop=_optional(body, "matched_stop", str),
+        logprobs=_logprobs(body, "logprobs"),
     )
 
 

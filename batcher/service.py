@@ -50,6 +50,7 @@ class _Active:
     request: Request | None
     num_events: int = 0
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
     text: str = ""
     deadline_passed: bool = False
 
@@ -227,6 +228,7 @@ class BatcherService:
     def _event(self, output: RequestOutput) -> TokenEvent | None:
         active = self.active[output.request_id]
         active.token_ids += output.new_token_ids
+        active.logprobs += output.new_logprobs
         active.text += output.new_text
         if not output.new_token_ids and not output.new_text:
             return None
@@ -238,6 +240,7 @@ class BatcherService:
             output.new_text,
             active.delivery.request.attempt,
             time.time(),
+            [[(t.token_id, t.logprob) for t in top] for top in output.new_top_logprobs],
         )
         active.num_events += 1
         return event
@@ -251,7 +254,8 @@ class BatcherService:
 
     def _finish(self, active: _Active, reason: str, detail: str | None) -> None:
         submit, request = active.delivery.request, active.request
-        has_text = request is not None and request.output_text is not None
+        text = request.output_text if request is not None else None
+        wants_logprobs = active.delivery.request.sampling.wants_logprobs
         result = FinalResult(
             submit.request_id,
             active.token_ids,
@@ -262,7 +266,9 @@ class BatcherService:
             request.num_cached_tokens if request is not None else 0,
             submit.attempt,
             self.batcher_id,
-            active.text if has_text else None,
+            active.text if text is not None else None,
+            text.matched_stop if text is not None else None,
+            active.logprobs if wants_logprobs else [],
         )
         self._outbox_finals.append((result, active.delivery))
         self.active.pop(submit.request_id, None)

@@ -8,6 +8,9 @@ Lifecycle of a request:
                                                │ publish_final  (durable; first one wins)
                                                ▼ ack            (only after publish_final)
 
+Every stored final result is also queued for the api's persisters (`pull_finals`, `ack_finals`):
+the record in Postgres is written from there, whether or not a client still waits for it.
+
 A request pulled but not acked stays pending to its batcher. When that batcher's heartbeat expires
 and the entry has been pending longer than the lease, any batcher's `reclaim` requeues it with
 `attempt + 1`, or, past `max_attempts`, publishes a "failed" final result and acks it. A rerun
@@ -47,6 +50,14 @@ class Delivery:
     is_aborted: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class StoredFinal:
+    """A final result waiting to be persisted; `entry_id` acks it."""
+
+    entry_id: str
+    result: FinalResult
+
+
 def failed_result(request: SubmitRequest, batcher_id: str) -> FinalResult:
     detail = f"failed after {request.attempt} attempts: the batcher running it died each time"
     return FinalResult(
@@ -77,6 +88,17 @@ class ApiTransport(Protocol):
     def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None: ...
 
     def live_batchers(self) -> list[Heartbeat]: ...
+
+    def queue_depth(self) -> int:
+        """Requests submitted and not yet finished (queued or running), over all replicas."""
+        ...
+
+    def pull_finals(self, consumer: str, max_count: int, block_ms: int) -> list[StoredFinal]:
+        """Final results to persist: new ones, and ones another consumer took but did not ack
+        within the lease (it died). Each stays pending to `consumer` until `ack_finals`."""
+        ...
+
+    def ack_finals(self, entry_ids: list[str]) -> None: ...
 
 
 class BatcherTransport(Protocol):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from batcher.request import Priority
-from batcher.transport.base import Delivery, TransportConfig, failed_result
+from batcher.transport.base import Delivery, StoredFinal, TransportConfig, failed_result
 
 _PRIORITY_ORDER = sorted(Priority, reverse=True)  # interactive first
 
@@ -41,6 +41,8 @@ class MemoryTransport:
         self._abort_cursors: dict[str, int] = {}
         self._heartbeats: dict[str, tuple[Heartbeat, float]] = {}  # beat, monotonic expiry
         self._entry_ids = itertools.count(1)
+        self._unpersisted: deque[StoredFinal] = deque()  # finals no persister has taken yet
+        self._persisting: dict[str, tuple[str, float, StoredFinal]] = {}  # consumer, since
 
     # api side
 
@@ -75,6 +77,31 @@ class MemoryTransport:
         with self._changed:
             return [beat for beat, expiry in self._heartbeats.values() if expiry > now]
 
+    def queue_depth(self) -> int:
+        with self._changed:
+            return sum(len(queue) for queue in self._queues.values()) + len(self._pending)
+
+    def pull_finals(self, consumer: str, max_count: int, block_ms: int) -> list[StoredFinal]:
+        with self._changed:
+            self._changed.wait_for(lambda: bool(self._unpersisted), block_ms / 1000)
+            now = time.monotonic()
+            stale = [
+                entry_id
+                for entry_id, (owner, since, _) in self._persisting.items()
+                if owner != consumer and now - since >= self.config.lease_s
+            ]
+            taken = [self._persisting.pop(entry_id)[2] for entry_id in stale[:max_count]]
+            while self._unpersisted and len(taken) < max_count:
+                taken.append(self._unpersisted.popleft())
+            for stored in taken:
+                self._persisting[stored.entry_id] = (consumer, now, stored)
+            return taken
+
+    def ack_finals(self, entry_ids: list[str]) -> None:
+        with self._changed:
+            for entry_id in entry_ids:
+                self._persisting.pop(entry_id, None)
+
     # batcher side
 
     def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
@@ -103,9 +130,13 @@ class MemoryTransport:
         with self._changed:
             if result.request_id in self._finals:
                 return False
-            self._finals[result.request_id] = result
+            self._store_final(result)
             self._changed.notify_all()
             return True
+
+    def _store_final(self, result: FinalResult) -> None:
+        self._finals[result.request_id] = result
+        self._unpersisted.append(StoredFinal(str(next(self._entry_ids)), result))
 
     def ack(self, batcher_id: str, delivery: Delivery) -> None:
         with self._changed:
@@ -160,7 +191,7 @@ class MemoryTransport:
         if request.request_id in self._finals:
             return  # it finished; only the ack was lost
         if request.attempt >= self.config.max_attempts:
-            self._finals[request.request_id] = failed_result(request, batcher_id)
+            self._store_final(failed_result(request, batcher_id))
             return
         retry = replace(request, attempt=request.attempt + 1)
         self._queues[request.priority].append((str(next(self._entry_ids)), retry))

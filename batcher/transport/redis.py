@@ -26,8 +26,15 @@ from batcher.messages import (
     encode,
 )
 from batcher.request import Priority
-from batcher.transport.base import Delivery, TransportConfig, failed_result
-from batcher.transport.redis_keys import AFTER_EVENTS_ID, END_ID, GROUP, RedisKeys, event_id
+from batcher.transport.base import Delivery, StoredFinal, TransportConfig, failed_result
+from batcher.transport.redis_keys import (
+    AFTER_EVENTS_ID,
+    END_ID,
+    GROUP,
+    PERSISTERS,
+    RedisKeys,
+    event_id,
+)
 
 log = logging.getLogger(__name__)
 _M = TypeVar("_M", TokenEvent, FinalResult, Heartbeat, AbortRequest)
@@ -36,11 +43,12 @@ MAX_ABORT_LOG = 10_000
 EXPIRY_REFRESH_EVERY = 32  # token events; one PEXPIRE per event would double the ops per token
 _PRIORITY_ORDER = sorted(Priority, reverse=True)  # interactive first
 
-# SET NX the final result; only the winner closes the token stream.
+# SET NX the final result; only the winner closes the token stream and queues it to persist.
 _PUBLISH_FINAL = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   redis.call('XADD', KEYS[2], ARGV[4], 'end', '1')
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  redis.call('XADD', KEYS[3], '*', 'm', ARGV[1])
   return 1
 end
 return 0
@@ -63,9 +71,10 @@ class RedisTransport:
 
     def _create_groups(self) -> None:
         """Idempotent; run again when Redis lost the streams (restarted without persistence)."""
-        for priority in Priority:
+        groups = [(self.keys.queue(p), GROUP) for p in Priority] + [(self.keys.finals, PERSISTERS)]
+        for stream, group in groups:
             try:
-                self.client.xgroup_create(self.keys.queue(priority), GROUP, id="0", mkstream=True)
+                self.client.xgroup_create(stream, group, id="0", mkstream=True)
             except redis.ResponseError as error:
                 if "BUSYGROUP" not in str(error):
                     raise
@@ -103,7 +112,9 @@ class RedisTransport:
             entries = found[0][1] if found else []
         else:
             entries = self.client.xrange(key, event_id(from_seq), "+")
-        return [_event(fields) for entry_id, fields in entries if _id(entry_id) != END_ID]
+        return [
+            decode_event(fields) for entry_id, fields in entries if entry_id_str(entry_id) != END_ID
+        ]
 
     def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
         key = self.keys.final(request_id)
@@ -112,12 +123,48 @@ class RedisTransport:
             tokens = self.keys.tokens(request_id)
             self.client.xread({tokens: AFTER_EVENTS_ID}, block=self._block(timeout_s))
             data = self.client.get(key)
-        return None if data is None else _final(data)
+        return None if data is None else decode_final(data)
 
     def live_batchers(self) -> list[Heartbeat]:
         keys = list(self.client.scan_iter(match=self.keys.heartbeat("*")))
         values: Any = self.client.mget(keys) if keys else []
-        return [_heartbeat(v) for v in values if v is not None]
+        return [decode_heartbeat(v) for v in values if v is not None]
+
+    def queue_depth(self) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for priority in Priority:
+            pipe.xlen(self.keys.queue(priority))
+        return sum(pipe.execute())
+
+    def pull_finals(self, consumer: str, max_count: int, block_ms: int) -> list[StoredFinal]:
+        stream, lease_ms = self.keys.finals, _ms(self.config.lease_s)
+        try:
+            claimed: Any = self.client.xautoclaim(
+                stream, PERSISTERS, consumer, lease_ms, count=max_count
+            )
+            entries = list(claimed[1])
+            if len(entries) < max_count:
+                block = self._block(block_ms / 1000) if block_ms > 0 else None
+                found: Any = self.client.xreadgroup(
+                    PERSISTERS, consumer, {stream: ">"}, max_count - len(entries), block
+                )
+                entries += found[0][1] if found else []
+        except redis.ResponseError as error:
+            if not self._recreated_lost_groups(error):
+                raise
+            return []
+        return [
+            StoredFinal(entry_id_str(entry_id), decode_final(f[b"m"]))
+            for entry_id, f in entries
+            if f
+        ]
+
+    def ack_finals(self, entry_ids: list[str]) -> None:
+        if entry_ids:
+            pipe = self.client.pipeline()
+            pipe.xack(self.keys.finals, PERSISTERS, *entry_ids)
+            pipe.xdel(self.keys.finals, *entry_ids)
+            pipe.execute()
 
     # batcher side
 
@@ -156,10 +203,12 @@ class RedisTransport:
                     if not isinstance(request, SubmitRequest):
                         raise MessageError(f"a {type(request).__name__} in a request queue")
                 except (KeyError, MessageError) as error:
-                    log.error("dropping malformed queue entry %s: %s", _id(entry_id), error)
+                    log.error(
+                        "dropping malformed queue entry %s: %s", entry_id_str(entry_id), error
+                    )
                     self._delete(stream, entry_id)
                     continue
-                deliveries.append(Delivery(_id(entry_id), request))
+                deliveries.append(Delivery(entry_id_str(entry_id), request))
         return deliveries
 
     def _mark_aborted(self, deliveries: list[Delivery]) -> list[Delivery]:
@@ -188,7 +237,11 @@ class RedisTransport:
                 raise outcome
 
     def publish_final(self, result: FinalResult) -> bool:
-        keys = [self.keys.final(result.request_id), self.keys.tokens(result.request_id)]
+        keys = [
+            self.keys.final(result.request_id),
+            self.keys.tokens(result.request_id),
+            self.keys.finals,
+        ]
         config = self.config
         args: list[EncodableT] = [
             encode(result),
@@ -220,12 +273,12 @@ class RedisTransport:
         cursor = self._abort_cursors.get(batcher_id)
         if cursor is None:
             last: Any = self.client.xrevrange(stream, "+", "-", count=1)
-            self._abort_cursors[batcher_id] = _id(last[0][0]) if last else "0-0"
+            self._abort_cursors[batcher_id] = entry_id_str(last[0][0]) if last else "0-0"
             return []
         found: Any = self.client.xread({stream: cursor}, count=MAX_ABORT_LOG)
         entries = found[0][1] if found else []
         if entries:
-            self._abort_cursors[batcher_id] = _id(entries[-1][0])
+            self._abort_cursors[batcher_id] = entry_id_str(entries[-1][0])
         return [_abort(fields).request_id for _, fields in entries]
 
     def heartbeat(self, beat: Heartbeat) -> None:
@@ -312,7 +365,7 @@ def _max_block_ms(client: redis.Redis) -> int:
     return 2**31 - 1 if timeout is None else max(1, round(timeout * 1000) - 500)
 
 
-def _id(entry_id: bytes | str) -> str:
+def entry_id_str(entry_id: bytes | str) -> str:
     return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
 
@@ -323,15 +376,15 @@ def _typed(data: bytes, kind: type[_M]) -> _M:
     return message
 
 
-def _event(fields: dict[bytes, bytes]) -> TokenEvent:
+def decode_event(fields: dict[bytes, bytes]) -> TokenEvent:
     return _typed(fields[b"m"], TokenEvent)
 
 
-def _final(data: bytes) -> FinalResult:
+def decode_final(data: bytes) -> FinalResult:
     return _typed(data, FinalResult)
 
 
-def _heartbeat(data: bytes) -> Heartbeat:
+def decode_heartbeat(data: bytes) -> Heartbeat:
     return _typed(data, Heartbeat)
 
 

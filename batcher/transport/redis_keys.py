@@ -16,6 +16,11 @@ can share a server:
                                         that was not subscribed yet.
 {p}:final:{request_id}                  the final result, SET NX (first one wins) with
                                         `final_ttl_s`: long enough for the api to persist it.
+{p}:finals                              stream of every stored final result (XADDed by the same
+                                        script that SETs it, so never one without the other);
+                                        consumer group "persisters": api replicas write them to
+                                        Postgres, then XACK + XDEL. A replica that dies holding
+                                        entries loses nothing: others claim them after the lease.
 {p}:abort:{request_id}                  abort flag, seen by `pull` of a still-queued request.
 {p}:aborts                              broadcast stream of aborts (each batcher reads it
                                         with its own cursor), capped near 10,000 entries.
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from batcher.request import Priority
 
 GROUP = "batchers"  # the one consumer group on each queue stream
+PERSISTERS = "persisters"  # the consumer group on the finals stream
 END_ID = "1-0"  # above every token event id `0-n`: written once, with the final result
 AFTER_EVENTS_ID = f"0-{2**64 - 1}"  # XREAD from here wakes only on END_ID
 
@@ -51,6 +57,10 @@ class RedisKeys:
 
     def final(self, request_id: str) -> str:
         return f"{self.prefix}:final:{request_id}"
+
+    @property
+    def finals(self) -> str:
+        return f"{self.prefix}:finals"
 
     def abort(self, request_id: str) -> str:
         return f"{self.prefix}:abort:{request_id}"

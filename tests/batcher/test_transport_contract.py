@@ -276,3 +276,58 @@ def test_heartbeats_list_live_batchers_and_expire(transport: Transport) -> None:
     time.sleep(HEARTBEAT_TTL_S + 0.05)
     beat(transport, "b1")
     assert [b.batcher_id for b in transport.live_batchers()] == ["b1"]
+
+
+def test_queue_depth_counts_queued_and_running_until_acked(transport: Transport) -> None:
+    for i in range(3):
+        submit(transport, f"r{i}")
+    assert transport.queue_depth() == 3
+    delivery = transport.pull("b0", 1, 0)[0]
+    assert transport.queue_depth() == 3  # running still counts
+    transport.publish_final(final(delivery.request.request_id))
+    transport.ack("b0", delivery)
+    assert transport.queue_depth() == 2
+
+
+def test_every_stored_final_is_queued_once_for_the_persisters(transport: Transport) -> None:
+    for i in range(3):
+        transport.publish_final(final(f"r{i}"))
+    transport.publish_final(final("r0", "b1"))  # a second final: dropped, not queued again
+    taken = transport.pull_finals("api-1", 2, 0)
+    assert [s.result.request_id for s in taken] == ["r0", "r1"]
+    assert taken[0].result == final("r0")
+    rest = transport.pull_finals("api-2", 10, 0)
+    assert [s.result.request_id for s in rest] == ["r2"]  # pending ones go to nobody else
+    transport.ack_finals([s.entry_id for s in taken + rest])
+    time.sleep(LEASE_S * 2)
+    assert transport.pull_finals("api-2", 10, 0) == []
+
+
+def test_finals_a_dead_persister_held_go_to_another_after_the_lease(transport: Transport) -> None:
+    transport.publish_final(final("r0"))
+    assert len(transport.pull_finals("api-1", 10, 0)) == 1  # then api-1 dies without acking
+    assert transport.pull_finals("api-2", 10, 0) == []
+    time.sleep(LEASE_S * 2)
+    again = transport.pull_finals("api-2", 10, 0)
+    assert [s.result.request_id for s in again] == ["r0"]
+    transport.ack_finals([s.entry_id for s in again])
+
+
+def test_a_failed_result_after_max_attempts_is_queued_to_persist(transport: Transport) -> None:
+    submit(transport, "r0")
+    for attempt in range(CONFIG.max_attempts):
+        assert transport.pull(f"b{attempt}", 1, 0)
+        time.sleep(LEASE_S * 2 + HEARTBEAT_TTL_S)
+        transport.reclaim("reclaimer")
+    stored = transport.pull_finals("api-1", 10, 0)
+    assert [(s.result.request_id, s.result.finish_reason) for s in stored] == [("r0", "failed")]
+
+
+def test_a_waiting_persister_wakes_on_a_new_final(transport: Transport) -> None:
+    timer = threading.Timer(0.05, lambda: transport.publish_final(final("r0")))
+    timer.start()
+    started = time.monotonic()
+    stored = transport.pull_finals("api-1", 10, 2000)
+    timer.join()
+    assert [s.result.request_id for s in stored] == ["r0"]
+    assert time.monotonic() - started < 1.0

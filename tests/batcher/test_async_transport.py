@@ -1,0 +1,112 @@
+"""The api's asyncio transports against the batcher side they talk to: Redis (real server) and
+the in-process transport behind a thread pool."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+
+import pytest
+import redis
+
+from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from batcher.request import StoppingParams
+from batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport, ThreadedApiTransport
+from batcher.transport.base import Transport, TransportConfig
+from batcher.transport.memory import MemoryTransport
+from batcher.transport.redis import RedisTransport
+from gpu_worker.plan import SamplingParams
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+CONFIG = TransportConfig(lease_s=0.05, heartbeat_ttl_s=0.5)
+Pair = tuple[Callable[[], AsyncApiTransport], Transport]
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """(a factory of the api side, made inside the event loop; the batcher side)."""
+    if request.param == "memory":
+        memory = MemoryTransport(CONFIG)
+        yield (lambda: ThreadedApiTransport(memory, 8)), memory
+        return
+    prefix = f"test-{uuid.uuid4().hex}"
+    client = redis.Redis.from_url(REDIS_URL)
+    yield (
+        (lambda: AsyncRedisApiTransport.from_url(REDIS_URL, prefix, CONFIG)),
+        RedisTransport(client, prefix, CONFIG),
+    )
+    keys = list(client.scan_iter(match=f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def run(pair: Pair, body: Callable[[AsyncApiTransport, Transport], Awaitable[None]]) -> None:
+    async def main() -> None:
+        api = pair[0]()
+        try:
+            await body(api, pair[1])
+        finally:
+            await api.close()
+
+    asyncio.run(main())
+
+
+def submit_request(request_id: str) -> SubmitRequest:
+    return SubmitRequest(request_id, [1, 2], SamplingParams(), StoppingParams(max_new_tokens=2))
+
+
+def test_submit_reaches_the_batcher_in_order(pair: Pair) -> None:
+    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+        await api.submit([submit_request(f"r{i}") for i in range(3)])
+        assert await api.queue_depth() == 3
+        pulled = batcher.pull("b0", 10, 0)
+        assert [d.request for d in pulled] == [submit_request(f"r{i}") for i in range(3)]
+
+    run(pair, body)
+
+
+def test_a_reader_follows_tokens_then_the_final(pair: Pair) -> None:
+    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+        async def produce() -> None:
+            for seq in range(3):
+                await asyncio.sleep(0.02)
+                event = TokenEvent(
+                    "r0", seq, [seq], [None], f"t{seq}", 1, time.time(), [[(5, -1.0)]]
+                )
+                batcher.publish_tokens([event])
+            batcher.publish_final(FinalResult("r0", [0, 1, 2], "length", None, 2, 3, 0, 1, "b0"))
+
+        producer = asyncio.create_task(produce())
+        seen: list[TokenEvent] = []
+        while len(seen) < 3:
+            seen += await api.read_tokens("r0", len(seen), 2.0)
+        assert [e.text for e in seen] == ["t0", "t1", "t2"]
+        assert seen[0].top_logprobs == [[(5, -1.0)]]
+        final = await api.read_final("r0", 2.0)
+        await producer
+        assert final is not None and final.token_ids == [0, 1, 2]
+        assert await api.read_tokens("r0", 3, 0.05) == []
+        stored = await api.pull_finals("api-1", 10, 0)
+        assert [s.result.request_id for s in stored] == ["r0"]
+        await api.ack_finals([s.entry_id for s in stored])
+        assert await api.pull_finals("api-1", 10, 0) == []
+
+    run(pair, body)
+
+
+def test_abort_and_live_batchers(pair: Pair) -> None:
+    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+        batcher.poll_aborts("b0")
+        batcher.heartbeat(Heartbeat("b0", 0, 0, 10, 4, time.time()))
+        assert [b.batcher_id for b in await api.live_batchers()] == ["b0"]
+        await api.submit([submit_request("r0")])
+        await api.abort("r0")
+        assert batcher.poll_aborts("b0") == ["r0"]
+        assert batcher.pull("b0", 1, 0)[0].is_aborted
+
+    run(pair, body)
