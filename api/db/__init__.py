@@ -1,0 +1,55 @@
+"""The api's database: Core tables (`models`), queries (`store`), Alembic wiring (`migrate`).
+
+Postgres (asyncpg) is the system of record; SQLite (aiosqlite) is the embedded default. This
+module builds the engine for either from one URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+_ASYNC_DRIVERS = {
+    "postgresql": "postgresql+asyncpg",
+    "postgres": "postgresql+asyncpg",
+    "sqlite": "sqlite+aiosqlite",
+}
+
+
+def normalize_url(url: str) -> str:
+    """The URL with the async driver tgq uses: `postgresql://` becomes `postgresql+asyncpg://`,
+    `sqlite://` becomes `sqlite+aiosqlite://`; explicit drivers are kept."""
+    parsed = make_url(url)
+    driver = _ASYNC_DRIVERS.get(parsed.drivername, parsed.drivername)
+    return parsed.set(drivername=driver).render_as_string(hide_password=False)
+
+
+def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
+    """An async engine for `url`; keyword arguments go to `create_async_engine`."""
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        engine = create_async_engine(url, **kwargs)
+        _configure_sqlite(engine)
+        return engine
+    pooling = {} if "poolclass" in kwargs else {"pool_size": 20, "max_overflow": 10}
+    return create_async_engine(url, **pooling, **kwargs)
+
+
+def _configure_sqlite(engine: AsyncEngine) -> None:
+    # SQLite has one writer at a time. BEGIN IMMEDIATE takes the write lock when a transaction
+    # starts, so concurrent writers wait (busy timeout) instead of failing with SQLITE_BUSY
+    # when a transaction that has read tries to write.
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # the driver emits no BEGIN: we do
+        cursor = dbapi_connection.cursor()
+        for pragma in ("journal_mode=WAL", "foreign_keys=ON", "busy_timeout=10000"):
+            cursor.execute(f"PRAGMA {pragma}")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")

@@ -1,0 +1,165 @@
+"""The schema as SQLAlchemy Core tables: the metadata Alembic compares with the database.
+
+Migrations create the schema (`migrations/versions/`); these tables describe the same thing for
+queries. Timestamps are UTC, set by the code, never by the database, so SQLite and Postgres agree.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData()
+
+# Plain JSON everywhere, JSONB on Postgres.
+Json = JSON().with_variant(JSONB(), "postgresql")
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """`timestamptz` on Postgres; on SQLite (which keeps no offset) values are stored in UTC and
+    read back as aware UTC datetimes, so both databases return the same values."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware UTC datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _counter(name: str) -> Column[int]:
+    return Column(name, Integer, nullable=False, server_default="0")
+
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", Text, nullable=False),
+    Column("key_hash", Text, nullable=False),
+    Column("key_prefix", Text, nullable=False),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("revoked_at", UtcDateTime),
+    Column("last_used_at", UtcDateTime),
+    UniqueConstraint("key_hash", name="uq_api_keys_key_hash"),
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("route", Text),
+    Column("status", Text, nullable=False),
+    Column("priority", Integer),
+    Column("model", Text),
+    Column("params", Json),
+    Column("num_items", Integer),
+    _counter("num_items_done"),
+    _counter("num_items_failed"),
+    _counter("prompt_tokens"),
+    _counter("completion_tokens"),
+    Column("idempotency_scope", Text, nullable=False, server_default=""),
+    Column("idempotency_key", Text),
+    Column("idempotency_fingerprint", Text),
+    Column("api_key_id", Integer, ForeignKey("api_keys.id", name="fk_jobs_api_key_id")),
+    Column("deadline", UtcDateTime),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("started_at", UtcDateTime),
+    Column("finished_at", UtcDateTime),
+    Column("error", Text),
+    Column("metadata", Json),
+    UniqueConstraint("idempotency_scope", "idempotency_key", name="uq_jobs_idempotency"),
+    Index("ix_jobs_status_created_at", "status", "created_at"),
+)
+
+job_items = Table(
+    "job_items",
+    metadata,
+    Column(
+        "job_id",
+        Text,
+        ForeignKey("jobs.id", ondelete="CASCADE", name="fk_job_items_job_id"),
+        nullable=False,
+    ),
+    Column("item_index", Integer, nullable=False),
+    Column("request_id", Text, nullable=False),
+    Column("prompt_token_ids", Json, nullable=False),
+    Column("status", Text, nullable=False),
+    _counter("attempts"),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("finished_at", UtcDateTime),
+    PrimaryKeyConstraint("job_id", "item_index", name="pk_job_items"),
+    UniqueConstraint("request_id", name="uq_job_items_request_id"),
+)
+
+results = Table(
+    "results",
+    metadata,
+    Column("job_id", Text, nullable=False),
+    Column("item_index", Integer, nullable=False),
+    Column("request_id", Text, nullable=False),
+    Column("text", Text),
+    Column("token_ids", Json, nullable=False),
+    Column("logprobs", Json),
+    Column("finish_reason", Text, nullable=False),
+    Column("finish_detail", Text),
+    Column("num_prompt_tokens", Integer, nullable=False),
+    Column("num_output_tokens", Integer, nullable=False),
+    Column("num_cached_tokens", Integer, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("batcher_id", Text, nullable=False),
+    Column("created_at", UtcDateTime, nullable=False),
+    PrimaryKeyConstraint("job_id", "item_index", name="pk_results"),
+    ForeignKeyConstraint(
+        ["job_id", "item_index"],
+        ["job_items.job_id", "job_items.item_index"],
+        ondelete="CASCADE",
+        name="fk_results_job_item",
+    ),
+)
+
+# The unique (job_id, item_index) index also serves lookups by job_id.
+usage = Table(
+    "usage",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column(
+        "job_id",
+        Text,
+        ForeignKey("jobs.id", ondelete="CASCADE", name="fk_usage_job_id"),
+        nullable=False,
+    ),
+    Column("item_index", Integer, nullable=False),
+    Column("api_key_id", Integer),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("completion_tokens", Integer, nullable=False),
+    Column("created_at", UtcDateTime, nullable=False),
+    UniqueConstraint("job_id", "item_index", name="uq_usage_job_item"),
+)
