@@ -1,0 +1,225 @@
+"""Errors that routes raise, and the one place that renders them.
+
+Every error has two renderings, picked by the route's flavour:
+
+- **tgi** (TGI's own routes): `{"error": "<message>", "error_type": "<type>"}`, TGI's status
+  codes and message prefixes (`Input validation error: ...`).
+- **openai** (everything under `/v1/`, jobs included): OpenAI's error object
+  `{"error": {"message", "type", "param", "code"}}`. Validation errors keep status 422, as TGI's
+  OpenAI routes do (OpenAI itself answers 400); `type` is OpenAI's `invalid_request_error`, so
+  OpenAI clients still raise their usual exception class (`UnprocessableEntityError`).
+
+Errors after a stream has started cannot change the HTTP status any more; `stream_error_event`
+renders them as one SSE event in the same two shapes (OpenAI routes then send `data: [DONE]`).
+Malformed bodies (not JSON, wrong types, missing fields) come from FastAPI as
+`RequestValidationError` and are rendered as a `ValidationError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from api.schemas.openai import OpenAIError, OpenAIErrorBody
+from api.schemas.tgi import ErrorResponse
+
+Flavour = Literal["tgi", "openai"]
+
+
+class ApiError(Exception):
+    """Base: an unexpected server-side failure (500) unless a subclass says otherwise."""
+
+    status_code: int = 500
+    error_type: str = "internal"  # TGI `error_type`
+    openai_type: str = "server_error"
+    openai_code: str | None = None
+    tgi_prefix: str = ""  # TGI prepends the error kind to the message
+    openai_prefix: str = ""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after_s: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message  # without any prefix
+        self.param = param  # the offending request field, OpenAI's `param`
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ValidationError(ApiError):
+    """The request is well-formed but not acceptable (TGI's `ValidationError`)."""
+
+    status_code = 422
+    error_type = "validation"
+    openai_type = "invalid_request_error"
+    tgi_prefix = "Input validation error: "
+
+
+class RouteValidationError(ApiError):
+    """A 422 that TGI renders with its own `error_type` and no prefix, e.g. `/v1/completions`
+    with `suffix` (`"suffix not supported"`) or too many prompts (`"batch size exceeded"`)."""
+
+    status_code = 422
+    openai_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, error_type: str, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.error_type = error_type
+
+
+class TemplateError(ApiError):
+    """The chat template failed to render (or the model has none)."""
+
+    status_code = 422
+    error_type = "template_error"
+    openai_type = "invalid_request_error"
+    openai_code = "template_error"
+    tgi_prefix = openai_prefix = "Template error: "
+
+
+class GenerationError(ApiError):
+    """The engine failed while generating (e.g. out of memory); the input may well be fine."""
+
+    status_code = 424
+    error_type = "generation"
+    openai_code = "generation"
+    tgi_prefix = openai_prefix = "Request failed during generation: "
+
+
+class OverloadedError(ApiError):
+    """Over the concurrency or queue bounds; decided before any tokenization."""
+
+    status_code = 429
+    error_type = "overloaded"
+    openai_type = "rate_limit_error"
+    openai_code = "overloaded"
+
+    def __init__(self, message: str = "Model is overloaded", *, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+
+
+class NotFoundError(ApiError):
+    status_code = 404
+    error_type = "not_found"
+    openai_type = "invalid_request_error"
+    openai_code = "not_found"
+
+
+class UnavailableError(ApiError):
+    """A dependency is down (database, batcher); worth retrying later."""
+
+    status_code = 503
+    error_type = "unavailable"
+    openai_code = "unavailable"
+
+
+class PayloadTooLargeError(ApiError):
+    status_code = 413
+    error_type = "payload_too_large"
+    openai_type = "invalid_request_error"
+    openai_code = "payload_too_large"
+
+
+class UnauthorizedError(ApiError):
+    status_code = 401
+    error_type = "unauthorized"
+    openai_type = "invalid_request_error"
+    openai_code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+def flavour_for_path(path: str) -> Flavour:
+    """`/v1/...` routes speak OpenAI (chat, completions, models, jobs, files, batches)."""
+    return "openai" if path.startswith("/v1/") else "tgi"
+
+
+def error_body(error: ApiError, *, flavour: Flavour) -> dict[str, Any]:
+    if flavour == "tgi":
+        tgi = ErrorResponse(error=error.tgi_prefix + error.message, error_type=error.error_type)
+        return tgi.model_dump()
+    openai = OpenAIError(
+        message=error.openai_prefix + error.message,
+        type=error.openai_type,
+        param=error.param,
+        code=error.openai_code,
+    )
+    return OpenAIErrorBody(error=openai).model_dump()
+
+
+def error_response(error: ApiError, *, flavour: Flavour) -> JSONResponse:
+    body = error_body(error, flavour=flavour)
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers())
+
+
+def stream_error_event(error: ApiError, *, flavour: Flavour) -> str:
+    """One SSE event (`data: <json>\\n\\n`) for an error after the stream has started."""
+    return f"data: {json.dumps(error_body(error, flavour=flavour))}\n\n"
+
+
+def from_request_validation(exc: RequestValidationError) -> ValidationError:
+    """FastAPI's parse errors as one `ValidationError` naming every offending field; the
+    alternatives of a union field (`stop`: a string or a list) are reported together."""
+    reasons: dict[str | None, list[str]] = {}
+    for error in exc.errors():
+        reasons.setdefault(_param(error), []).append(_reason(error))
+    message = "; ".join(_describe(param, msgs) for param, msgs in reasons.items())
+    return ValidationError(message or "invalid request body", param=next(iter(reasons), None))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.exception_handler(ApiError)(_on_api_error)
+    app.exception_handler(RequestValidationError)(_on_request_validation_error)
+
+
+async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc, flavour=flavour_for_path(request.url.path))
+
+
+async def _on_request_validation_error(
+    request: Request, exc: RequestValidationError
+) -> JSONResponse:
+    error = from_request_validation(exc)
+    return error_response(error, flavour=flavour_for_path(request.url.path))
+
+
+def _describe(param: str | None, reasons: list[str]) -> str:
+    where = f"`{param}`: " if param else ""
+    return where + " or ".join(dict.fromkeys(reasons))
+
+
+def _reason(error: dict[str, Any]) -> str:
+    if error["type"] == "json_invalid":
+        reason = error.get("ctx", {}).get("error", error["msg"])
+        return f"Failed to parse the request body as JSON: {reason}"
+    if _param(error) is None:
+        return f"request body: {error['msg']}"
+    return str(error["msg"])
+
+
+# Tags pydantic puts in `loc` for the members of a union (`stop.str`, `stop.list[str]`).
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param(error: dict[str, Any]) -> str | None:
+    """The field's path, `("body", "messages", 0, "role")` -> `messages[0].role`."""
+    if error["type"] == "json_invalid":
+        return None
+    loc: Sequence[str | int] = error["loc"]
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif "[" not in part and part not in _UNION_TAGS:
+            path += f".{part}" if path else part
+    return path or None

@@ -1,0 +1,246 @@
+"""OpenAI-compatible request and response bodies (`/v1/chat/completions`, `/v1/completions`,
+`/v1/models`). Unknown request fields are ignored.
+
+Requests accept the whole OpenAI surface that clients send, including fields tgq does not
+support (`logit_bias`, `tools`, `response_format`, `suffix`): `api.validation` rejects those
+with a clear message instead of dropping them silently. Range checks live there too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Seed = Annotated[int, Field(ge=0, lt=2**64)]
+FinishReason = Literal["stop", "length"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False  # one more chunk at the end, with `choices: []` and `usage`
+
+
+class ImageUrl(_Request):
+    url: str
+    detail: str | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON-encoded
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class RequestMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `json_schema` and friends, rejected later
+
+    type: str = Field(examples=["text"])
+
+
+class ChatCompletionRequest(_Request):
+    model: str | None = Field(default=None, examples=["tgi"])
+    messages: list[RequestMessage]
+    frequency_penalty: float | None = Field(default=None, examples=[0.0])
+    presence_penalty: float | None = Field(default=None, examples=[0.0])
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, examples=[5])
+    max_tokens: int | None = Field(default=None, examples=[32])
+    max_completion_tokens: int | None = Field(
+        default=None, description="Replaces `max_tokens`; when both are set this one wins."
+    )
+    n: int | None = Field(default=None, examples=[1])
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, examples=[1.0])
+    top_p: float | None = Field(default=None, examples=[0.95])
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(_Request):
+    model: str | None = Field(default=None, examples=["tgi"])
+    prompt: str | list[str] = Field(examples=["My name is Olivier and I"])
+    max_tokens: int | None = Field(default=None, examples=[32])
+    temperature: float | None = Field(default=None, examples=[1.0])
+    top_p: float | None = Field(default=None, examples=[0.95])
+    n: int | None = Field(default=None, examples=[1])
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = Field(
+        default=None, description="TGI extension.", examples=[1.03]
+    )
+    logprobs: int | None = Field(
+        default=None,
+        description="Legacy: the number of most likely tokens to return at each step.",
+    )
+    echo: bool = Field(default=False, description="Prepend the prompt to the completion.")
+    suffix: str | None = None
+    user: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int  # unix seconds
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatCompletionChoice]
+    usage: Usage | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoice]
+    usage: Usage | None = None  # only on the last chunk, with `stream_options.include_usage`
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class Completion(BaseModel):
+    """A `/v1/completions` answer, and (with `usage` null) each of its stream events."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIError
