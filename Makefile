@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, from the local CPU build: any other torch would download gigabytes
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	# TGI's own client pins an old huggingface_hub: it goes in without its dependencies
+	$(PY) -m pip install --quiet --no-deps text-generation==0.7.0
 	touch $(STAMP)
 
 run: $(STAMP)

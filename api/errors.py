@@ -209,6 +209,8 @@ def _reason(error: dict[str, Any]) -> str:
 
 # Tags pydantic puts in `loc` for the members of a union (`stop.str`, `stop.list[str]`).
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+# Where FastAPI found the field; the name alone is the parameter.
+_LOCATIONS = frozenset({"body", "query", "path", "header", "cookie"})
 
 
 def _param(error: dict[str, Any]) -> str | None:
@@ -217,7 +219,7 @@ def _param(error: dict[str, Any]) -> str | None:
         return None
     loc: Sequence[str | int] = error["loc"]
     path = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
+    for part in loc[1:] if loc and loc[0] in _LOCATIONS else loc:
         if isinstance(part, int):
             path += f"[{part}]"
         elif "[" not in part and part not in _UNION_TAGS:

@@ -14,6 +14,7 @@ class Settings(BaseSettings):
     model_id: str = "tgq-demo"
     model_dir: str | None = None  # local directory with tokenizer.json (and config.json)
     database_url: str = "sqlite+aiosqlite:///tgq.db"
+    auto_migrate: bool = False  # upgrade the schema at start (the embedded default does)
     redis_url: str | None = None  # None: the in-process transport (api and batcher together)
     redis_prefix: str = "tgq"
     hostname: str = "127.0.0.1"

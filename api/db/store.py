@@ -48,6 +48,13 @@ TERMINAL_STATUSES = ("succeeded", "failed", "cancelled")
 # The item status a finish reason leads to; any other reason ("rejected", "deadline", "failed")
 # fails the item.
 _ITEM_STATUS = {"stop": "succeeded", "length": "succeeded", "abort": "cancelled"}
+
+
+def item_status(finish_reason: str) -> str:
+    """The terminal item status a final result with this finish reason leads to."""
+    return _ITEM_STATUS.get(finish_reason, "failed")
+
+
 LAST_USED_RESOLUTION = timedelta(minutes=1)  # `api_keys.last_used_at` is written at most this often
 
 R = TypeVar("R")
@@ -356,8 +363,8 @@ async def record_results(conn: AsyncConnection, *, results: Sequence[NewResult])
 
 
 async def _record_result(conn: AsyncConnection, result: NewResult, now: datetime) -> bool:
-    item_status = _ITEM_STATUS.get(result.finish_reason, "failed")
-    if not await _finish_item(conn, result, item_status, now):
+    status = item_status(result.finish_reason)
+    if not await _finish_item(conn, result, status, now):
         return False
     written = await conn.execute(
         _insert_unless_taken(conn.dialect.name, db.results, "job_id", "item_index"),
@@ -365,7 +372,7 @@ async def _record_result(conn: AsyncConnection, result: NewResult, now: datetime
     )
     if written.first() is None:
         return False
-    api_key_id = await _count_result(conn, result, is_failed=item_status == "failed", now=now)
+    api_key_id = await _count_result(conn, result, is_failed=status == "failed", now=now)
     await conn.execute(
         insert(db.usage).values(
             job_id=result.job_id,
@@ -380,11 +387,11 @@ async def _record_result(conn: AsyncConnection, result: NewResult, now: datetime
 
 
 async def _finish_item(
-    conn: AsyncConnection, result: NewResult, item_status: str, now: datetime
+    conn: AsyncConnection, result: NewResult, status: str, now: datetime
 ) -> bool:
     """Move the item to its terminal status. The cancel rule lives here: once an item is
     cancelled only an `abort` result (which keeps it cancelled) gets past this point."""
-    allowed = (*OPEN_STATUSES, "cancelled") if item_status == "cancelled" else OPEN_STATUSES
+    allowed = (*OPEN_STATUSES, "cancelled") if status == "cancelled" else OPEN_STATUSES
     items = db.job_items.c
     moved = await conn.execute(
         update(db.job_items)
@@ -393,7 +400,7 @@ async def _finish_item(
             items.item_index == result.item_index,
             items.status.in_(allowed),
         )
-        .values(status=item_status, finished_at=func.coalesce(items.finished_at, _at(now)))
+        .values(status=status, finished_at=func.coalesce(items.finished_at, _at(now)))
         .returning(items.item_index)
     )
     return moved.first() is not None
@@ -456,6 +463,20 @@ async def get_results(conn: AsyncConnection, *, job_id: str) -> list[ResultRecor
     return _as(ResultRecord, await conn.execute(query.order_by(db.results.c.item_index)))
 
 
+async def get_result(conn: AsyncConnection, *, job_id: str, item_index: int) -> ResultRecord | None:
+    results = db.results.c
+    query = select(*_RESULT).where(results.job_id == job_id, results.item_index == item_index)
+    row = (await conn.execute(query)).first()
+    return None if row is None else ResultRecord(*row)
+
+
+async def get_item_status(conn: AsyncConnection, *, job_id: str, item_index: int) -> str | None:
+    items = db.job_items.c
+    query = select(items.status).where(items.job_id == job_id, items.item_index == item_index)
+    status: str | None = (await conn.execute(query)).scalar()
+    return status
+
+
 async def get_job_for_request(conn: AsyncConnection, *, request_id: str) -> tuple[str, int] | None:
     """`(job_id, item_index)` of the item with this request id, or None."""
     items = db.job_items.c
@@ -502,6 +523,13 @@ async def unfinished_items(
         .limit(limit)
     )
     return _as(ItemRecord, await conn.execute(query))
+
+
+async def count_jobs_by_status(conn: AsyncConnection) -> dict[str, int]:
+    """How many jobs are in each status (for the metrics); statuses without jobs are absent."""
+    job = db.jobs.c
+    rows = await conn.execute(select(job.status, func.count()).group_by(job.status))
+    return {status: count for status, count in rows.tuples()}
 
 
 # --- cancel and retention --------------------------------------------------------------------

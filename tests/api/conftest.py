@@ -23,6 +23,7 @@ from sqlalchemy.pool import NullPool
 from api.db import create_engine
 from api.db.migrate import upgrade
 from api.db.models import metadata
+from tests.api.stack import Stack
 
 ADMIN_URL = os.environ.get("TGQ_TEST_POSTGRES", "postgresql+asyncpg://root@127.0.0.1:5432/postgres")
 
@@ -93,3 +94,26 @@ def sqlite_engine(sqlite_url: str) -> Iterator[AsyncEngine]:
     engine = create_engine(sqlite_url, poolclass=NullPool)
     yield engine
     asyncio.run(engine.dispose())
+
+
+@pytest.fixture(scope="session")
+def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a trained tokenizer and a chat template (see `tests/api/stack.py`)."""
+    from tests.api.stack import write_text_model
+
+    return write_text_model(tmp_path_factory.mktemp("text-model"))
+
+
+@pytest.fixture(scope="module")
+def stack(text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Postgres (a database of its own), Redis, one batcher process and the api process."""
+    url = _create_database()
+    upgrade(url)
+    running = Stack(text_model_dir, url, tmp_path_factory.mktemp("logs"))
+    try:
+        running.start_batcher()
+        running.start_api()
+        yield running
+    finally:
+        running.stop()
+        _drop_database(url)

@@ -1,0 +1,103 @@
+"""Backpressure, decided before any tokenization or engine work (TGI's `try_acquire` on a
+semaphore, plus the bounded queue TGI lacks).
+
+A request is admitted when this replica serves fewer than `max_concurrent_requests`, when the
+shared queue (requests submitted and not finished, over every replica; read from the transport at
+most every `refresh_s`) is under `max_queued_requests`, and when the tokens this replica has in
+flight (prompt + max new tokens) are under `max_queued_tokens`. Otherwise: `OverloadedError`
+(429 with `Retry-After`). Admission itself is a few integer comparisons, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from api.errors import OverloadedError
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_concurrent_requests: int
+    max_queued_requests: int
+    max_queued_tokens: int
+    retry_after_s: int
+
+
+class Ticket:
+    """One admitted request; `release` (idempotent) gives its slot and tokens back."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.num_tokens = 0
+        self.is_released = False
+
+    def add_tokens(self, num_tokens: int) -> None:
+        """Counts the request's tokens once they are known (after tokenization)."""
+        self.num_tokens += num_tokens
+        self._admission.num_tokens += num_tokens
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self._admission.num_in_flight -= 1
+            self._admission.num_tokens -= self.num_tokens
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Admission:
+    def __init__(
+        self,
+        limits: Limits,
+        *,
+        on_reject: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        self.limits = limits
+        self.num_in_flight = 0
+        self.num_tokens = 0
+        self._queue_depth = 0  # as last read from the transport, plus what we submitted since
+        self._on_reject = on_reject
+
+    def set_queue_depth(self, depth: int) -> None:
+        self._queue_depth = depth
+
+    def note_submitted(self, num_requests: int) -> None:
+        self._queue_depth += num_requests
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue_depth
+
+    def admit(self, *, num_requests: int = 1) -> Ticket:
+        """A ticket for one interactive request (of `num_requests` engine requests), or 429."""
+        limits = self.limits
+        if self.num_in_flight >= limits.max_concurrent_requests:
+            self._reject("concurrency", "Model is overloaded")
+        self.check_queue(num_requests)
+        self.num_in_flight += 1
+        return Ticket(self)
+
+    def check_queue(self, num_requests: int) -> None:
+        """429 unless the queue has room for `num_requests` more (jobs check only this)."""
+        limits = self.limits
+        if self._queue_depth + num_requests > limits.max_queued_requests:
+            self._reject(
+                "queue_requests",
+                f"Queue is full: {self._queue_depth} requests queued "
+                f"(max_queued_requests={limits.max_queued_requests})",
+            )
+        if self.num_tokens >= limits.max_queued_tokens:
+            self._reject(
+                "queue_tokens",
+                f"Queue is full: {self.num_tokens} tokens in flight "
+                f"(max_queued_tokens={limits.max_queued_tokens})",
+            )
+
+    def _reject(self, reason: str, message: str) -> None:
+        self._on_reject(reason)
+        raise OverloadedError(message, retry_after_s=self.limits.retry_after_s)

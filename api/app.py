@@ -1,0 +1,238 @@
+"""The FastAPI application: `create_app(settings)`.
+
+Start-up (lifespan): the database must be at the migrations' head (else the app refuses to start,
+naming the command to run); the transport is Redis when `REDIS_URL` is set, else the in-process
+one with a batcher on a thread of this process; then the recorder, the persister, the running
+marker and the monitor (queue depth, live batchers) start. Shut-down stops them in reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from api.admission import Admission, Limits
+from api.db import create_engine, store
+from api.db.migrate import check_schema, upgrade
+from api.errors import install_error_handlers
+from api.generation import Persister, Recorder, Running
+from api.metrics import Metrics
+from api.security import install_security
+from api.service import Generation
+from api.settings import Settings
+from api.tokenizer import ModelTokenizer
+from batcher.messages import FinalResult
+from batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport, ThreadedApiTransport
+from batcher.transport.base import StoredFinal
+
+log = logging.getLogger("api")
+VERSION = "0.1.0"
+MONITOR_INTERVAL_S = 0.25
+BATCHERS_INTERVAL_S = 1.0
+
+
+@dataclass(slots=True)
+class Health:
+    """What `/health` answers from: live batchers (heartbeats) and the engine's last outcome."""
+
+    num_batchers: int = 0
+    last_success: float = 0.0
+    last_engine_failure: float = 0.0
+    engine_failure: str | None = None
+
+    def observe(self, result: FinalResult) -> None:
+        if result.finish_reason == "failed":
+            self.last_engine_failure, self.engine_failure = time.time(), result.finish_detail
+        elif result.finish_reason in ("stop", "length"):
+            self.last_success = time.time()
+
+    @property
+    def problem(self) -> str | None:
+        if self.num_batchers == 0:
+            return "no batcher is alive"
+        if self.last_engine_failure > self.last_success:
+            return f"the engine is failing: {self.engine_failure}"
+        return None
+
+
+@dataclass(slots=True)
+class AppState:
+    settings: Settings
+    engine: AsyncEngine
+    transport: AsyncApiTransport
+    tokenizer: ModelTokenizer
+    metrics: Metrics
+    generation: Generation
+    persister: Persister
+    health: Health
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    embedded: Any = None  # the in-process batcher, without Redis
+
+
+def state_of(request: Request) -> AppState:
+    app_state: AppState = request.app.state.tgq
+    return app_state
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.tgq = await _start(settings)
+        try:
+            yield
+        finally:
+            await _stop(app.state.tgq)
+
+    app = FastAPI(
+        title="tgq",
+        version=VERSION,
+        description="Text generation queue: TGI- and OpenAI-compatible, with durable jobs.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+
+    async def verify_key(key: str) -> int | None:
+        async with app.state.tgq.engine.begin() as conn:
+            record = await store.verify_api_key(conn, key=key)
+        return None if record is None else record.id
+
+    install_security(app, settings, verify_key if settings.require_api_keys else None)
+    from api.routes import jobs, openai, tgi  # the routes import this module's `state_of`
+
+    app.include_router(tgi.router)
+    app.include_router(openai.router)
+    app.include_router(jobs.router)
+    return app
+
+
+def model_dir_of(settings: Settings) -> Path:
+    """A local directory with the model's tokenizer: `MODEL_DIR`, else `MODEL_ID` when it is a
+    directory, else the hub snapshot of `MODEL_ID` (tokenizer and config files only)."""
+    if settings.model_dir:
+        return Path(settings.model_dir)
+    if Path(settings.model_id).is_dir():
+        return Path(settings.model_id)
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.jinja"]
+    return Path(snapshot_download(settings.model_id, allow_patterns=patterns))
+
+
+async def _start(settings: Settings) -> AppState:
+    engine = create_engine(settings.database_url)
+    if settings.auto_migrate:
+        await asyncio.to_thread(upgrade, settings.database_url)
+    await check_schema(engine)
+    model_dir = model_dir_of(settings)
+    tokenizer = ModelTokenizer.from_model_dir(model_dir, max_workers=settings.validation_workers)
+    embedded = None
+    transport: AsyncApiTransport
+    if settings.redis_url:
+        max_connections = settings.max_concurrent_requests * 2 + 32  # readers block on theirs
+        transport = AsyncRedisApiTransport.from_url(
+            settings.redis_url, settings.redis_prefix, max_connections=max_connections
+        )
+    else:
+        from batcher.embedded import EmbeddedBatcher
+        from batcher.transport.memory import MemoryTransport
+
+        memory = MemoryTransport()
+        embedded = await asyncio.to_thread(EmbeddedBatcher, str(model_dir), memory)
+        embedded.start()
+        transport = ThreadedApiTransport(memory, max_workers=settings.max_concurrent_requests + 8)
+    metrics = Metrics(
+        max_input_tokens=settings.max_input_tokens, max_total_tokens=settings.max_total_tokens
+    )
+    limits = Limits(
+        max_concurrent_requests=settings.max_concurrent_requests,
+        max_queued_requests=settings.max_queued_requests,
+        max_queued_tokens=settings.max_queued_tokens,
+        retry_after_s=settings.retry_after_s,
+    )
+    admission = Admission(limits, on_reject=metrics.on_rejected)
+    recorder, running = Recorder(engine, transport), Running(engine)
+    health = Health()
+    consumer = f"{socket.gethostname()}-{os.getpid()}"
+    persister = Persister(engine, transport, consumer, on_results=_observer(health))
+    generation = Generation(
+        settings=settings,
+        engine=engine,
+        transport=transport,
+        tokenizer=tokenizer,
+        metrics=metrics,
+        admission=admission,
+        recorder=recorder,
+        running=running,
+    )
+    state = AppState(
+        settings, engine, transport, tokenizer, metrics, generation, persister, health,
+        embedded=embedded,
+    )  # fmt: skip
+    recorder.start()
+    running.start()
+    persister.start()
+    state.tasks.append(asyncio.create_task(_monitor(state), name="monitor"))
+    log.info(
+        "api serving %s (%s)", settings.model_id, "redis" if settings.redis_url else "embedded"
+    )
+    return state
+
+
+def _observer(health: Health) -> Any:
+    def observe(finals: list[StoredFinal]) -> None:
+        for stored in finals:
+            health.observe(stored.result)
+
+    return observe
+
+
+async def _monitor(state: AppState) -> None:
+    """Keeps the admission's queue depth and the health's batcher count fresh."""
+    next_batchers = 0.0
+    while True:
+        try:
+            depth = await state.transport.queue_depth()
+            state.generation.admission.set_queue_depth(depth)
+            state.metrics.set_queue_size(depth)
+            if time.monotonic() >= next_batchers:
+                next_batchers = time.monotonic() + BATCHERS_INTERVAL_S
+                beats = await state.transport.live_batchers()
+                state.health.num_batchers = len(beats)
+                state.metrics.set_batchers_alive(len(beats))
+                state.metrics.set_batch_current_size(sum(b.num_running for b in beats))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # Redis away: health says so, admission keeps its last view
+            state.health.num_batchers = 0
+            log.warning("monitor: %s", error)
+        await asyncio.sleep(MONITOR_INTERVAL_S)
+
+
+async def _stop(state: AppState) -> None:
+    for task in state.tasks:
+        task.cancel()
+    for task in state.tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await state.generation.recorder.stop()
+    await state.generation.running.stop()
+    await state.generation.aclose()
+    await state.persister.stop()
+    if state.embedded is not None:
+        await asyncio.to_thread(state.embedded.stop)
+    await state.transport.close()
+    state.tokenizer.close()
+    await state.engine.dispose()

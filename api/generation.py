@@ -1,0 +1,289 @@
+"""Generation in the api: every request becomes a row in the database, committed, then a message
+in the transport; its tokens are followed from the transport, its final result is written back to
+the database by the persister, whoever waits for it.
+
+- `Recorder`: group commit. Concurrent submissions are gathered (up to `max_group` per round),
+  written in one transaction, then enqueued in one transport round trip. Nothing is enqueued
+  without its commit; a failed commit fails the whole group with 503 and enqueues nothing.
+- `Persister`: pulls durable final results from the transport, records them idempotently (unique
+  per job item), and acks them only after the commit.
+- `follow`: a request's token events in order, then its final result.
+- `Running`: items seen producing tokens are marked `running` (with `started_at`) in batches.
+
+Request ids are `"{job_id}.{item_index}"`, so a final result names its row without a lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from api.db import store
+from api.errors import UnavailableError
+from batcher.messages import FinalResult, SubmitRequest, TokenEvent
+from batcher.transport.aio import AsyncApiTransport
+from batcher.transport.base import StoredFinal
+
+log = logging.getLogger(__name__)
+
+FOLLOW_POLL_S = 4.0  # one blocking read waits at most this long (under the socket timeout)
+
+
+def new_job_id() -> str:
+    return f"job_{secrets.token_hex(16)}"
+
+
+def request_id_of(job_id: str, item_index: int) -> str:
+    return f"{job_id}.{item_index}"
+
+
+def parse_request_id(request_id: str) -> tuple[str, int] | None:
+    job_id, _, index = request_id.rpartition(".")
+    if not job_id.startswith("job_") or not index.isdigit():
+        return None
+    return job_id, int(index)
+
+
+@dataclass(slots=True)
+class _Pending:
+    job: store.NewJob
+    requests: list[SubmitRequest]
+    done: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class Recorder:
+    """Commits jobs, then enqueues their requests; many concurrent submissions per round."""
+
+    def __init__(
+        self, engine: AsyncEngine, transport: AsyncApiTransport, *, max_group: int = 256
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.max_group = max_group
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.num_rounds = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="recorder")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def submit(self, job: store.NewJob, requests: list[SubmitRequest]) -> None:
+        """Returns once the job is committed and its requests are enqueued."""
+        pending = _Pending(job, requests)
+        self._queue.put_nowait(pending)
+        await asyncio.shield(pending.done)
+
+    async def submit_idempotent(
+        self, job: store.NewJob, requests: list[SubmitRequest]
+    ) -> tuple[store.JobRecord, bool]:
+        """A job with an idempotency key, in its own transaction: (the job, created). A repeat of
+        the key returns the first job and enqueues nothing."""
+        try:
+            async with self.engine.begin() as conn:
+                fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
+                record, created = await store.create_job(conn, **fields)
+        except SQLAlchemyError as error:
+            raise _unavailable(error) from error
+        if created:
+            await self._enqueue(requests)
+        return record, created
+
+    async def _run(self) -> None:
+        while True:
+            group = [await self._queue.get()]
+            await asyncio.sleep(0)  # let submissions that are already running join this round
+            while len(group) < self.max_group and not self._queue.empty():
+                group.append(self._queue.get_nowait())
+            await self._commit_and_enqueue(group)
+
+    async def _commit_and_enqueue(self, group: list[_Pending]) -> None:
+        self.num_rounds += 1
+        try:
+            async with self.engine.begin() as conn:
+                await store.create_jobs(conn, jobs=[pending.job for pending in group])
+            await self._enqueue([r for pending in group for r in pending.requests])
+        except Exception as error:  # every waiter learns it; the loop goes on
+            failure = error if isinstance(error, UnavailableError) else _unavailable(error)
+            for pending in group:
+                if not pending.done.done():
+                    pending.done.set_exception(failure)
+            return
+        for pending in group:
+            if not pending.done.done():
+                pending.done.set_result(None)
+
+    async def _enqueue(self, requests: list[SubmitRequest]) -> None:
+        try:
+            await self.transport.submit(requests)
+        except Exception as error:
+            # Committed but not enqueued: the rows stay queued and the reconciler re-enqueues them.
+            log.error("enqueue failed after commit (%d requests): %s", len(requests), error)
+            raise UnavailableError(
+                "The queue is unavailable; the request was recorded and will be retried"
+            ) from error
+
+
+def _unavailable(error: Exception) -> UnavailableError:
+    log.error("database unavailable: %s", error)
+    return UnavailableError("The database is unavailable; nothing was queued. Retry later")
+
+
+class Persister:
+    """Writes every final result to the database, then acks it in the transport."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        transport: AsyncApiTransport,
+        consumer: str,
+        *,
+        max_count: int = 256,
+        block_ms: int = 1000,
+        on_results: Callable[[list[StoredFinal]], None] = lambda finals: None,
+    ) -> None:
+        self.engine = engine
+        self.on_results = on_results
+        self.transport = transport
+        self.consumer = consumer
+        self.max_count = max_count
+        self.block_ms = block_ms
+        self.num_written = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="persister")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        backoff_s = 0.1
+        while True:
+            try:
+                await self.persist_once()
+                backoff_s = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # database or Redis down: retry; nothing was acked
+                log.warning("persister: %s; retrying in %.1fs", error, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 5.0)
+
+    async def persist_once(self) -> int:
+        finals = await self.transport.pull_finals(self.consumer, self.max_count, self.block_ms)
+        if not finals:
+            return 0
+        results = []
+        for stored in finals:
+            new = new_result(stored.result)
+            if new is None:
+                log.warning(
+                    "final result for unknown request id %r dropped", stored.result.request_id
+                )
+            else:
+                results.append(new)
+        async with self.engine.begin() as conn:
+            written = await store.record_results(conn, results=results)
+        await self.transport.ack_finals([stored.entry_id for stored in finals])
+        self.num_written += sum(written)
+        self.on_results(finals)
+        return len(finals)
+
+
+def new_result(result: FinalResult) -> store.NewResult | None:
+    where = parse_request_id(result.request_id)
+    if where is None:
+        return None
+    job_id, item_index = where
+    return store.NewResult(
+        job_id=job_id,
+        item_index=item_index,
+        request_id=result.request_id,
+        text=result.text,
+        token_ids=result.token_ids,
+        logprobs=result.logprobs or None,
+        finish_reason=result.finish_reason,
+        finish_detail=result.finish_detail,
+        num_prompt_tokens=result.num_prompt_tokens,
+        num_output_tokens=result.num_output_tokens,
+        num_cached_tokens=result.num_cached_tokens,
+        attempt=result.attempt,
+        batcher_id=result.batcher_id,
+    )
+
+
+class Running:
+    """Marks items `running` when their first token is seen, a batch per `interval_s`."""
+
+    def __init__(self, engine: AsyncEngine, *, interval_s: float = 0.2) -> None:
+        self.engine = engine
+        self.interval_s = interval_s
+        self._request_ids: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def note(self, request_id: str) -> None:
+        self._request_ids.add(request_id)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="running")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.flush()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.flush()
+            except Exception as error:  # best effort: a status, not a result
+                log.warning("marking items running failed: %s", error)
+
+    async def flush(self) -> None:
+        if not self._request_ids:
+            return
+        request_ids, self._request_ids = sorted(self._request_ids), set()
+        async with self.engine.begin() as conn:
+            await store.mark_running(conn, request_ids=request_ids)
+
+
+async def follow(
+    transport: AsyncApiTransport, request_id: str, from_seq: int = 0
+) -> AsyncIterator[TokenEvent | FinalResult]:
+    """The request's token events from `from_seq` on, in order, then its final result."""
+    seq = from_seq
+    while True:
+        events = await transport.read_tokens(request_id, seq, FOLLOW_POLL_S)
+        for event in events:
+            yield event
+            seq = event.seq_index + 1
+        if events:
+            continue
+        final = await transport.read_final(request_id)
+        if final is not None:
+            for event in await transport.read_tokens(request_id, seq, 0):
+                yield event
+            yield final
+            return

@@ -1,0 +1,408 @@
+"""Durable jobs: `POST /v1/jobs` (202), `GET /v1/jobs/{id}`, `GET /v1/jobs`, `DELETE
+/v1/jobs/{id}` (cancel) and `GET /v1/jobs/{id}/events` (SSE).
+
+A job is committed to the database before its items are enqueued; its results come from the
+persister, so a job finishes whether or not anyone is watching. `Idempotency-Key` (per api key):
+a repeat with the same body returns the first job (200, nothing enqueued); the same key with a
+different body is a 422.
+
+Events: `token` (id `"<item>.<seq>"`), `result` (id `"<item>.r"`) per item in item order, then
+`done` with the job. A client that reconnects with `Last-Event-ID` continues after that event;
+the state lives in Redis and the database, so any api replica can continue a stream. Closing the
+stream does not cancel the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import ServerSentEvent
+
+from api.app import AppState, state_of
+from api.db import store
+from api.errors import ApiError, NotFoundError, RouteValidationError, ValidationError
+from api.generation import new_job_id, request_id_of
+from api.routes.tgi import sse_response
+from api.schemas.tgi import GenerateParameters
+from api.service import job_params
+from api.validation import check_inputs, tgi_params
+from batcher.messages import FinalResult, SubmitRequest
+from batcher.request import Priority
+
+router = APIRouter(tags=["Jobs"])
+EVENT_POLL_S = 2.0  # how long one wait for tokens lasts before the item's row is looked at
+DONE_WAIT_S = 10.0  # after the last result, how long to wait for the persister's commit
+MAX_PAGE = 100
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | list[str] = Field(description="One prompt or a list of them (one item each).")
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    priority: Literal["interactive", "bulk"] = "bulk"
+    deadline: datetime | None = Field(
+        default=None, description="Items not finished by then end with `deadline`."
+    )
+    metadata: dict[str, str] | None = None
+
+
+class JobItemResult(BaseModel):
+    index: int
+    status: str
+    text: str | None = None
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    finish_detail: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class JobView(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: str
+    kind: str
+    priority: str
+    model: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    deadline: datetime | None
+    progress: dict[str, int]
+    usage: dict[str, int]
+    timings: dict[str, float | None]
+    metadata: dict[str, Any] | None = None
+    request_ids: list[str] | None = None
+    results: list[JobItemResult] | None = None
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobView]
+    has_more: bool
+    last_id: str | None
+
+
+def _priority_name(priority: int | None) -> str:
+    return "interactive" if priority == Priority.INTERACTIVE else "bulk"
+
+
+def view(job: store.JobRecord, results: list[store.ResultRecord] | None = None) -> JobView:
+    def seconds(start: datetime | None, end: datetime | None) -> float | None:
+        return None if start is None or end is None else (end - start).total_seconds()
+
+    return JobView(
+        id=job.id,
+        status=job.status,
+        kind=job.kind,
+        priority=_priority_name(job.priority),
+        model=job.model,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        deadline=job.deadline,
+        progress={
+            "total": job.num_items,
+            "done": job.num_items_done,
+            "failed": job.num_items_failed,
+        },
+        usage={
+            "prompt_tokens": job.prompt_tokens,
+            "completion_tokens": job.completion_tokens,
+            "total_tokens": job.prompt_tokens + job.completion_tokens,
+        },
+        timings={
+            "queued_s": seconds(job.created_at, job.started_at),
+            "run_s": seconds(job.started_at, job.finished_at),
+            "total_s": seconds(job.created_at, job.finished_at),
+        },
+        metadata=job.metadata,
+        results=None if results is None else [_item_result(r) for r in results],
+    )
+
+
+def _item_result(result: store.ResultRecord) -> JobItemResult:
+    return JobItemResult(
+        index=result.item_index,
+        status=store.item_status(result.finish_reason),
+        text=result.text,
+        token_ids=result.token_ids,
+        finish_reason=result.finish_reason,
+        finish_detail=result.finish_detail,
+        prompt_tokens=result.num_prompt_tokens,
+        completion_tokens=result.num_output_tokens,
+    )
+
+
+def _scope(request: Request) -> str:
+    key_id = request.state.api_key_id
+    return "" if key_id is None else str(key_id)
+
+
+@router.post("/v1/jobs", status_code=202, response_model=JobView)
+async def create_job(
+    body: JobRequest,
+    request: Request,
+    idempotency_key: str | None = Header(default=None, max_length=255),
+) -> Response:
+    """Accept a job: 202 once it is committed and queued (200 for a repeated Idempotency-Key)."""
+    state = state_of(request)
+    settings = state.settings
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if not prompts:
+        raise ValidationError("`prompt` cannot be an empty list", param="prompt")
+    if len(prompts) > settings.max_job_prompts:
+        raise RouteValidationError(
+            f"A job has at most {settings.max_job_prompts} prompts. Given: {len(prompts)}",
+            error_type="batch size exceeded",
+            param="prompt",
+        )
+    params = tgi_params(body.parameters, settings, is_stream=False)
+    if params.best_of > 1:
+        raise ValidationError("`best_of` is not supported for jobs", param="parameters.best_of")
+    for prompt in prompts:
+        check_inputs(prompt)
+    state.generation.admission.check_queue(len(prompts))
+    priority = Priority.INTERACTIVE if body.priority == "interactive" else Priority.BULK
+    deadline = None if body.deadline is None else _aware(body.deadline).timestamp()
+    validated = await state.generation.validate(
+        prompts, params, priority=priority, deadline=deadline
+    )
+    job_id = new_job_id()
+    requests = [
+        SubmitRequest(
+            request_id_of(job_id, i), v.prompt_token_ids, v.sampling, v.stopping, priority, deadline
+        )
+        for i, v in enumerate(validated)
+    ]
+    job = store.NewJob(
+        job_id=job_id,
+        kind="job",
+        route="/v1/jobs",
+        priority=int(priority),
+        model=settings.model_id,
+        params=job_params(params),
+        items=[(r.request_id, r.prompt_token_ids) for r in requests],
+        idempotency_key=idempotency_key,
+        idempotency_scope=_scope(request),
+        fingerprint=hashlib.sha256(await request.body()).hexdigest(),
+        api_key_id=request.state.api_key_id,
+        deadline=None if body.deadline is None else _aware(body.deadline),
+        metadata=body.metadata,
+    )
+    recorder = state.generation.recorder
+    if idempotency_key is None:
+        await recorder.submit(job, requests)
+        record, status_code = await _get(state, job_id, request), 202
+    else:
+        record, is_new = await recorder.submit_idempotent(job, requests)
+        if not is_new and record.idempotency_fingerprint != job.fingerprint:
+            raise ValidationError(
+                "This Idempotency-Key was used with a different request body",
+                param="Idempotency-Key",
+            )
+        status_code = 202 if is_new else 200
+    state.generation.admission.note_submitted(len(requests))
+    answer = view(record)
+    answer.request_ids = [request_id_of(record.id, i) for i in range(record.num_items)]
+    headers = {"Location": f"/v1/jobs/{record.id}"}
+    return JSONResponse(answer.model_dump(mode="json"), status_code=status_code, headers=headers)
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+async def _get(state: AppState, job_id: str, request: Request) -> store.JobRecord:
+    async with state.engine.connect() as conn:
+        job = await store.get_job(conn, job_id=job_id, api_key_id=request.state.api_key_id)
+    if job is None:
+        raise NotFoundError(f"No job with id {job_id!r}", param="job_id")
+    return job
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobView)
+async def get_job(job_id: str, request: Request) -> JobView:
+    """A job's status, progress, usage and timings; its results once it has finished."""
+    state = state_of(request)
+    job = await _get(state, job_id, request)
+    results = None
+    if job.is_finished:
+        async with state.engine.connect() as conn:
+            results = await store.get_results(conn, job_id=job_id)
+    return view(job, results)
+
+
+@router.get("/v1/jobs", response_model=JobList)
+async def list_jobs(
+    request: Request,
+    limit: int = Query(20, ge=1, le=MAX_PAGE),
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"] | None = None,
+    after: str | None = Query(None, description="The last job id of the previous page."),
+) -> JobList:
+    """Jobs, newest first, `limit` per page; `after` continues from the previous page."""
+    state = state_of(request)
+    async with state.engine.connect() as conn:
+        jobs = await store.list_jobs(
+            conn,
+            limit=limit + 1,
+            status=status,
+            after=after,
+            api_key_id=request.state.api_key_id,
+        )
+    page = jobs[:limit]
+    return JobList(
+        data=[view(job) for job in page],
+        has_more=len(jobs) > limit,
+        last_id=page[-1].id if page else None,
+    )
+
+
+@router.delete("/v1/jobs/{job_id}", response_model=JobView)
+async def cancel_job(job_id: str, request: Request) -> JobView:
+    """Cancel a job: its unfinished items are aborted in the batcher; finished ones are kept."""
+    state = state_of(request)
+    await _get(state, job_id, request)  # 404 for a job of another key
+    async with state.engine.begin() as conn:
+        request_ids = await store.cancel_job(conn, job_id=job_id)
+    if request_ids is None:
+        raise NotFoundError(f"No job with id {job_id!r}", param="job_id")
+    for request_id in request_ids:
+        await state.transport.abort(request_id, "job cancelled")
+    return view(await _get(state, job_id, request))
+
+
+# --- events ------------------------------------------------------------------------------------
+
+
+def parse_last_event_id(value: str | None) -> tuple[int, int]:
+    """(first item, first seq) to send after the event `value` ("3.7", "3.r" or "done")."""
+    if not value:
+        return 0, 0
+    item, _, seq = value.partition(".")
+    if value == "done":
+        return 1 << 30, 0
+    if not item.isdigit() or not (seq == "r" or seq.isdigit()):
+        raise ValidationError(
+            f"Invalid Last-Event-ID {value!r}: expected '<item>.<seq>', '<item>.r' or 'done'",
+            param="Last-Event-ID",
+        )
+    return (int(item) + 1, 0) if seq == "r" else (int(item), int(seq) + 1)
+
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(
+    job_id: str,
+    request: Request,
+    last_event_id: str | None = Header(default=None),
+) -> Response:
+    """Server-Sent Events of a job: tokens and results per item, then `done`."""
+    state = state_of(request)
+    job = await _get(state, job_id, request)
+    start = parse_last_event_id(last_event_id)
+    return sse_response(_events(state, job, start), {})
+
+
+async def _events(
+    state: AppState, job: store.JobRecord, start: tuple[int, int]
+) -> AsyncIterator[ServerSentEvent]:
+    first_item, first_seq = start
+    try:
+        for index in range(first_item, job.num_items):
+            seq = first_seq if index == first_item else 0
+            async for event in _item_events(state, job.id, index, seq):
+                yield event
+        yield await _done_event(state, job.id)
+    except ApiError as error:
+        yield ServerSentEvent(data=_dump({"error": error.message}), event="error", sep="\n")
+
+
+async def _item_events(
+    state: AppState, job_id: str, index: int, seq: int
+) -> AsyncIterator[ServerSentEvent]:
+    request_id = request_id_of(job_id, index)
+    transport = state.transport
+    while True:
+        result = await _stored_result(state, job_id, index)
+        if result is not None:  # persisted: send what tokens remain, then the result
+            for event in await transport.read_tokens(request_id, seq, 0):
+                yield _token_event(index, event.seq_index, event.token_ids, event.text)
+            yield _result_event(index, _item_result(result).model_dump())
+            return
+        final: FinalResult | None = None
+        events = await transport.read_tokens(request_id, seq, EVENT_POLL_S)
+        for event in events:
+            yield _token_event(index, event.seq_index, event.token_ids, event.text)
+            seq = event.seq_index + 1
+        if events:
+            continue
+        final = await transport.read_final(request_id)
+        if final is not None:
+            for event in await transport.read_tokens(request_id, seq, 0):
+                yield _token_event(index, event.seq_index, event.token_ids, event.text)
+            status = store.item_status(final.finish_reason)
+            yield _result_event(index, _final_result(index, status, final))
+            return
+        if await _item_is_closed(state, job_id, index):  # cancelled before it ever ran
+            yield _result_event(index, {"index": index, "status": "cancelled"})
+            return
+
+
+def _final_result(index: int, status: str, final: FinalResult) -> dict[str, Any]:
+    return JobItemResult(
+        index=index,
+        status=status,
+        text=final.text,
+        token_ids=final.token_ids,
+        finish_reason=final.finish_reason,
+        finish_detail=final.finish_detail,
+        prompt_tokens=final.num_prompt_tokens,
+        completion_tokens=final.num_output_tokens,
+    ).model_dump()
+
+
+async def _stored_result(state: AppState, job_id: str, index: int) -> store.ResultRecord | None:
+    async with state.engine.connect() as conn:
+        return await store.get_result(conn, job_id=job_id, item_index=index)
+
+
+async def _item_is_closed(state: AppState, job_id: str, index: int) -> bool:
+    async with state.engine.connect() as conn:
+        status = await store.get_item_status(conn, job_id=job_id, item_index=index)
+    return status in store.TERMINAL_STATUSES
+
+
+async def _done_event(state: AppState, job_id: str) -> ServerSentEvent:
+    deadline = time.monotonic() + DONE_WAIT_S
+    while True:
+        async with state.engine.connect() as conn:
+            job = await store.get_job(conn, job_id=job_id)
+        if job is None:
+            raise NotFoundError(f"No job with id {job_id!r}")
+        if job.is_finished or time.monotonic() > deadline:
+            data = view(job).model_dump_json()
+            return ServerSentEvent(data=data, event="done", id="done", sep="\n")
+        await asyncio.sleep(0.05)
+
+
+def _token_event(index: int, seq: int, token_ids: list[int], text: str) -> ServerSentEvent:
+    data = _dump({"index": index, "seq": seq, "token_ids": token_ids, "text": text})
+    return ServerSentEvent(data=data, event="token", id=f"{index}.{seq}", sep="\n")
+
+
+def _result_event(index: int, result: dict[str, Any]) -> ServerSentEvent:
+    return ServerSentEvent(data=_dump(result), event="result", id=f"{index}.r", sep="\n")
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), default=str)  # datetimes as text

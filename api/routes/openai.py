@@ -1,0 +1,338 @@
+"""OpenAI's routes: `/v1/chat/completions`, `/v1/completions` (stream and not) and `/v1/models`.
+
+Streams end with `data: [DONE]`; each choice gets a last chunk with an empty delta and its
+`finish_reason`, then (with `stream_options.include_usage`) one chunk with `choices: []` and the
+usage. Choice `i` of prompt `p` is item `p * n + i` of the request's job.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from sse_starlette import ServerSentEvent
+
+from api.app import VERSION, AppState, state_of
+from api.chat_template import InvalidMessageError, NoChatTemplateError, normalize_messages
+from api.chat_template import TemplateError as RenderError
+from api.errors import ApiError, GenerationError, TemplateError, ValidationError, error_body
+from api.routes.tgi import dump_json, output_text, sse_response
+from api.schemas.openai import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    Model,
+    ModelList,
+    TopLogprob,
+    Usage,
+)
+from api.service import Run, check_failed
+from api.validated import GenerationParams
+from api.validation import chat_params, completion_params, completion_prompts
+from batcher.messages import FinalResult, TokenEvent
+
+router = APIRouter(tags=["OpenAI"])
+FINGERPRINT = f"{VERSION}-native"
+DONE = ServerSentEvent(data="[DONE]", sep="\n")
+
+
+def _finish_reason(final: FinalResult) -> str:
+    return "length" if final.finish_reason == "length" else "stop"
+
+
+def _usage(run: Run) -> Usage:
+    finals = run.finals.values()
+    prompt_tokens = sum(p.num_prompt_tokens for p in run.prompts)
+    completion_tokens = sum(final.num_output_tokens for final in finals)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def _token_logprobs(state: AppState, event: TokenEvent) -> list[ChatTokenLogprob]:
+    entries = []
+    for position, token_id in enumerate(event.token_ids):
+        text = state.tokenizer.token_text(token_id)
+        logprob = event.logprobs[position] if position < len(event.logprobs) else None
+        tops = event.top_logprobs[position] if position < len(event.top_logprobs) else []
+        entries.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=logprob if logprob is not None else 0.0,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=(t := state.tokenizer.token_text(i)),
+                        logprob=lp,
+                        bytes=list(t.encode()),
+                    )
+                    for i, lp in tops
+                ],
+            )
+        )
+    return entries
+
+
+async def _start(
+    request: Request, prompts: Sequence[str], params: GenerationParams, *, route: str
+) -> Run:
+    state = state_of(request)
+    generation = state.generation
+    validated = await generation.validate(prompts, params)
+    return await generation.start(
+        validated,
+        request.state.ticket,
+        route=route,
+        started_at=request.state.started_at,
+        api_key_id=request.state.api_key_id,
+        keep_events=params.sampling.wants_logprobs,
+    )
+
+
+def _admit(request: Request, *, num_requests: int = 1) -> None:
+    request.state.started_at = time.time()
+    request.state.ticket = state_of(request).generation.admit(num_requests=num_requests)
+
+
+def _release(request: Request) -> None:
+    state_of(request).generation.release(request.state.ticket)
+
+
+async def _render_chat(state: AppState, body: ChatCompletionRequest) -> str:
+    template = state.tokenizer.chat_template
+    if template is None:
+        raise TemplateError(str(NoChatTemplateError()))
+    try:
+        messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
+    except InvalidMessageError as error:
+        raise ValidationError(str(error), param="messages") from error
+    try:
+        return await state.tokenizer.run(template.render, messages, add_generation_prompt=True)
+    except RenderError as error:
+        raise TemplateError(str(error)) from error
+
+
+# --- chat --------------------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    """OpenAI chat completions; `stream: true` for Server-Sent Events."""
+    state = state_of(request)
+    _admit(request)
+    try:
+        params = chat_params(body, state.settings)
+        prompt = await _render_chat(state, body)
+        run = await _start(request, [prompt], params, route="/v1/chat/completions")
+    except BaseException:
+        _release(request)
+        raise
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    if body.stream:
+        return sse_response(_chat_chunks(state, run, include_usage=include_usage), {})
+    finals = await state.generation.wait_finals(run, request.receive)
+    check_failed(finals)
+    choices = []
+    for index, request_ in enumerate(run.requests):
+        final = run.finals[request_.request_id]
+        logprobs = None
+        if params.sampling.logprobs:
+            events = run.events.get(request_.request_id, [])
+            logprobs = ChatLogprobs(
+                content=[e for ev in events for e in _token_logprobs(state, ev)]
+            )
+        choices.append(
+            ChatCompletionChoice(
+                index=index,
+                message=ChatMessage(content=output_text(state, run, final, include_stop=False)),
+                logprobs=logprobs,
+                finish_reason=_finish_reason(final),
+            )
+        )
+    return ChatCompletion(
+        id=f"chatcmpl-{run.job_id}",
+        created=int(run.started_at),
+        model=state.settings.model_id,
+        system_fingerprint=FINGERPRINT,
+        choices=choices,
+        usage=_usage(run),
+    )
+
+
+async def _chat_chunks(
+    state: AppState, run: Run, *, include_usage: bool
+) -> AsyncIterator[ServerSentEvent]:
+    params = run.prompts[0].params
+    index_of = {r.request_id: i for i, r in enumerate(run.requests)}
+
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> ServerSentEvent:
+        body = ChatCompletionChunk(
+            id=f"chatcmpl-{run.job_id}",
+            created=int(run.started_at),
+            model=state.settings.model_id,
+            system_fingerprint=FINGERPRINT,
+            choices=choices,
+            usage=usage,
+        )
+        return ServerSentEvent(data=body.model_dump_json(), sep="\n")
+
+    try:
+        yield chunk(
+            [
+                ChunkChoice(index=i, delta=Delta(role="assistant", content=""))
+                for i in index_of.values()
+            ]
+        )
+        async for index, event in state.generation.stream(run):
+            if isinstance(event, FinalResult):
+                if event.finish_reason not in ("stop", "length"):
+                    raise GenerationError(event.finish_detail or event.finish_reason)
+                reason = _finish_reason(event)
+                yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
+                continue
+            if not event.text and not params.sampling.logprobs:
+                continue
+            logprobs = None
+            if params.sampling.logprobs:
+                logprobs = ChatLogprobs(content=_token_logprobs(state, event))
+            yield chunk(
+                [ChunkChoice(index=index, delta=Delta(content=event.text), logprobs=logprobs)]
+            )
+        if include_usage:
+            yield chunk([], _usage(run))
+    except ApiError as error:
+        yield ServerSentEvent(data=dump_json(error_body(error, flavour="openai")), sep="\n")
+    yield DONE
+
+
+# --- completions -------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions", response_model=Completion)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    """OpenAI (legacy) completions: one prompt or a list of them."""
+    state = state_of(request)
+    _admit(request)
+    try:
+        params = completion_params(body, state.settings)
+        prompts = completion_prompts(body, state.settings)
+        run = await _start(request, prompts, params, route="/v1/completions")
+    except BaseException:
+        _release(request)
+        raise
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    if body.stream:
+        return sse_response(_completion_chunks(state, run, include_usage=include_usage), {})
+    finals = await state.generation.wait_finals(run, request.receive)
+    check_failed(finals)
+    choices = [
+        _completion_choice(state, run, index, run.finals[r.request_id])
+        for index, r in enumerate(run.requests)
+    ]
+    return _completion(state, run, choices, _usage(run))
+
+
+def _completion(
+    state: AppState, run: Run, choices: list[CompletionChoice], usage: Usage | None
+) -> Completion:
+    return Completion(
+        id=f"cmpl-{run.job_id}",
+        created=int(run.started_at),
+        model=state.settings.model_id,
+        system_fingerprint=FINGERPRINT,
+        choices=choices,
+        usage=usage,
+    )
+
+
+def _completion_choice(
+    state: AppState, run: Run, index: int, final: FinalResult
+) -> CompletionChoice:
+    prompt = run.prompt_of(index)
+    text = output_text(state, run, final, include_stop=False)
+    prefix = prompt.prompt if prompt.params.return_full_text else ""
+    logprobs = None
+    if prompt.sampling.wants_logprobs:
+        events = run.events.get(final.request_id, [])
+        logprobs = _legacy_logprobs(state, events, offset=len(prefix))
+    return CompletionChoice(
+        index=index,
+        text=prefix + text,
+        logprobs=logprobs,
+        finish_reason=_finish_reason(final),
+    )
+
+
+def _legacy_logprobs(
+    state: AppState, events: list[TokenEvent], *, offset: int
+) -> CompletionLogprobs:
+    result = CompletionLogprobs(top_logprobs=[])
+    for event in events:
+        for position, token_id in enumerate(event.token_ids):
+            text = state.tokenizer.token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(
+                event.logprobs[position] if position < len(event.logprobs) else None
+            )
+            tops = event.top_logprobs[position] if position < len(event.top_logprobs) else []
+            assert result.top_logprobs is not None
+            result.top_logprobs.append({state.tokenizer.token_text(i): lp for i, lp in tops})
+            result.text_offset.append(offset)
+            offset += len(text)
+    return result
+
+
+async def _completion_chunks(
+    state: AppState, run: Run, *, include_usage: bool
+) -> AsyncIterator[ServerSentEvent]:
+    wants_logprobs = run.prompts[0].sampling.wants_logprobs
+
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> ServerSentEvent:
+        return ServerSentEvent(
+            data=_completion(state, run, choices, usage).model_dump_json(), sep="\n"
+        )
+
+    try:
+        async for index, event in state.generation.stream(run):
+            if isinstance(event, FinalResult):
+                if event.finish_reason not in ("stop", "length"):
+                    raise GenerationError(event.finish_detail or event.finish_reason)
+                reason = _finish_reason(event)
+                yield chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
+                continue
+            if not event.text and not wants_logprobs:
+                continue
+            logprobs = _legacy_logprobs(state, [event], offset=0) if wants_logprobs else None
+            yield chunk([CompletionChoice(index=index, text=event.text, logprobs=logprobs)])
+        if include_usage:
+            yield chunk([], _usage(run))
+    except ApiError as error:
+        yield ServerSentEvent(data=dump_json(error_body(error, flavour="openai")), sep="\n")
+    yield DONE
+
+
+# --- models ------------------------------------------------------------------------------------
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(request: Request) -> ModelList:
+    """The one model this server serves."""
+    model_id = state_of(request).settings.model_id
+    return ModelList(data=[Model(id=model_id, owned_by="tgq")])
+
+
+__all__ = ["Response", "router"]

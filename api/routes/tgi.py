@@ -1,0 +1,370 @@
+"""TGI's own routes: `/generate`, `/generate_stream`, `/` (TGI's Python client posts here),
+`/tokenize`, `/info`, `/health`, `/ping`, `/metrics`, and TGI's OpenAPI path.
+
+Streams are validated, admitted and enqueued before the response starts, so an invalid stream
+request gets a real 4xx. After that, errors are SSE events (`{"error", "error_type"}`); TGI's
+stream has no `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from api.app import VERSION, AppState, state_of
+from api.db import store
+from api.errors import ApiError, GenerationError, error_body
+from api.metrics import CONTENT_TYPE
+from api.schemas.tgi import (
+    BestOfSequence,
+    CompatGenerateRequest,
+    Details,
+    GenerateRequest,
+    GenerateResponse,
+    Info,
+    PrefillToken,
+    SimpleToken,
+    StreamDetails,
+    StreamResponse,
+    Token,
+)
+from api.service import Run, check_failed
+from api.validation import check_inputs, tgi_params
+from batcher.messages import FinalResult, TokenEvent
+
+router = APIRouter(tags=["Text Generation Inference"])
+KEEP_ALIVE_S = 15
+COMPUTE_TYPE = os.environ.get("COMPUTE_TYPE", "gpu+optimized")  # as TGI: a deployment label
+
+
+def sse_response(content: AsyncIterator[ServerSentEvent], headers: dict[str, str]) -> Response:
+    """`data: <json>\\n\\n` events, a comment every 15 s to keep proxies from closing."""
+    return EventSourceResponse(
+        content,
+        headers={"X-Accel-Buffering": "no", **headers},
+        sep="\n",
+        ping=KEEP_ALIVE_S,
+        ping_message_factory=lambda: ServerSentEvent(comment="", sep="\n"),
+    )
+
+
+def finish_reason(final: FinalResult) -> str:
+    """TGI's names: `eos_token`, `stop_sequence`, `length`."""
+    if final.finish_reason == "stop":
+        return "stop_sequence" if final.matched_stop is not None else "eos_token"
+    return "length"
+
+
+def output_text(state: AppState, run: Run, final: FinalResult, *, include_stop: bool) -> str:
+    text = final.text if final.text is not None else state.tokenizer.decode(final.token_ids)
+    if include_stop and final.matched_stop is not None:
+        text += final.matched_stop
+    return text
+
+
+def tgi_text(state: AppState, run: Run, index: int, final: FinalResult) -> str:
+    prompt = run.prompt_of(index)
+    text = output_text(state, run, final, include_stop=prompt.params.include_stop_string)
+    return prompt.prompt + text if prompt.params.return_full_text else text
+
+
+def token(state: AppState, token_id: int, logprob: float | None, text: str | None = None) -> Token:
+    return Token(
+        id=token_id,
+        text=state.tokenizer.token_text(token_id) if text is None else text,
+        logprob=logprob,
+        special=state.tokenizer.is_special(token_id),
+    )
+
+
+def top_tokens(state: AppState, candidates: list[tuple[int, float]]) -> list[Token]:
+    return [token(state, token_id, logprob) for token_id, logprob in candidates]
+
+
+def _sequence(state: AppState, run: Run, index: int) -> dict[str, Any]:
+    request = run.requests[index]
+    final = run.finals[request.request_id]
+    prompt = run.prompt_of(index)
+    logprobs = final.logprobs or [None] * len(final.token_ids)
+    events = run.events.get(request.request_id, [])
+    tops = [top_tokens(state, t) for event in events for t in event.top_logprobs]
+    prefill = []
+    if prompt.params.decoder_input_details:
+        prefill = [
+            PrefillToken(id=i, text=state.tokenizer.token_text(i), logprob=None)
+            for i in prompt.prompt_token_ids
+        ]
+    return {
+        "generated_text": tgi_text(state, run, index, final),
+        "finish_reason": finish_reason(final),
+        "generated_tokens": final.num_output_tokens,
+        "seed": request.sampling.seed,
+        "prefill": prefill,
+        "tokens": [token(state, i, lp) for i, lp in zip(final.token_ids, logprobs, strict=False)],
+        "top_tokens": tops,
+    }
+
+
+def _score(run: Run, index: int) -> float:
+    final = run.finals[run.requests[index].request_id]
+    return sum(lp for lp in final.logprobs if lp is not None)
+
+
+def generate_response(state: AppState, run: Run) -> GenerateResponse:
+    """One prompt's answer; with `best_of`, the copy with the highest log probability wins."""
+    indices = range(len(run.requests))
+    best = max(indices, key=lambda i: _score(run, i)) if run.copies > 1 else 0
+    params = run.prompt_of(best).params
+    final = run.finals[run.requests[best].request_id]
+    if not (params.details or params.decoder_input_details):
+        return GenerateResponse(generated_text=tgi_text(state, run, best, final))
+    sequence = _sequence(state, run, best)
+    others = [BestOfSequence(**_sequence(state, run, i)) for i in indices if i != best]
+    text = sequence.pop("generated_text")
+    details = Details(**sequence, best_of_sequences=others or None)
+    return GenerateResponse(generated_text=text, details=details)
+
+
+def timing_headers(run: Run, finals: list[FinalResult]) -> dict[str, str]:
+    """TGI's `x-*` headers: times in milliseconds (`x-compute-time` in seconds)."""
+    now = time.time()
+    first = run.first_token_at or now
+    generated = sum(final.num_output_tokens for final in finals)
+    inference_s = now - first
+    return {
+        "x-compute-type": COMPUTE_TYPE,
+        "x-compute-time": f"{now - run.started_at:.6f}",
+        "x-compute-characters": str(sum(len(p.prompt) for p in run.prompts)),
+        "x-total-time": str(round((now - run.started_at) * 1000)),
+        "x-validation-time": str(round((run.validated_at - run.started_at) * 1000)),
+        "x-queue-time": str(round(max(first - run.validated_at, 0.0) * 1000)),
+        "x-inference-time": str(round(inference_s * 1000)),
+        "x-time-per-token": str(round(inference_s * 1000 / max(generated, 1))),
+        "x-prompt-tokens": str(sum(p.num_prompt_tokens for p in run.prompts)),
+        "x-generated-tokens": str(generated),
+    }
+
+
+async def start_generation(
+    request: Request,
+    body: GenerateRequest,
+    *,
+    is_stream: bool,
+    route: str,
+    return_full_text_default: bool = False,
+) -> Run:
+    """Admit (429 before anything else), validate and tokenize (422), record and enqueue."""
+    state, started_at = state_of(request), time.time()
+    generation = state.generation
+    ticket = generation.admit()
+    try:
+        params = tgi_params(
+            body.parameters,
+            state.settings,
+            is_stream=is_stream,
+            return_full_text_default=return_full_text_default,
+        )
+        check_inputs(body.inputs)
+        prompts = await generation.validate([body.inputs], params)
+        return await generation.start(
+            prompts,
+            ticket,
+            route=route,
+            started_at=started_at,
+            api_key_id=request.state.api_key_id,
+            keep_events=params.top_n_tokens > 0,
+        )
+    except BaseException:
+        generation.release(ticket)
+        raise
+
+
+async def generate_once(request: Request, body: GenerateRequest, *, route: str) -> Response:
+    state = state_of(request)
+    default_full_text = route == "/"
+    run = await start_generation(
+        request, body, is_stream=False, route=route, return_full_text_default=default_full_text
+    )
+    finals = await state.generation.wait_finals(run, request.receive)
+    check_failed(finals)
+    answer = generate_response(state, run).model_dump()
+    if answer["details"] is None:  # TGI leaves it out
+        del answer["details"]
+    content = [answer] if route == "/" else answer
+    return JSONResponse(content, headers=timing_headers(run, finals))
+
+
+async def stream_events(state: AppState, run: Run) -> AsyncIterator[ServerSentEvent]:
+    """One event per token; the last carries `generated_text` (and `details`). A token that may
+    be the last is held until the next event shows whether it was."""
+    prompt = run.prompts[0]
+    params, stopping = prompt.params, prompt.stopping
+    held: StreamResponse | None = None
+    index = 0
+    try:
+        async for _, event in state.generation.stream(run):
+            if isinstance(event, FinalResult):
+                yield _last_event(state, run, event, held, index)
+                return
+            if held is not None:
+                if not event.token_ids:  # text released at the end, after the last token
+                    held.token.text += event.text
+                    continue
+                yield _event(held)
+                held = None
+            for position, (token_id, logprob) in enumerate(_tokens_of(event)):
+                index += 1
+                is_last_of_event = position == len(event.token_ids) - 1
+                text = event.text if is_last_of_event else ""
+                tops = event.top_logprobs[position] if position < len(event.top_logprobs) else []
+                response = StreamResponse(
+                    index=index,
+                    token=token(state, token_id, logprob, text),
+                    top_tokens=top_tokens(state, tops),
+                )
+                may_end = (
+                    bool(params.stop_strings)
+                    or index >= stopping.max_new_tokens
+                    or (token_id in stopping.eos_token_ids and not stopping.ignore_eos)
+                )
+                if is_last_of_event and may_end:
+                    held = response
+                else:
+                    yield _event(response)
+    except ApiError as error:
+        yield ServerSentEvent(data=dump_json(error_body(error, flavour="tgi")), sep="\n")
+
+
+def _tokens_of(event: TokenEvent) -> list[tuple[int, float | None]]:
+    logprobs = event.logprobs or [None] * len(event.token_ids)
+    return list(zip(event.token_ids, logprobs, strict=False))
+
+
+def _last_event(
+    state: AppState, run: Run, final: FinalResult, held: StreamResponse | None, index: int
+) -> ServerSentEvent:
+    if final.finish_reason not in ("stop", "length"):
+        error = GenerationError(final.finish_detail or final.finish_reason)
+        return ServerSentEvent(data=dump_json(error_body(error, flavour="tgi")), sep="\n")
+    prompt = run.prompts[0]
+    last = held or StreamResponse(
+        index=index + 1, token=Token(id=0, text="", logprob=None, special=True)
+    )
+    last.generated_text = tgi_text(state, run, 0, final)
+    if prompt.params.details:
+        last.details = StreamDetails(
+            finish_reason=finish_reason(final),
+            generated_tokens=final.num_output_tokens,
+            seed=run.requests[0].sampling.seed,
+            input_length=prompt.num_prompt_tokens,
+        )
+    return _event(last)
+
+
+def _event(response: StreamResponse) -> ServerSentEvent:
+    return ServerSentEvent(data=response.model_dump_json(exclude_defaults=False), sep="\n")
+
+
+def dump_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+async def generate_stream_response(request: Request, body: GenerateRequest, route: str) -> Response:
+    state = state_of(request)
+    default_full_text = route == "/"
+    run = await start_generation(
+        request, body, is_stream=True, route=route, return_full_text_default=default_full_text
+    )
+    headers = {
+        "x-compute-type": COMPUTE_TYPE,
+        "x-compute-characters": str(len(body.inputs)),
+    }
+    return sse_response(stream_events(state, run), headers)
+
+
+@router.post("/generate", response_model=GenerateResponse)
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    """Generate tokens."""
+    return await generate_once(request, body, route="/generate")
+
+
+@router.post("/generate_stream", response_model=StreamResponse)
+async def generate_stream(body: GenerateRequest, request: Request) -> Response:
+    """Generate a stream of tokens using Server-Sent Events."""
+    return await generate_stream_response(request, body, "/generate_stream")
+
+
+@router.post("/", response_model=list[GenerateResponse])
+async def compat_generate(body: CompatGenerateRequest, request: Request) -> Response:
+    """TGI's compatibility route: `stream` picks the streaming or the plain answer."""
+    if body.stream:
+        return await generate_stream_response(request, body, "/")
+    return await generate_once(request, body, route="/")
+
+
+@router.post("/tokenize", response_model=list[SimpleToken])
+async def tokenize(body: GenerateRequest, request: Request) -> list[SimpleToken]:
+    """Tokenize the inputs (honours `truncate`)."""
+    state = state_of(request)
+    check_inputs(body.inputs)
+    tokens = await state.tokenizer.encode_with_offsets(body.inputs)
+    truncate = body.parameters.truncate
+    if truncate:
+        tokens = tokens[-truncate:]
+    return [SimpleToken(id=i, text=text, start=start, stop=stop) for i, text, start, stop in tokens]
+
+
+@router.get("/info", response_model=Info)
+async def info(request: Request) -> Info:
+    """Model and router limits."""
+    settings = state_of(request).settings
+    return Info(
+        model_id=settings.model_id,
+        model_pipeline_tag="text-generation",
+        max_concurrent_requests=settings.max_concurrent_requests,
+        max_best_of=settings.max_best_of,
+        max_stop_sequences=settings.max_stop_sequences,
+        max_input_tokens=settings.max_input_tokens,
+        max_total_tokens=settings.max_total_tokens,
+        validation_workers=settings.validation_workers,
+        max_client_batch_size=settings.max_client_batch_size,
+        router="tgq",
+        version=VERSION,
+    )
+
+
+@router.get("/health")
+@router.get("/ping", include_in_schema=False)
+@router.get("/", include_in_schema=False)
+async def health(request: Request) -> Response:
+    """200 when a batcher is alive and the engine is not failing, else 503."""
+    problem = state_of(request).health.problem
+    if problem is None:
+        return Response(status_code=200)
+    body = {"error": f"unhealthy: {problem}", "error_type": "healthcheck"}
+    return JSONResponse(body, status_code=503)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format, TGI's metric names plus tgq's."""
+    state = state_of(request)
+    try:
+        async with state.engine.connect() as conn:
+            state.metrics.set_job_counts(await store.count_jobs_by_status(conn))
+    except Exception:  # the database may be down; the rest of the metrics still matter
+        pass
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/api-doc/openapi.json", include_in_schema=False)
+async def tgi_openapi(request: Request) -> JSONResponse:
+    """The OpenAPI document at TGI's path (FastAPI's own is `/openapi.json`)."""
+    return JSONResponse(request.app.openapi())

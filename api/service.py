@@ -1,0 +1,315 @@
+"""What routes call to generate: admit, tokenize and validate, record and enqueue, then follow.
+
+An interactive HTTP request is one job of kind "interactive": one item per prompt and copy (OpenAI
+`n`, TGI `best_of`; copy `c` of a seeded request gets seed + c). The job row is committed before
+anything is enqueued, and the final results reach it through the persister, so interactive
+requests are audited like jobs.
+
+A request whose client goes away is aborted in the batcher: `wait_finals` watches the connection
+while it waits, and a stream's generator aborts when it is closed before the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.types import Receive
+
+from api.admission import Admission, Ticket
+from api.db import store
+from api.errors import GenerationError
+from api.generation import Recorder, Running, follow, new_job_id, request_id_of
+from api.metrics import Metrics
+from api.settings import Settings
+from api.tokenizer import ModelTokenizer
+from api.validated import GenerationParams, ValidatedRequest
+from api.validation import validate_tokens
+from batcher.messages import FinalResult, SubmitRequest, TokenEvent
+from batcher.request import Priority
+from batcher.transport.aio import AsyncApiTransport
+
+FAILED_REASONS = ("failed", "rejected")
+
+
+@dataclass(slots=True)
+class Run:
+    """One interactive request in flight: its job and one engine request per item."""
+
+    job_id: str
+    prompts: list[ValidatedRequest]
+    requests: list[SubmitRequest]
+    copies: int  # items per prompt
+    ticket: Ticket
+    started_at: float  # time.time() when the HTTP request arrived
+    validated_at: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finals: dict[str, FinalResult] = field(default_factory=dict)
+    keep_events: bool = False  # keep every token event (non-stream answers with top tokens)
+    events: dict[str, list[TokenEvent]] = field(default_factory=dict)
+
+    def prompt_of(self, item_index: int) -> ValidatedRequest:
+        return self.prompts[item_index // self.copies]
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.finals) == len(self.requests)
+
+
+class Generation:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        engine: AsyncEngine,
+        transport: AsyncApiTransport,
+        tokenizer: ModelTokenizer,
+        metrics: Metrics,
+        admission: Admission,
+        recorder: Recorder,
+        running: Running,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.transport = transport
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.admission = admission
+        self.recorder = recorder
+        self.running = running
+        self._background: set[asyncio.Task[None]] = set()
+
+    def admit(self, *, num_requests: int = 1) -> Ticket:
+        self.metrics.on_request()
+        try:
+            ticket = self.admission.admit(num_requests=num_requests)
+        except Exception:
+            self.metrics.on_failure("overloaded")
+            raise
+        self.metrics.set_in_flight(self.admission.num_in_flight)
+        return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        ticket.release()
+        self.metrics.set_in_flight(self.admission.num_in_flight)
+
+    async def validate(
+        self,
+        prompts: Sequence[str],
+        params: GenerationParams,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+        deadline: float | None = None,
+    ) -> list[ValidatedRequest]:
+        """Tokenize (on the tokenizer's pool) and check lengths; raises `ValidationError`."""
+        token_ids = await asyncio.gather(
+            *(
+                self.tokenizer.encode(prompt, add_special_tokens=params.add_special_tokens)
+                for prompt in prompts
+            )
+        )
+        validated = []
+        for prompt, ids in zip(prompts, token_ids, strict=True):
+            try:
+                validated.append(
+                    validate_tokens(
+                        prompt=prompt,
+                        token_ids=ids,
+                        params=params,
+                        settings=self.settings,
+                        priority=priority,
+                        deadline=deadline,
+                        eos_token_ids=self.tokenizer.eos_token_ids,
+                    )
+                )
+            except Exception:
+                self.metrics.on_failure("validation")
+                raise
+        return validated
+
+    async def start(
+        self,
+        prompts: list[ValidatedRequest],
+        ticket: Ticket,
+        *,
+        route: str,
+        started_at: float,
+        api_key_id: int | None = None,
+        keep_events: bool = False,
+    ) -> Run:
+        """Records the request as a job, commits it, enqueues its items."""
+        validated_at = time.time()
+        params = prompts[0].params
+        copies = max(params.best_of, params.num_choices)
+        job_id = new_job_id()
+        requests = [
+            SubmitRequest(
+                request_id_of(job_id, index * copies + copy),
+                prompt.prompt_token_ids,
+                _copy_sampling(prompt, copy),
+                prompt.stopping,
+                prompt.priority,
+                prompt.deadline,
+            )
+            for index, prompt in enumerate(prompts)
+            for copy in range(copies)
+        ]
+        ticket.add_tokens(
+            sum(len(r.prompt_token_ids) + r.stopping.max_new_tokens for r in requests)
+        )
+        job = store.NewJob(
+            job_id=job_id,
+            kind="interactive",
+            route=route,
+            priority=int(prompts[0].priority),
+            model=self.settings.model_id,
+            params=job_params(params),
+            items=[(r.request_id, r.prompt_token_ids) for r in requests],
+            api_key_id=api_key_id,
+            deadline=_as_datetime(prompts[0].deadline),
+        )
+        await self.recorder.submit(job, requests)
+        self.admission.note_submitted(len(requests))
+        run = Run(job_id, prompts, requests, copies, ticket, started_at, validated_at)
+        run.keep_events = keep_events
+        return run
+
+    async def stream(self, run: Run) -> AsyncIterator[tuple[int, TokenEvent | FinalResult]]:
+        """(item index, event) for every item, interleaved as they come, each item's final last.
+        Closing the iterator before the end aborts the unfinished items."""
+        queue: asyncio.Queue[tuple[int, TokenEvent | FinalResult] | BaseException] = asyncio.Queue()
+
+        async def pump(index: int, request_id: str) -> None:
+            try:
+                async for event in follow(self.transport, request_id):
+                    queue.put_nowait((index, event))
+            except BaseException as error:
+                queue.put_nowait(error)
+
+        tasks = [asyncio.create_task(pump(i, r.request_id)) for i, r in enumerate(run.requests)]
+        try:
+            while not run.is_finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                index, event = item
+                self._observe(run, event)
+                yield index, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            if not run.is_finished:
+                self.abort_soon(run)
+            self._finish(run)
+
+    async def wait_finals(self, run: Run, receive: Receive) -> list[FinalResult]:
+        """Every item's final result, in item order; aborts them if the client disconnects."""
+
+        async def collect() -> None:
+            async for _ in self.stream(run):
+                pass
+
+        collector = asyncio.create_task(collect())
+        watcher = asyncio.create_task(_disconnected(receive))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not collector.done():
+                collector.cancel()  # the stream's own clean-up aborts what is unfinished
+                await asyncio.wait({collector})
+        if collector.cancelled():
+            raise asyncio.CancelledError  # the client is gone; nothing to answer
+        collector.result()
+        return [run.finals[r.request_id] for r in run.requests]
+
+    def abort_soon(self, run: Run) -> None:
+        """Aborts the unfinished items, from a task of its own (this one may be cancelled)."""
+        pending = [r.request_id for r in run.requests if r.request_id not in run.finals]
+        if pending:
+            task = asyncio.create_task(self._abort(pending))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            await self.transport.abort(request_id, "client disconnected")
+        self.metrics.on_failure("dropped")
+
+    def _observe(self, run: Run, event: TokenEvent | FinalResult) -> None:
+        if isinstance(event, FinalResult):
+            run.finals[event.request_id] = event
+            return
+        if run.keep_events:
+            run.events.setdefault(event.request_id, []).append(event)
+        now = time.time()
+        if run.first_token_at is None:
+            run.first_token_at = now
+            self.metrics.observe_ttft(now - run.started_at)
+            self.running.note(event.request_id)
+        elif run.last_token_at is not None and event.token_ids:
+            self.metrics.observe_itl((now - run.last_token_at) / len(event.token_ids))
+        run.last_token_at = now
+
+    def _finish(self, run: Run) -> None:
+        self.release(run.ticket)
+        if not run.is_finished:
+            return
+        finals = list(run.finals.values())
+        if all(final.finish_reason in FAILED_REASONS for final in finals):
+            self.metrics.on_failure("generation")
+            return
+        now = time.time()
+        first = run.first_token_at or now
+        generated = sum(final.num_output_tokens for final in finals)
+        self.metrics.on_success(
+            validation_s=run.validated_at - run.started_at,
+            queue_s=max(first - run.validated_at, 0.0),
+            inference_s=now - first,
+            total_s=now - run.started_at,
+            time_per_token_s=(now - first) / generated if generated > 1 else None,
+            num_input_tokens=sum(p.num_prompt_tokens for p in run.prompts),
+            num_generated_tokens=generated,
+            max_new_tokens=run.requests[0].stopping.max_new_tokens,
+        )
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            await task
+
+
+def check_failed(finals: Sequence[FinalResult]) -> None:
+    """424 when any item failed in the engine (TGI: any failure fails the whole request)."""
+    for final in finals:
+        if final.finish_reason in FAILED_REASONS:
+            raise GenerationError(final.finish_detail or final.finish_reason)
+
+
+def job_params(params: GenerationParams) -> dict[str, Any]:
+    """The parameters as recorded in the job row (JSON)."""
+    values = dataclasses.asdict(params)
+    values["stop_strings"] = list(params.stop_strings)
+    return values
+
+
+def _copy_sampling(prompt: ValidatedRequest, copy: int) -> Any:
+    sampling = prompt.sampling
+    if copy == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + copy)
+
+
+def _as_datetime(deadline: float | None) -> datetime | None:
+    return None if deadline is None else datetime.fromtimestamp(deadline, UTC)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,95 @@
+"""The api's tokenizer: a model's `tokenizer.json` (Hugging Face `tokenizers`), its chat template
+and its end-of-sequence ids, used off the event loop on a small thread pool (`validation_workers`,
+TGI's name), so tokenizing a long prompt never stalls other requests."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tokenizers import Tokenizer
+
+from api.chat_template import ChatTemplate, NoChatTemplateError
+from gpu_worker.config import model_eos_token_ids  # torch-free: it reads config.json
+
+T = TypeVar("T")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class ModelTokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        chat_template: ChatTemplate | None = None,
+        max_workers: int = 2,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, token in added.items() if token.special)
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="tokenizer")
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, *, max_workers: int = 2) -> ModelTokenizer:
+        model_dir = Path(path)
+        tokenizer_path = model_dir / TOKENIZER_FILE
+        if not tokenizer_path.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_path} not found: the api needs the model's tokenizer"
+            )
+        try:
+            chat_template: ChatTemplate | None = ChatTemplate.from_model_dir(model_dir)
+        except NoChatTemplateError:
+            chat_template = None
+        config = model_dir / "config.json"
+        eos = model_eos_token_ids(model_dir) if config.is_file() else frozenset()
+        return cls(
+            Tokenizer.from_file(str(tokenizer_path)),
+            eos_token_ids=eos,
+            chat_template=chat_template,
+            max_workers=max_workers,
+        )
+
+    async def run(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs `call` on the tokenizer pool (for CPU work such as rendering a chat template)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(call, *args, **kwargs))
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return await self.run(self.encode_sync, text, add_special_tokens=add_special_tokens)
+
+    async def encode_with_offsets(
+        self, text: str, *, add_special_tokens: bool = True
+    ) -> list[tuple[int, str, int, int]]:
+        """(id, token text, start, stop) per token; offsets are character offsets into `text`."""
+        encoding = await self.run(
+            self._tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
+        return [
+            (token_id, text[start:stop], start, stop)
+            for token_id, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
+        ]
+
+    def encode_sync(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as TGI reports it in `details.tokens[].text`."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

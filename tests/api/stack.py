@@ -1,0 +1,135 @@
+"""The real stack for HTTP tests: a tiny text model (random weights, a tokenizer trained here, a
+chat template), a batcher process on Redis, and the api as a uvicorn process on Postgres.
+
+`Stack` starts and stops the processes; the fixtures in `conftest.py` share one per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from devtools.random_model import make_config, write_model
+from devtools.tokenizer import train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+REDIS_URL = "redis://127.0.0.1:6379/0"
+# A ChatML-style template: enough to exercise rendering, roles and the generation prompt.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+NUM_BLOCKS = 512
+BLOCK_SIZE = 16
+
+
+def write_text_model(path: Path, *, chat_template: bool = True, seed: int = 7) -> Path:
+    """A tiny Llama whose vocabulary is a tokenizer trained on Python's docs."""
+    train_tokenizer(path)
+    write_model(path, make_config("LlamaForCausalLM", max_position_embeddings=4096), seed=seed)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if chat_template:
+        config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HOSTNAME", "PORT")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+@dataclass
+class Stack:
+    model_dir: Path
+    database_url: str
+    log_dir: Path
+    prefix: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex}")
+    port: int = field(default_factory=free_port)
+    api_env: dict[str, str] = field(default_factory=dict)
+    batcher_options: tuple[str, ...] = ()
+    name: str = "api"  # of the api's log file
+    api: subprocess.Popen[bytes] | None = None
+    batchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_batcher(self, batcher_id: str = "b0") -> subprocess.Popen[bytes]:
+        command = [
+            sys.executable, "-m", "batcher", "--model-id", str(self.model_dir),
+            "--redis-url", REDIS_URL, "--prefix", self.prefix, "--batcher-id", batcher_id,
+            "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+            "--max-batch-size", "64", "--heartbeat-ttl-s", "4", *self.batcher_options,
+        ]  # fmt: skip
+        log = open(self.log_dir / f"batcher-{batcher_id}.log", "wb")  # noqa: SIM115
+        process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=log)
+        self.batchers.append(process)
+        return process
+
+    def start_api(self, timeout_s: float = 60.0) -> None:
+        env = _env(
+            DATABASE_URL=self.database_url,
+            REDIS_URL=REDIS_URL,
+            REDIS_PREFIX=self.prefix,
+            MODEL_ID="tgq-test",
+            MODEL_DIR=str(self.model_dir),
+            PORT=str(self.port),
+            **self.api_env,
+        )
+        log = open(self.log_dir / f"{self.name}.log", "wb")  # noqa: SIM115
+        self.api = subprocess.Popen(
+            [sys.executable, "-m", "api"], cwd=ROOT, env=env, stdout=log, stderr=log
+        )
+        self.wait_healthy(timeout_s)
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.api is not None and self.api.poll() is not None:
+                raise RuntimeError(f"the api exited {self.api.returncode}:\n{self.api_log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the stack did not become healthy:\n{self.api_log()}")
+
+    def api_log(self) -> str:
+        return (self.log_dir / f"{self.name}.log").read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        for process in [p for p in (self.api, *self.batchers) if p is not None]:
+            if process.poll() is None:
+                process.terminate()
+        for process in [p for p in (self.api, *self.batchers) if p is not None]:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{self.prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
