@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
+.PHONY: run generate test lint bench-http bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --no-deps text-generation==0.7.0
 	touch $(STAMP)
 
+# The service, embedded (SQLite, batcher in-process) unless DATABASE_URL / REDIS_URL are set;
+# the demo model unless MODEL_DIR is. Listens on http://127.0.0.1:3000 (HOSTNAME, PORT).
 run: $(STAMP)
+	MODEL_DIR=$${MODEL_DIR:-$$($(PY) -m devtools.demo)} \
+	DATABASE_URL=$${DATABASE_URL:-sqlite+aiosqlite:///.cache/tgq.db} AUTO_MIGRATE=$${AUTO_MIGRATE:-true} \
+	HOSTNAME=$${TGQ_HOSTNAME:-127.0.0.1} $(PY) -m api
+
+generate: $(STAMP)
 	$(PY) -m gpu_worker.generate --demo --prompt "The Python language" --max-new-tokens 24
 
 test: $(STAMP) lint
@@ -29,6 +36,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_engine
+
+bench-http: $(STAMP)
+	$(PY) -m bench.bench_http
 
 bench-scheduler: $(STAMP)
 	$(PY) -m bench.bench_scheduler

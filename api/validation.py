@@ -32,6 +32,7 @@ Deviations from TGI
   `presence_penalty` are honoured; TGI's completions route has none of them.
 - `max_completion_tokens` wins over `max_tokens` when both are set (OpenAI deprecated
   `max_tokens`); TGI treats them as aliases.
+- `ignore_eos` (a vLLM extension) is accepted on every route: generation goes on past EOS.
 - A request without `seed` gets none here: the engine draws one, so `details.seed` is null (TGI
   reports the seed it drew).
 """
@@ -82,6 +83,7 @@ def tgi_params(
         sampling=_tgi_sampling(p, logprobs=needs_logprobs),
         max_new_tokens=p.max_new_tokens,
         stop_strings=_non_empty(p.stop),
+        ignore_eos=p.ignore_eos,
         truncate=p.truncate,
         best_of=best_of,
         details=p.details,
@@ -198,6 +200,7 @@ def chat_params(request: ChatCompletionRequest, settings: Settings) -> Generatio
         max_new_tokens=max_new_tokens,
         stop_strings=_openai_stop(request.stop, settings),
         num_choices=_num_choices(request.n, settings),
+        ignore_eos=request.ignore_eos,
         top_n_tokens=top_n,
         add_special_tokens=False,  # the chat template has them already
     )
@@ -215,6 +218,7 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
         max_new_tokens=_max_tokens("max_tokens", request.max_tokens),
         stop_strings=_openai_stop(request.stop, settings),
         num_choices=_num_choices(request.n, settings),
+        ignore_eos=request.ignore_eos,
         return_full_text=request.echo,
         decoder_input_details=request.echo and request.logprobs is not None,
         top_n_tokens=top_n,

@@ -9,25 +9,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from gpu_worker.offline import OfflineEngine
 from gpu_worker.plan import SamplingParams
 from gpu_worker.runner import ModelRunner, RunnerConfig
-
-DEMO_DIR = Path(".cache/demo/tiny-llama")
-
-
-def demo_model() -> Path:
-    if not (DEMO_DIR / "model.safetensors").is_file():
-        from devtools.random_model import make_config, write_model
-        from devtools.tokenizer import train_tokenizer
-
-        train_tokenizer(DEMO_DIR)
-        write_model(DEMO_DIR, make_config("LlamaForCausalLM"))
-    return DEMO_DIR
 
 
 def main() -> None:
@@ -44,7 +31,12 @@ def main() -> None:
     args = parser.parse_args()
     if not args.model_id and not args.demo:
         parser.error("give --model-id or --demo")
-    model_id = str(demo_model()) if args.demo else args.model_id
+    if args.demo:
+        from devtools.demo import demo_model
+
+        model_id = str(demo_model())
+    else:
+        model_id = args.model_id
     runner = ModelRunner(RunnerConfig(model_id, revision=args.revision, dtype=args.dtype))
     tokenizer = Tokenizer.from_file(str(runner.loaded.model_dir / "tokenizer.json"))
     engine = OfflineEngine(runner, eos_token_ids=tuple(runner.loaded.config.eos_token_ids))

@@ -101,6 +101,7 @@ class ChatCompletionRequest(_Request):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS.")
 
 
 class CompletionRequest(_Request):
@@ -124,6 +125,7 @@ class CompletionRequest(_Request):
         description="Legacy: the number of most likely tokens to return at each step.",
     )
     echo: bool = Field(default=False, description="Prepend the prompt to the completion.")
+    ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS.")
     suffix: str | None = None
     user: str | None = None
 
@@ -173,9 +175,15 @@ class ChatCompletion(BaseModel):
     usage: Usage | None = None
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+    """What a chunk adds; unset fields are left out, as OpenAI does (`{}` on the last chunk)."""
+
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChunkChoice(BaseModel):

@@ -109,6 +109,9 @@ class GenerateParameters(_Request):
         default=None, description="Grammar constraints for the generation (not supported by tgq)."
     )
     adapter_id: str | None = Field(default=None, description="Lora adapter id", examples=[None])
+    ignore_eos: bool = Field(
+        default=False, description="tgq extension (as vLLM's): keep generating past EOS."
+    )
 
 
 def default_parameters() -> GenerateParameters:

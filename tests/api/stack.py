@@ -6,7 +6,6 @@ chat template), a batcher process on Redis, and the api as a uvicorn process on 
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -19,16 +18,12 @@ from pathlib import Path
 import httpx
 import redis
 
+from devtools.demo import add_chat_template
 from devtools.random_model import make_config, write_model
 from devtools.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/0"
-# A ChatML-style template: enough to exercise rendering, roles and the generation prompt.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"
-    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
 NUM_BLOCKS = 512
 BLOCK_SIZE = 16
 
@@ -37,11 +32,8 @@ def write_text_model(path: Path, *, chat_template: bool = True, seed: int = 7) -
     """A tiny Llama whose vocabulary is a tokenizer trained on Python's docs."""
     train_tokenizer(path)
     write_model(path, make_config("LlamaForCausalLM", max_position_embeddings=4096), seed=seed)
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
     if chat_template:
-        config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config), encoding="utf-8")
+        add_chat_template(path)
     return path
 
 
@@ -53,7 +45,8 @@ def free_port() -> int:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("HOSTNAME", "PORT")}
+    inherited = ("HOSTNAME", "PORT", "REDIS_URL", "DATABASE_URL")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
@@ -67,6 +60,7 @@ class Stack:
     api_env: dict[str, str] = field(default_factory=dict)
     batcher_options: tuple[str, ...] = ()
     name: str = "api"  # of the api's log file
+    redis_url: str | None = REDIS_URL  # None: the api runs its own batcher (embedded mode)
     api: subprocess.Popen[bytes] | None = None
     batchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -87,10 +81,11 @@ class Stack:
         return process
 
     def start_api(self, timeout_s: float = 60.0) -> None:
+        redis = {} if self.redis_url is None else {"REDIS_URL": self.redis_url}
         env = _env(
             DATABASE_URL=self.database_url,
-            REDIS_URL=REDIS_URL,
             REDIS_PREFIX=self.prefix,
+            **redis,
             MODEL_ID="tgq-test",
             MODEL_DIR=str(self.model_dir),
             PORT=str(self.port),

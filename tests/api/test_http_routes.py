@@ -15,15 +15,17 @@ import pytest
 import redis
 from sqlalchemy import text
 
+from api.chat_template import ChatTemplate
 from api.db import create_engine
 from batcher.config import SchedulerConfig
 from batcher.detokenize import HFTokenDecoder
 from batcher.engine import LLMEngine
 from batcher.request import StoppingParams
 from batcher.transport.redis import RedisTransport
+from devtools.demo import CHAT_TEMPLATE
 from gpu_worker.config import model_eos_token_ids
 from gpu_worker.runner import ModelRunner, RunnerConfig
-from tests.api.stack import BLOCK_SIZE, CHAT_TEMPLATE, NUM_BLOCKS, REDIS_URL, Stack
+from tests.api.stack import BLOCK_SIZE, NUM_BLOCKS, REDIS_URL, Stack
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [
@@ -215,7 +217,7 @@ def test_chat_completion_renders_the_template(client: httpx.Client, stack: Stack
     assert choice["message"]["role"] == "assistant"
     assert choice["finish_reason"] in ("stop", "length") and choice["logprobs"] is None
     prompt = "<s>user\nhi there</s>\n<s>assistant\n"
-    assert CHAT_TEMPLATE  # the stack's template renders to `prompt`
+    assert ChatTemplate(CHAT_TEMPLATE).render([{"role": "user", "content": "hi there"}]) == prompt
     prompt_ids = encode(stack.model_dir, prompt)
     assert answer["usage"]["prompt_tokens"] == len(prompt_ids)
     expected = offline(stack.model_dir, [prompt_ids], max_new=8)[0]

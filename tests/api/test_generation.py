@@ -1,0 +1,162 @@
+"""The api's write path without HTTP: group commit before enqueue, the persister's
+commit-then-ack, and admission. Real Postgres; the in-process transport stands in for Redis
+(the same contract, tested against both in tests/batcher)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.pool import NullPool
+
+from api.admission import Admission, Limits
+from api.db import create_engine, store
+from api.errors import OverloadedError, UnavailableError
+from api.generation import Persister, Recorder, new_job_id, parse_request_id, request_id_of
+from batcher.messages import FinalResult, SubmitRequest
+from batcher.request import StoppingParams
+from batcher.transport.aio import ThreadedApiTransport
+from batcher.transport.base import TransportConfig
+from batcher.transport.memory import MemoryTransport
+from gpu_worker.plan import SamplingParams
+
+
+def job_of(num_items: int = 1) -> tuple[store.NewJob, list[SubmitRequest]]:
+    job_id = new_job_id()
+    requests = [
+        SubmitRequest(request_id_of(job_id, i), [1, 2, 3], SamplingParams(), StoppingParams())
+        for i in range(num_items)
+    ]
+    job = store.NewJob(
+        job_id=job_id,
+        kind="job",
+        route="/v1/jobs",
+        priority=0,
+        model="m",
+        params={},
+        items=[(r.request_id, r.prompt_token_ids) for r in requests],
+    )
+    return job, requests
+
+
+def final_of(request_id: str, reason: str = "length") -> FinalResult:
+    return FinalResult(request_id, [5, 6], reason, None, 3, 2, 0, 1, "b0", text="ab")
+
+
+def test_request_ids_name_their_row() -> None:
+    job_id = new_job_id()
+    assert parse_request_id(request_id_of(job_id, 12)) == (job_id, 12)
+    assert parse_request_id("r1") is None and parse_request_id("job_x.y") is None
+
+
+def test_concurrent_submissions_share_commits_and_are_all_enqueued(pg_engine: AsyncEngine) -> None:
+    memory = MemoryTransport()
+
+    async def run() -> int:
+        transport = ThreadedApiTransport(memory, max_workers=4)
+        recorder = Recorder(pg_engine, transport)
+        recorder.start()
+        jobs = [job_of(2) for _ in range(60)]
+        await asyncio.gather(*(recorder.submit(job, requests) for job, requests in jobs))
+        await recorder.stop()
+        async with pg_engine.connect() as conn:
+            for job, _ in jobs:
+                assert (await store.get_job(conn, job_id=job.job_id)) is not None
+        await transport.close()
+        return recorder.num_rounds
+
+    num_rounds = asyncio.run(run())
+    assert num_rounds < 60  # grouped
+    assert memory.queue_depth() == 120
+
+
+def test_a_failed_commit_enqueues_nothing() -> None:
+    memory = MemoryTransport()
+    broken = create_engine("postgresql+asyncpg://root@127.0.0.1:1/none", poolclass=NullPool)
+
+    async def run() -> None:
+        transport = ThreadedApiTransport(memory, max_workers=2)
+        recorder = Recorder(broken, transport)
+        recorder.start()
+        job, requests = job_of()
+        with pytest.raises(UnavailableError, match="database is unavailable"):
+            await recorder.submit(job, requests)
+        await recorder.stop()
+        await transport.close()
+
+    asyncio.run(run())
+    assert memory.queue_depth() == 0
+
+
+def test_persister_records_then_acks_and_repeats_change_nothing(pg_engine: AsyncEngine) -> None:
+    memory = MemoryTransport()
+    job, requests = job_of(2)
+
+    async def run() -> None:
+        transport = ThreadedApiTransport(memory, max_workers=2)
+        async with pg_engine.begin() as conn:
+            await store.create_jobs(conn, jobs=[job])
+        for request in requests:
+            memory.publish_final(final_of(request.request_id))
+        persister = Persister(pg_engine, transport, "p0", block_ms=10)
+        assert await persister.persist_once() == 2
+        assert await persister.persist_once() == 0  # acked: nothing left to take
+        memory.publish_final(final_of(requests[0].request_id, "stop"))  # a repeat is dropped
+        assert await persister.persist_once() == 0
+        async with pg_engine.connect() as conn:
+            stored = await store.get_job(conn, job_id=job.job_id)
+            results = await store.get_results(conn, job_id=job.job_id)
+        assert stored is not None and stored.status == "succeeded"
+        assert [r.finish_reason for r in results] == ["length", "length"]
+        assert persister.num_written == 2
+        await transport.close()
+
+    asyncio.run(run())
+
+
+def test_persister_does_not_ack_what_it_could_not_commit() -> None:
+    memory = MemoryTransport(TransportConfig(lease_s=0.05))
+    broken = create_engine("postgresql+asyncpg://root@127.0.0.1:1/none", poolclass=NullPool)
+    _, requests = job_of()
+    memory.publish_final(final_of(requests[0].request_id))
+
+    async def run() -> None:
+        transport = ThreadedApiTransport(memory, max_workers=2)
+        persister = Persister(broken, transport, "p0", block_ms=10)
+        with pytest.raises(OSError):
+            await persister.persist_once()
+        await transport.close()
+
+    asyncio.run(run())
+    time.sleep(0.1)  # past the lease, another persister takes the un-acked result
+    assert [s.result.request_id for s in memory.pull_finals("p1", 10, 0)] == [
+        requests[0].request_id
+    ]
+
+
+def test_admission_limits() -> None:
+    rejected: list[str] = []
+    limits = Limits(
+        max_concurrent_requests=2, max_queued_requests=5, max_queued_tokens=100, retry_after_s=3
+    )
+    admission = Admission(limits, on_reject=rejected.append)
+    first, second = admission.admit(), admission.admit()
+    with pytest.raises(OverloadedError) as caught:
+        admission.admit()
+    assert caught.value.retry_after_s == 3 and caught.value.headers() == {"Retry-After": "3"}
+    first.release()
+    first.release()  # idempotent
+    third = admission.admit()
+    third.add_tokens(100)
+    second.release()
+    with pytest.raises(OverloadedError, match="tokens in flight"):
+        admission.admit()
+    third.release()
+    admission.set_queue_depth(4)
+    admission.check_queue(1)
+    with pytest.raises(OverloadedError, match="Queue is full: 4 requests queued"):
+        admission.check_queue(2)
+    assert rejected == ["concurrency", "queue_tokens", "queue_requests"]
+    assert (admission.num_in_flight, admission.num_tokens) == (0, 0)
