@@ -75,6 +75,7 @@ class AppState:
     metrics: Metrics
     generation: Generation
     persister: Persister
+    running: Running
     health: Health
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     embedded: Any = None  # the in-process batcher, without Redis
@@ -163,7 +164,7 @@ async def _start(settings: Settings) -> AppState:
         retry_after_s=settings.retry_after_s,
     )
     admission = Admission(limits, on_reject=metrics.on_rejected)
-    recorder, running = Recorder(engine, transport), Running(engine)
+    recorder, running = Recorder(engine, transport), Running(engine, transport)
     health = Health()
     consumer = f"{socket.gethostname()}-{os.getpid()}"
     persister = Persister(engine, transport, consumer, on_results=_observer(health))
@@ -175,10 +176,9 @@ async def _start(settings: Settings) -> AppState:
         metrics=metrics,
         admission=admission,
         recorder=recorder,
-        running=running,
     )
     state = AppState(
-        settings, engine, transport, tokenizer, metrics, generation, persister, health,
+        settings, engine, transport, tokenizer, metrics, generation, persister, running, health,
         embedded=embedded,
     )  # fmt: skip
     recorder.start()
@@ -228,7 +228,7 @@ async def _stop(state: AppState) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await state.generation.recorder.stop()
-    await state.generation.running.stop()
+    await state.running.stop()
     await state.generation.aclose()
     await state.persister.stop()
     if state.embedded is not None:

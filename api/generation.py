@@ -8,7 +8,7 @@ the database by the persister, whoever waits for it.
 - `Persister`: pulls durable final results from the transport, records them idempotently (unique
   per job item), and acks them only after the commit.
 - `follow`: a request's token events in order, then its final result.
-- `Running`: items seen producing tokens are marked `running` (with `started_at`) in batches.
+- `Running`: items whose first token the transport has seen are marked `running`, in batches.
 
 Request ids are `"{job_id}.{item_index}"`, so a final result names its row without a lookup.
 """
@@ -232,16 +232,16 @@ def new_result(result: FinalResult) -> store.NewResult | None:
 
 
 class Running:
-    """Marks items `running` when their first token is seen, a batch per `interval_s`."""
+    """Marks items `running` (with their job's `started_at`) as batchers start them: reads the
+    transport's started log and updates in batches. Best effort: a status, not a result."""
 
-    def __init__(self, engine: AsyncEngine, *, interval_s: float = 0.2) -> None:
+    def __init__(
+        self, engine: AsyncEngine, transport: AsyncApiTransport, *, max_count: int = 1000
+    ) -> None:
         self.engine = engine
-        self.interval_s = interval_s
-        self._request_ids: set[str] = set()
+        self.transport = transport
+        self.max_count = max_count
         self._task: asyncio.Task[None] | None = None
-
-    def note(self, request_id: str) -> None:
-        self._request_ids.add(request_id)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="running")
@@ -251,22 +251,22 @@ class Running:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self.flush()
 
     async def _run(self) -> None:
+        cursor: str | None = None
         while True:
-            await asyncio.sleep(self.interval_s)
             try:
-                await self.flush()
-            except Exception as error:  # best effort: a status, not a result
+                cursor, request_ids = await self.transport.read_started(
+                    cursor, self.max_count, 1000
+                )
+                if request_ids:
+                    async with self.engine.begin() as conn:
+                        await store.mark_running(conn, request_ids=sorted(set(request_ids)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
                 log.warning("marking items running failed: %s", error)
-
-    async def flush(self) -> None:
-        if not self._request_ids:
-            return
-        request_ids, self._request_ids = sorted(self._request_ids), set()
-        async with self.engine.begin() as conn:
-            await store.mark_running(conn, request_ids=request_ids)
+                await asyncio.sleep(1.0)
 
 
 async def follow(

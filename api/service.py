@@ -25,7 +25,7 @@ from starlette.types import Receive
 from api.admission import Admission, Ticket
 from api.db import store
 from api.errors import GenerationError
-from api.generation import Recorder, Running, follow, new_job_id, request_id_of
+from api.generation import Recorder, follow, new_job_id, request_id_of
 from api.metrics import Metrics
 from api.settings import Settings
 from api.tokenizer import ModelTokenizer
@@ -74,7 +74,6 @@ class Generation:
         metrics: Metrics,
         admission: Admission,
         recorder: Recorder,
-        running: Running,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -83,7 +82,6 @@ class Generation:
         self.metrics = metrics
         self.admission = admission
         self.recorder = recorder
-        self.running = running
         self._background: set[asyncio.Task[None]] = set()
 
     def admit(self, *, num_requests: int = 1) -> Ticket:
@@ -253,7 +251,6 @@ class Generation:
         if run.first_token_at is None:
             run.first_token_at = now
             self.metrics.observe_ttft(now - run.started_at)
-            self.running.note(event.request_id)
         elif run.last_token_at is not None and event.token_ids:
             self.metrics.observe_itl((now - run.last_token_at) / len(event.token_ids))
         run.last_token_at = now

@@ -26,6 +26,7 @@ from batcher.transport.redis import (
     decode_final,
     decode_heartbeat,
     entry_id_str,
+    started_ids,
 )
 from batcher.transport.redis_keys import AFTER_EVENTS_ID, END_ID, PERSISTERS, RedisKeys, event_id
 
@@ -54,6 +55,10 @@ class AsyncApiTransport(Protocol):
     ) -> list[StoredFinal]: ...
 
     async def ack_finals(self, entry_ids: list[str]) -> None: ...
+
+    async def read_started(
+        self, cursor: str | None, max_count: int, block_ms: int
+    ) -> tuple[str, list[str]]: ...
 
     async def close(self) -> None: ...
 
@@ -95,6 +100,11 @@ class ThreadedApiTransport:
 
     async def ack_finals(self, entry_ids: list[str]) -> None:
         self.transport.ack_finals(entry_ids)
+
+    async def read_started(
+        self, cursor: str | None, max_count: int, block_ms: int
+    ) -> tuple[str, list[str]]:
+        return await self._run(self.transport.read_started, cursor, max_count, block_ms)
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -214,6 +224,17 @@ class AsyncRedisApiTransport:
             pipe.xack(self.keys.finals, PERSISTERS, *entry_ids)
             pipe.xdel(self.keys.finals, *entry_ids)
             await pipe.execute()
+
+    async def read_started(
+        self, cursor: str | None, max_count: int, block_ms: int
+    ) -> tuple[str, list[str]]:
+        stream = self.keys.started
+        if cursor is None:
+            last: Any = await self.client.xrevrange(stream, "+", "-", count=1)
+            return (entry_id_str(last[0][0]) if last else "0-0"), []
+        block = self._block(block_ms / 1000) if block_ms > 0 else None
+        found: Any = await self.client.xread({stream: cursor}, count=max_count, block=block)
+        return started_ids(cursor, found)
 
     async def close(self) -> None:
         await self.client.aclose()

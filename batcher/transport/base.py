@@ -26,6 +26,8 @@ from typing import Protocol
 
 from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 
+MAX_STARTED_LOG = 100_000  # the started log keeps about this many of the latest ids
+
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
@@ -99,6 +101,14 @@ class ApiTransport(Protocol):
         ...
 
     def ack_finals(self, entry_ids: list[str]) -> None: ...
+
+    def read_started(
+        self, cursor: str | None, max_count: int, block_ms: int
+    ) -> tuple[str, list[str]]:
+        """Request ids whose first token event was published after `cursor` (None: from now on),
+        and the cursor to pass next time. A status signal, not a record: a rerun repeats an id,
+        and ids older than the log's cap are gone."""
+        ...
 
 
 class BatcherTransport(Protocol):

@@ -14,7 +14,13 @@ from dataclasses import dataclass, replace
 
 from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from batcher.request import Priority
-from batcher.transport.base import Delivery, StoredFinal, TransportConfig, failed_result
+from batcher.transport.base import (
+    MAX_STARTED_LOG,
+    Delivery,
+    StoredFinal,
+    TransportConfig,
+    failed_result,
+)
 
 _PRIORITY_ORDER = sorted(Priority, reverse=True)  # interactive first
 
@@ -43,6 +49,8 @@ class MemoryTransport:
         self._entry_ids = itertools.count(1)
         self._unpersisted: deque[StoredFinal] = deque()  # finals no persister has taken yet
         self._persisting: dict[str, tuple[str, float, StoredFinal]] = {}  # consumer, since
+        self._started: list[str] = []  # request ids, in the order of their first event
+        self._started_base = 0  # how many the cap has dropped from the front
 
     # api side
 
@@ -102,6 +110,21 @@ class MemoryTransport:
             for entry_id in entry_ids:
                 self._persisting.pop(entry_id, None)
 
+    def read_started(
+        self, cursor: str | None, max_count: int, block_ms: int
+    ) -> tuple[str, list[str]]:
+        with self._changed:
+            end = self._started_base + len(self._started)
+            if cursor is None:
+                return str(end), []
+            start = max(int(cursor), self._started_base)
+            self._changed.wait_for(
+                lambda: self._started_base + len(self._started) > start, block_ms / 1000
+            )
+            offset = start - self._started_base
+            ids = self._started[offset : offset + max_count]
+            return str(start + len(ids)), ids
+
     # batcher side
 
     def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
@@ -124,6 +147,12 @@ class MemoryTransport:
                 # First event per seq index wins; nothing after the final result.
                 if event.seq_index == len(published) and event.request_id not in self._finals:
                     published.append(event)
+                if event.seq_index == 0:
+                    self._started.append(event.request_id)
+            if len(self._started) > MAX_STARTED_LOG:  # the oldest half goes, as Redis caps it
+                dropped = len(self._started) // 2
+                del self._started[:dropped]
+                self._started_base += dropped
             self._changed.notify_all()
 
     def publish_final(self, result: FinalResult) -> bool:

@@ -26,7 +26,13 @@ from batcher.messages import (
     encode,
 )
 from batcher.request import Priority
-from batcher.transport.base import Delivery, StoredFinal, TransportConfig, failed_result
+from batcher.transport.base import (
+    MAX_STARTED_LOG,
+    Delivery,
+    StoredFinal,
+    TransportConfig,
+    failed_result,
+)
 from batcher.transport.redis_keys import (
     AFTER_EVENTS_ID,
     END_ID,
@@ -166,6 +172,17 @@ class RedisTransport:
             pipe.xdel(self.keys.finals, *entry_ids)
             pipe.execute()
 
+    def read_started(
+        self, cursor: str | None, max_count: int, block_ms: int
+    ) -> tuple[str, list[str]]:
+        stream = self.keys.started
+        if cursor is None:
+            last: Any = self.client.xrevrange(stream, "+", "-", count=1)
+            return (entry_id_str(last[0][0]) if last else "0-0"), []
+        block = self._block(block_ms / 1000) if block_ms > 0 else None
+        found: Any = self.client.xread({stream: cursor}, count=max_count, block=block)
+        return started_ids(cursor, found)
+
     # batcher side
 
     def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
@@ -231,6 +248,9 @@ class RedisTransport:
             pipe.xadd(key, {"m": encode(event)}, id=event_id(event.seq_index))
             if event.seq_index % EXPIRY_REFRESH_EVERY == 0:
                 pipe.pexpire(key, _ms(self.config.token_ttl_s))
+            if event.seq_index == 0:
+                started: dict[EncodableT, EncodableT] = {"r": event.request_id}
+                pipe.xadd(self.keys.started, started, maxlen=MAX_STARTED_LOG, approximate=True)
         for outcome in pipe.execute(raise_on_error=False):
             # A rejected id is a replayed or late event: dropped by design.
             if isinstance(outcome, Exception) and "equal or smaller" not in str(outcome):
@@ -347,6 +367,15 @@ class RedisTransport:
 
     def _block(self, timeout_s: float) -> int:
         return min(_ms(timeout_s), self._max_block_ms)
+
+
+def started_ids(cursor: str, found: Any) -> tuple[str, list[str]]:
+    """(next cursor, request ids) of an XREAD on the started log."""
+    entries = found[0][1] if found else []
+    if not entries:
+        return cursor, []
+    ids = [fields[b"r"].decode() for _, fields in entries]
+    return entry_id_str(entries[-1][0]), ids
 
 
 def _ms(seconds: float) -> int:

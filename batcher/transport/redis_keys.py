@@ -21,6 +21,10 @@ can share a server:
                                         consumer group "persisters": api replicas write them to
                                         Postgres, then XACK + XDEL. A replica that dies holding
                                         entries loses nothing: others claim them after the lease.
+{p}:started                             stream of request ids whose first token event was
+                                        published (a rerun adds its id again), capped near
+                                        100,000 entries; each api replica reads it with its own
+                                        cursor to mark items `running`.
 {p}:abort:{request_id}                  abort flag, seen by `pull` of a still-queued request.
 {p}:aborts                              broadcast stream of aborts (each batcher reads it
                                         with its own cursor), capped near 10,000 entries.
@@ -61,6 +65,10 @@ class RedisKeys:
     @property
     def finals(self) -> str:
         return f"{self.prefix}:finals"
+
+    @property
+    def started(self) -> str:
+        return f"{self.prefix}:started"
 
     def abort(self, request_id: str) -> str:
         return f"{self.prefix}:abort:{request_id}"

@@ -95,6 +95,12 @@ def test_cancel_a_running_job_frees_its_blocks(client: httpx.Client, stack: Stac
     while time.monotonic() < deadline:  # running: its tokens are flowing
         if transport.read_tokens(job["request_ids"][0], 0, 0.5):
             break
+    deadline = time.monotonic() + 10
+    while client.get(f"/v1/jobs/{job['id']}").json()["status"] != "running":
+        assert time.monotonic() < deadline, "a job whose tokens flow is not shown running"
+        time.sleep(0.05)
+    running = client.get(f"/v1/jobs/{job['id']}").json()
+    assert running["started_at"] is not None and running["progress"]["done"] == 0
     cancelled = client.delete(f"/v1/jobs/{job['id']}")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     deadline = time.monotonic() + 10

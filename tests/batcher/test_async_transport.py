@@ -110,3 +110,15 @@ def test_abort_and_live_batchers(pair: Pair) -> None:
         assert batcher.pull("b0", 1, 0)[0].is_aborted
 
     run(pair, body)
+
+
+def test_the_started_log(pair: Pair) -> None:
+    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+        cursor, ids = await api.read_started(None, 10, 0)
+        assert ids == []
+        batcher.publish_tokens([TokenEvent("r0", 0, [5], [None]), TokenEvent("r0", 1, [6], [None])])
+        cursor, ids = await api.read_started(cursor, 10, 100)
+        assert ids == ["r0"]
+        assert await api.read_started(cursor, 10, 0) == (cursor, [])
+
+    run(pair, body)

@@ -331,3 +331,29 @@ def test_a_waiting_persister_wakes_on_a_new_final(transport: Transport) -> None:
     timer.join()
     assert [s.result.request_id for s in stored] == ["r0"]
     assert time.monotonic() - started < 1.0
+
+
+def test_the_started_log_names_each_request_at_its_first_event(transport: Transport) -> None:
+    transport.publish_tokens([event("r-old", 0)])
+    cursor, ids = transport.read_started(None, 10, 0)  # from now on
+    assert ids == []
+    transport.publish_tokens([event("r0", 0), event("r1", 0)])
+    transport.publish_tokens([event("r0", 1), event("r0", 2)])  # later events: not again
+    cursor, ids = transport.read_started(cursor, 10, 0)
+    assert ids == ["r0", "r1"]
+    transport.publish_tokens([event("r2", 0)])
+    other_cursor, _ = transport.read_started(None, 10, 0)
+    cursor, ids = transport.read_started(cursor, 1, 0)
+    assert ids == ["r2"]
+    assert transport.read_started(cursor, 10, 0) == (cursor, [])
+    assert transport.read_started(other_cursor, 10, 0)[1] == []  # each reader its own cursor
+
+
+def test_a_waiting_started_reader_wakes_on_a_first_event(transport: Transport) -> None:
+    cursor, _ = transport.read_started(None, 10, 0)
+    timer = threading.Timer(0.05, lambda: transport.publish_tokens([event("r0", 0)]))
+    timer.start()
+    started = time.monotonic()
+    _, ids = transport.read_started(cursor, 10, 2000)
+    timer.join()
+    assert ids == ["r0"] and time.monotonic() - started < 1.0
