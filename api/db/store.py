@@ -410,17 +410,24 @@ async def _count_result(
     conn: AsyncConnection, result: NewResult, *, is_failed: bool, now: datetime
 ) -> int | None:
     """Add one result to the job's counters; the result that completes an open job makes it
-    terminal (`failed` when every item failed). Returns the job's api key id."""
-    job = db.jobs.c
+    terminal: `succeeded` when any item succeeded, else `failed` when any failed, else
+    `cancelled`. Returns the job's api key id."""
+    job, items = db.jobs.c, db.job_items.c
     num_done = job.num_items_done + 1
     num_failed = job.num_items_failed + int(is_failed)
+    num_cancelled = (
+        select(func.count())
+        .where(items.job_id == job.id, items.status == "cancelled")
+        .scalar_subquery()
+    )  # this item's own status is already final
     is_open = job.status.in_(OPEN_STATUSES)
     completes = and_(is_open, num_done >= job.num_items)
-    status = case(
-        (completes, case((num_failed >= job.num_items, "failed"), else_="succeeded")),
-        (is_open, "running"),
-        else_=job.status,
+    outcome = case(
+        (num_done - num_failed - num_cancelled > 0, "succeeded"),
+        (num_failed > 0, "failed"),
+        else_="cancelled",  # every item was aborted (e.g. its client went away)
     )
+    status = case((completes, outcome), (is_open, "running"), else_=job.status)
     counted = await conn.execute(
         update(db.jobs)
         .where(job.id == result.job_id)

@@ -316,3 +316,18 @@ def test_client_disconnect_aborts_in_the_batcher(stack: Stack) -> None:
         assert aborted, f"{route}: the request kept running after the client left"
         free_after = max(b.num_free_blocks for b in transport.live_batchers())
         assert free_after >= free_before - 1  # its blocks are back (the prefix cache may keep one)
+        deadline = time.monotonic() + 10
+        while (status := asyncio.run(latest_status(stack, route))) != "cancelled":
+            assert time.monotonic() < deadline, f"{route}: the row says {status}"
+            time.sleep(0.1)
+
+
+async def latest_status(stack: Stack, route: str) -> str:
+    engine = create_engine(stack.database_url)
+    async with engine.connect() as conn:
+        query = text(
+            "SELECT status FROM jobs WHERE route = :route ORDER BY created_at DESC LIMIT 1"
+        )
+        status: str = (await conn.execute(query, {"route": route})).scalar_one()
+    await engine.dispose()
+    return status
