@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.admission import Admission, Limits
-from api.db import create_engine, store
+from api.db import api_keys, create_engine
 from api.db.migrate import check_schema, upgrade
 from api.errors import install_error_handlers
 from api.generation import Persister, Recorder, Running
@@ -107,7 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     async def verify_key(key: str) -> int | None:
         async with app.state.tgq.engine.begin() as conn:
-            record = await store.verify_api_key(conn, key=key)
+            record = await api_keys.verify_api_key(conn, key=key)
         return None if record is None else record.id
 
     install_security(app, settings, verify_key if settings.require_api_keys else None)

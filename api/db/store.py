@@ -14,12 +14,9 @@ changes items first locks their jobs, in id order, then the items. Counters move
 from __future__ import annotations
 
 import functools
-import hashlib
-import hmac
-import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
-from datetime import UTC, datetime, timedelta
+from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -54,8 +51,6 @@ def item_status(finish_reason: str) -> str:
     """The terminal item status a final result with this finish reason leads to."""
     return _ITEM_STATUS.get(finish_reason, "failed")
 
-
-LAST_USED_RESOLUTION = timedelta(minutes=1)  # `api_keys.last_used_at` is written at most this often
 
 R = TypeVar("R")
 
@@ -120,16 +115,6 @@ class ResultRecord:
     created_at: datetime
 
 
-@dataclass(frozen=True, slots=True)
-class ApiKeyRecord:
-    id: int
-    name: str
-    key_prefix: str
-    created_at: datetime
-    revoked_at: datetime | None
-    last_used_at: datetime | None
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NewJob:
     job_id: str
@@ -164,17 +149,16 @@ class NewResult:
     batcher_id: str
 
 
-def _columns(table: Table, record: type[Any]) -> list[ColumnElement[Any]]:
+def record_columns(table: Table, record: type[Any]) -> list[ColumnElement[Any]]:
     return [table.c[field.name] for field in fields(record)]
 
 
-_JOB = _columns(db.jobs, JobRecord)
-_ITEM = _columns(db.job_items, ItemRecord)
-_RESULT = _columns(db.results, ResultRecord)
-_API_KEY = _columns(db.api_keys, ApiKeyRecord)
+_JOB = record_columns(db.jobs, JobRecord)
+_ITEM = record_columns(db.job_items, ItemRecord)
+_RESULT = record_columns(db.results, ResultRecord)
 
 
-def _now() -> datetime:
+def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
@@ -182,7 +166,7 @@ def _at(moment: datetime) -> ColumnElement[datetime]:
     return literal(moment, db.UtcDateTime())
 
 
-def _as(make: Callable[..., R], result: Result[Any]) -> list[R]:
+def as_records(make: Callable[..., R], result: Result[Any]) -> list[R]:
     return [make(*row) for row in result]
 
 
@@ -244,7 +228,7 @@ async def create_job(
         deadline=deadline,
         metadata=metadata,
     )
-    now = _now()
+    now = utc_now()
     if job.idempotency_key is None:
         return (await create_jobs(conn, jobs=[job]))[0], True
     row = _job_row(job, now)
@@ -263,7 +247,7 @@ async def create_jobs(conn: AsyncConnection, *, jobs: Sequence[NewJob]) -> list[
     """Insert many jobs without idempotency keys: one statement per table (group commits)."""
     if any(job.idempotency_key is not None for job in jobs):
         raise ValueError("create_jobs takes jobs without an idempotency key: use create_job")
-    now = _now()
+    now = utc_now()
     rows = [_job_row(job, now) for job in jobs]
     if rows:
         await conn.execute(insert(db.jobs), rows)
@@ -344,7 +328,9 @@ async def mark_running(conn: AsyncConnection, *, request_ids: Sequence[str]) -> 
         await conn.execute(
             update(db.jobs)
             .where(db.jobs.c.id.in_(set(job_ids)), db.jobs.c.status == "queued")
-            .values(status="running", started_at=func.coalesce(db.jobs.c.started_at, _at(_now())))
+            .values(
+                status="running", started_at=func.coalesce(db.jobs.c.started_at, _at(utc_now()))
+            )
         )
     return len(job_ids)
 
@@ -358,7 +344,7 @@ async def record_results(conn: AsyncConnection, *, results: Sequence[NewResult])
     if not results:
         return []
     await _lock_jobs(conn, db.jobs.c.id.in_(sorted({result.job_id for result in results})))
-    now = _now()
+    now = utc_now()
     return [await _record_result(conn, result, now) for result in results]
 
 
@@ -400,7 +386,11 @@ async def _finish_item(
             items.item_index == result.item_index,
             items.status.in_(allowed),
         )
-        .values(status=status, finished_at=func.coalesce(items.finished_at, _at(now)))
+        .values(
+            status=status,
+            finished_at=func.coalesce(items.finished_at, _at(now)),
+            attempts=result.attempt,  # the attempt that finished it (reruns after a crash: > 1)
+        )
         .returning(items.item_index)
     )
     return moved.first() is not None
@@ -462,12 +452,12 @@ async def get_job(
 
 async def get_items(conn: AsyncConnection, *, job_id: str) -> list[ItemRecord]:
     query = select(*_ITEM).where(db.job_items.c.job_id == job_id)
-    return _as(ItemRecord, await conn.execute(query.order_by(db.job_items.c.item_index)))
+    return as_records(ItemRecord, await conn.execute(query.order_by(db.job_items.c.item_index)))
 
 
 async def get_results(conn: AsyncConnection, *, job_id: str) -> list[ResultRecord]:
     query = select(*_RESULT).where(db.results.c.job_id == job_id)
-    return _as(ResultRecord, await conn.execute(query.order_by(db.results.c.item_index)))
+    return as_records(ResultRecord, await conn.execute(query.order_by(db.results.c.item_index)))
 
 
 async def get_result(conn: AsyncConnection, *, job_id: str, item_index: int) -> ResultRecord | None:
@@ -514,7 +504,7 @@ async def list_jobs(
             or_(job.created_at < cursor, and_(job.created_at == cursor, job.id < after))
         )
     query = query.order_by(job.created_at.desc(), job.id.desc()).limit(limit)
-    return _as(JobRecord, await conn.execute(query))
+    return as_records(JobRecord, await conn.execute(query))
 
 
 async def unfinished_items(
@@ -529,7 +519,7 @@ async def unfinished_items(
         .order_by(items.created_at, items.job_id, items.item_index)
         .limit(limit)
     )
-    return _as(ItemRecord, await conn.execute(query))
+    return as_records(ItemRecord, await conn.execute(query))
 
 
 async def count_jobs_by_status(conn: AsyncConnection) -> dict[str, int]:
@@ -552,7 +542,7 @@ async def cancel_job(conn: AsyncConnection, *, job_id: str) -> list[str] | None:
         return None
     if row.status in TERMINAL_STATUSES:
         return []
-    now = _now()
+    now = utc_now()
     await conn.execute(
         update(db.jobs).where(job.id == job_id).values(status="cancelled", finished_at=now)
     )
@@ -576,54 +566,3 @@ async def delete_finished_before(conn: AsyncConnection, *, before: datetime) -> 
         return 0
     await conn.execute(delete(db.jobs).where(job.id.in_(job_ids)))
     return len(job_ids)
-
-
-# --- api keys --------------------------------------------------------------------------------
-
-
-def _hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-async def create_api_key(conn: AsyncConnection, *, name: str) -> tuple[ApiKeyRecord, str]:
-    """A new key: its record and the plaintext, which is shown once and never stored."""
-    key = "tgq_" + secrets.token_urlsafe(32)
-    created = await conn.execute(
-        insert(db.api_keys)
-        .values(name=name, key_hash=_hash_key(key), key_prefix=key[:8], created_at=_now())
-        .returning(*_API_KEY)
-    )
-    return ApiKeyRecord(*created.one()), key
-
-
-async def verify_api_key(conn: AsyncConnection, *, key: str) -> ApiKeyRecord | None:
-    """The record of a valid, unrevoked key, else None."""
-    digest = _hash_key(key)
-    keys = db.api_keys.c
-    row = (
-        await conn.execute(select(*_API_KEY, keys.key_hash).where(keys.key_hash == digest))
-    ).first()
-    if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
-        return None
-    record = ApiKeyRecord(*row[:-1])
-    now = _now()
-    if record.last_used_at is None or now - record.last_used_at >= LAST_USED_RESOLUTION:
-        await conn.execute(update(db.api_keys).where(keys.id == record.id).values(last_used_at=now))
-        record = replace(record, last_used_at=now)
-    return record
-
-
-async def revoke_api_key(conn: AsyncConnection, *, key_id: int) -> bool:
-    """Revoke a key; False if there is no such key or it was already revoked."""
-    keys = db.api_keys.c
-    revoked = await conn.execute(
-        update(db.api_keys)
-        .where(keys.id == key_id, keys.revoked_at.is_(None))
-        .values(revoked_at=_now())
-        .returning(keys.id)
-    )
-    return revoked.first() is not None
-
-
-async def list_api_keys(conn: AsyncConnection) -> list[ApiKeyRecord]:
-    return _as(ApiKeyRecord, await conn.execute(select(*_API_KEY).order_by(db.api_keys.c.id)))

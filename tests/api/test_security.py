@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Message
 
-from api.db import models, store
+from api.db import api_keys, models
 from api.errors import install_error_handlers
 from api.security import VerifyKey, install_security
 from api.settings import Settings
@@ -247,7 +247,7 @@ def test_stored_keys_need_verify_key() -> None:
 def verifier(engine: AsyncEngine) -> VerifyKey:
     async def verify(key: str) -> int | None:
         async with engine.begin() as conn:
-            record = await store.verify_api_key(conn, key=key)
+            record = await api_keys.verify_api_key(conn, key=key)
         return None if record is None else record.id
 
     return verify
@@ -258,7 +258,7 @@ def test_stored_keys(pg_engine: AsyncEngine) -> None:
 
     async def body() -> None:
         async with pg_engine.begin() as conn:
-            record, key = await store.create_api_key(conn, name="ci")
+            record, key = await api_keys.create_api_key(conn, name="ci")
         async with pg_engine.connect() as conn:
             stored = (await conn.execute(select(models.api_keys))).one()
         assert stored.key_hash != key and key not in [str(value) for value in stored]
@@ -271,7 +271,7 @@ def test_stored_keys(pg_engine: AsyncEngine) -> None:
         assert response.status_code == 401 and error_message(response) == INVALID_KEY
 
         async with pg_engine.begin() as conn:
-            assert await store.revoke_api_key(conn, key_id=record.id)
+            assert await api_keys.revoke_api_key(conn, key_id=record.id)
         response = await call(app, "POST", "/generate", headers=bearer(key))
         assert response.status_code == 401 and error_message(response) == INVALID_KEY
 

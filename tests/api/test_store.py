@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import NullPool
 
-from api.db import create_engine, models, normalize_url, store
+from api.db import api_keys, create_engine, models, normalize_url, store
 from api.db.migrate import (
     SchemaNotMigratedError,
     check_schema,
@@ -162,7 +162,7 @@ def test_create_and_get(pg_engine: AsyncEngine) -> None:
 
 def test_get_job_scoped_to_an_api_key(pg_engine: AsyncEngine) -> None:
     async def body(conn: AsyncConnection) -> None:
-        key, _ = await store.create_api_key(conn, name="k")
+        key, _ = await api_keys.create_api_key(conn, name="k")
         await create(conn, "job_k", api_key_id=key.id)
         assert await store.get_job(conn, job_id="job_k", api_key_id=key.id) is not None
         assert await store.get_job(conn, job_id="job_k", api_key_id=key.id + 1) is None
@@ -206,7 +206,7 @@ def test_list_jobs_pages_newest_first(pg_engine: AsyncEngine) -> None:
 
 
 def test_list_jobs_across_timestamps_and_keys(pg_engine: AsyncEngine) -> None:
-    key = run(pg_engine, lambda conn: store.create_api_key(conn, name="k"))[0]
+    key = run(pg_engine, lambda conn: api_keys.create_api_key(conn, name="k"))[0]
     for job_id in ("job_b", "job_a", "job_c"):  # created in this order, separate transactions
         run(pg_engine, functools.partial(create, job_id=job_id, api_key_id=key.id))
     run(pg_engine, lambda conn: create(conn, "job_other"))
@@ -444,21 +444,21 @@ def test_unfinished_items_and_retention(pg_engine: AsyncEngine) -> None:
 
 def test_api_keys(pg_engine: AsyncEngine) -> None:
     async def body(conn: AsyncConnection) -> None:
-        record, key = await store.create_api_key(conn, name="ci")
+        record, key = await api_keys.create_api_key(conn, name="ci")
         assert key.startswith("tgq_") and len(key) > 40 and record.key_prefix == key[:8]
         stored = (await conn.execute(select(models.api_keys))).one()
         assert stored.key_hash == hashlib.sha256(key.encode()).hexdigest()
         assert key not in [str(value) for value in stored]
-        verified = await store.verify_api_key(conn, key=key)
+        verified = await api_keys.verify_api_key(conn, key=key)
         assert verified is not None and verified.id == record.id
         assert verified.last_used_at is not None
-        again = await store.verify_api_key(conn, key=key)
+        again = await api_keys.verify_api_key(conn, key=key)
         assert again is not None and again.last_used_at == verified.last_used_at
-        assert await store.verify_api_key(conn, key=key + "x") is None
-        assert await store.revoke_api_key(conn, key_id=record.id)
-        assert not await store.revoke_api_key(conn, key_id=record.id)
-        assert await store.verify_api_key(conn, key=key) is None
-        listed = await store.list_api_keys(conn)
+        assert await api_keys.verify_api_key(conn, key=key + "x") is None
+        assert await api_keys.revoke_api_key(conn, key_id=record.id)
+        assert not await api_keys.revoke_api_key(conn, key_id=record.id)
+        assert await api_keys.verify_api_key(conn, key=key) is None
+        listed = await api_keys.list_api_keys(conn)
         assert [(k.id, k.name) for k in listed] == [(record.id, "ci")]
         assert listed[0].revoked_at is not None
 
@@ -502,3 +502,14 @@ def test_sqlite_concurrent_writers(sqlite_engine: AsyncEngine, sqlite_url: str) 
     job = run(sqlite_engine, lambda conn: get(conn, "job_a"))
     assert (job.status, job.num_items_done) == ("succeeded", 10)
     assert current_revision(sqlite_url) == "0001"
+
+
+def test_an_item_records_the_attempt_that_finished_it(pg_engine: AsyncEngine) -> None:
+    async def body(conn: AsyncConnection) -> list[int]:
+        await create(conn, "job_a", 2)
+        await store.record_results(
+            conn, results=[result("job_a", 0), result("job_a", 1, attempt=3)]
+        )
+        return [item.attempts for item in await store.get_items(conn, job_id="job_a")]
+
+    assert run(pg_engine, body) == [1, 3]
