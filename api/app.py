@@ -19,13 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+import redis
+from fastapi import FastAPI, Request, Response
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.admission import Admission, Limits
 from api.db import api_keys, create_engine
 from api.db.migrate import check_schema, upgrade
-from api.errors import install_error_handlers
+from api.errors import UnavailableError, error_response, flavour_for_path, install_error_handlers
 from api.generation import Persister, Recorder, Running
 from api.metrics import Metrics
 from api.security import install_security
@@ -104,10 +106,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.exception_handler(SQLAlchemyError)(_on_dependency_down)
+    app.exception_handler(redis.RedisError)(_on_dependency_down)
 
     async def verify_key(key: str) -> int | None:
-        async with app.state.tgq.engine.begin() as conn:
-            record = await api_keys.verify_api_key(conn, key=key)
+        try:
+            async with app.state.tgq.engine.begin() as conn:
+                record = await api_keys.verify_api_key(conn, key=key)
+        except (SQLAlchemyError, OSError) as error:
+            raise UnavailableError(
+                "The database is unavailable: cannot check the API key"
+            ) from error
         return None if record is None else record.id
 
     install_security(app, settings, verify_key if settings.require_api_keys else None)
@@ -117,6 +126,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(jobs.router)
     return app
+
+
+async def _on_dependency_down(request: Request, exc: Exception) -> Response:
+    """The database or Redis is unreachable: 503 (worth retrying), never a 500."""
+    log.error("%s %s: %s", request.method, request.url.path, exc)
+    error = UnavailableError(f"A dependency is unavailable ({type(exc).__name__}); retry later")
+    return error_response(error, flavour=flavour_for_path(request.url.path))
 
 
 def model_dir_of(settings: Settings) -> Path:

@@ -16,7 +16,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import PayloadTooLargeError, UnauthorizedError, error_response, flavour_for_path
+from api.errors import (
+    ApiError,
+    PayloadTooLargeError,
+    UnauthorizedError,
+    error_response,
+    flavour_for_path,
+)
 from api.settings import Settings
 
 VerifyKey = Callable[[str], Awaitable[int | None]]  # a stored key's id, or None
@@ -137,7 +143,7 @@ class ApiKeyMiddleware:
         if self.is_enabled and not self._is_public(scope):
             try:
                 state["api_key_id"] = await self._authenticate(Headers(scope=scope))
-            except UnauthorizedError as error:
+            except ApiError as error:  # 401, or 503 when the key store is down
                 response = error_response(error, flavour=flavour_for_path(scope["path"]))
                 await response(scope, receive, send)
                 return

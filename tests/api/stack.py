@@ -80,7 +80,9 @@ class Stack:
         self.batchers.append(process)
         return process
 
-    def start_api(self, timeout_s: float = 60.0) -> None:
+    def start_api(self, timeout_s: float = 60.0, *, healthy: bool = True) -> None:
+        """Starts the api and waits until `/health` says 200 (or, with `healthy=False`, until it
+        answers at all: an api without a live batcher is up but unhealthy)."""
         redis = {} if self.redis_url is None else {"REDIS_URL": self.redis_url}
         env = _env(
             DATABASE_URL=self.database_url,
@@ -95,15 +97,16 @@ class Stack:
         self.api = subprocess.Popen(
             [sys.executable, "-m", "api"], cwd=ROOT, env=env, stdout=log, stderr=log
         )
-        self.wait_healthy(timeout_s)
+        self.wait_healthy(timeout_s, healthy=healthy)
 
-    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+    def wait_healthy(self, timeout_s: float = 60.0, *, healthy: bool = True) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.api is not None and self.api.poll() is not None:
                 raise RuntimeError(f"the api exited {self.api.returncode}:\n{self.api_log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                status = httpx.get(f"{self.url}/health", timeout=2).status_code
+                if status == 200 or (not healthy and status == 503):
                     return
             except httpx.HTTPError:
                 pass
