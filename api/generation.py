@@ -56,7 +56,7 @@ def parse_request_id(request_id: str) -> tuple[str, int] | None:
 class _Pending:
     job: store.NewJob
     requests: list[SubmitRequest]
-    done: asyncio.Future[None] = field(
+    done: asyncio.Future[store.JobRecord] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -83,11 +83,11 @@ class Recorder:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def submit(self, job: store.NewJob, requests: list[SubmitRequest]) -> None:
-        """Returns once the job is committed and its requests are enqueued."""
+    async def submit(self, job: store.NewJob, requests: list[SubmitRequest]) -> store.JobRecord:
+        """Returns the job's row once it is committed and its requests are enqueued."""
         pending = _Pending(job, requests)
         self._queue.put_nowait(pending)
-        await asyncio.shield(pending.done)
+        return await asyncio.shield(pending.done)
 
     async def submit_idempotent(
         self, job: store.NewJob, requests: list[SubmitRequest]
@@ -116,7 +116,7 @@ class Recorder:
         self.num_rounds += 1
         try:
             async with self.engine.begin() as conn:
-                await store.create_jobs(conn, jobs=[pending.job for pending in group])
+                records = await store.create_jobs(conn, jobs=[pending.job for pending in group])
             await self._enqueue([r for pending in group for r in pending.requests])
         except Exception as error:  # every waiter learns it; the loop goes on
             failure = error if isinstance(error, UnavailableError) else _unavailable(error)
@@ -124,9 +124,9 @@ class Recorder:
                 if not pending.done.done():
                     pending.done.set_exception(failure)
             return
-        for pending in group:
+        for pending, record in zip(group, records, strict=True):
             if not pending.done.done():
-                pending.done.set_result(None)
+                pending.done.set_result(record)
 
     async def _enqueue(self, requests: list[SubmitRequest]) -> None:
         try:

@@ -195,15 +195,14 @@ async def create_job(
         items=[(r.request_id, r.prompt_token_ids) for r in requests],
         idempotency_key=idempotency_key,
         idempotency_scope=_scope(request),
-        fingerprint=hashlib.sha256(await request.body()).hexdigest(),
+        fingerprint=None if idempotency_key is None else await _fingerprint(request),
         api_key_id=request.state.api_key_id,
         deadline=None if body.deadline is None else _aware(body.deadline),
         metadata=body.metadata,
     )
     recorder = state.generation.recorder
     if idempotency_key is None:
-        await recorder.submit(job, requests)
-        record, status_code = await _get(state, job_id, request), 202
+        record, status_code = await recorder.submit(job, requests), 202
     else:
         record, is_new = await recorder.submit_idempotent(job, requests)
         if not is_new and record.idempotency_fingerprint != job.fingerprint:
@@ -217,6 +216,10 @@ async def create_job(
     answer.request_ids = [request_id_of(record.id, i) for i in range(record.num_items)]
     headers = {"Location": f"/v1/jobs/{record.id}"}
     return JSONResponse(answer.model_dump(mode="json"), status_code=status_code, headers=headers)
+
+
+async def _fingerprint(request: Request) -> str:
+    return hashlib.sha256(await request.body()).hexdigest()
 
 
 def _aware(moment: datetime) -> datetime:
