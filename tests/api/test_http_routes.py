@@ -110,7 +110,9 @@ def test_generate_without_details_is_text_only(client: httpx.Client) -> None:
     assert list(answer) == ["generated_text"] and isinstance(answer["generated_text"], str)
 
 
-def test_generate_stream_framing(client: httpx.Client, expected: dict[str, list[int]]) -> None:
+def test_generate_stream_framing(
+    client: httpx.Client, stack: Stack, expected: dict[str, list[int]]
+) -> None:
     prompt = PROMPTS[1]
     body = {"inputs": prompt, "parameters": GREEDY}
     response = client.post("/generate_stream", json=body)
@@ -126,19 +128,7 @@ def test_generate_stream_framing(client: httpx.Client, expected: dict[str, list[
     last = events[-1]
     assert last["generated_text"] == "".join(e["token"]["text"] for e in events)
     assert last["details"]["generated_tokens"] == len(expected[prompt])
-    assert last["details"]["input_length"] == len(encode(client_model_dir(client), prompt))
-
-
-def client_model_dir(client: httpx.Client) -> Path:
-    return Path(client.headers.get("x-test-model-dir", "")) if False else _MODEL_DIR[0]
-
-
-_MODEL_DIR: list[Path] = []
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _remember_model_dir(stack: Stack) -> None:
-    _MODEL_DIR[:] = [stack.model_dir]
+    assert last["details"]["input_length"] == len(encode(stack.model_dir, prompt))
 
 
 def test_compat_route_returns_a_list_and_streams(client: httpx.Client) -> None:
