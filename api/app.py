@@ -120,11 +120,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return None if record is None else record.id
 
     install_security(app, settings, verify_key if settings.require_api_keys else None)
-    from api.routes import jobs, openai, tgi  # the routes import this module's `state_of`
+    from api.routes import job_events, jobs, openai, tgi  # they import this module's `state_of`
 
     app.include_router(tgi.router)
     app.include_router(openai.router)
     app.include_router(jobs.router)
+    app.include_router(job_events.router)
     return app
 
 

@@ -1,46 +1,35 @@
 """Durable jobs: `POST /v1/jobs` (202), `GET /v1/jobs/{id}`, `GET /v1/jobs`, `DELETE
-/v1/jobs/{id}` (cancel) and `GET /v1/jobs/{id}/events` (SSE).
+/v1/jobs/{id}` (cancel).
 
 A job is committed to the database before its items are enqueued; its results come from the
 persister, so a job finishes whether or not anyone is watching. `Idempotency-Key` (per api key):
 a repeat with the same body returns the first job (200, nothing enqueued); the same key with a
 different body is a 422.
 
-Events: `token` (id `"<item>.<seq>"`), `result` (id `"<item>.r"`) per item in item order, then
-`done` with the job. A client that reconnects with `Last-Event-ID` continues after that event;
-the state lives in Redis and the database, so any api replica can continue a stream. Closing the
-stream does not cancel the job.
+Events (`GET /v1/jobs/{id}/events`) are in `job_events.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import json
-import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette import ServerSentEvent
 
 from api.app import AppState, state_of
 from api.db import store
-from api.errors import ApiError, NotFoundError, RouteValidationError, ValidationError
+from api.errors import NotFoundError, RouteValidationError, ValidationError
 from api.generation import new_job_id, request_id_of
-from api.routes.tgi import sse_response
 from api.schemas.tgi import GenerateParameters
 from api.service import job_params
 from api.validation import check_inputs, tgi_params
-from batcher.messages import FinalResult, SubmitRequest
+from batcher.messages import SubmitRequest
 from batcher.request import Priority
 
 router = APIRouter(tags=["Jobs"])
-EVENT_POLL_S = 2.0  # how long one wait for tokens lasts before the item's row is looked at
-DONE_WAIT_S = 10.0  # after the last result, how long to wait for the persister's commit
 MAX_PAGE = 100
 
 
@@ -127,11 +116,11 @@ def view(job: store.JobRecord, results: list[store.ResultRecord] | None = None) 
             "total_s": seconds(job.created_at, job.finished_at),
         },
         metadata=job.metadata,
-        results=None if results is None else [_item_result(r) for r in results],
+        results=None if results is None else [item_result(r) for r in results],
     )
 
 
-def _item_result(result: store.ResultRecord) -> JobItemResult:
+def item_result(result: store.ResultRecord) -> JobItemResult:
     return JobItemResult(
         index=result.item_index,
         status=store.item_status(result.finish_reason),
@@ -226,7 +215,7 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-async def _get(state: AppState, job_id: str, request: Request) -> store.JobRecord:
+async def get_visible_job(state: AppState, job_id: str, request: Request) -> store.JobRecord:
     async with state.engine.connect() as conn:
         job = await store.get_job(conn, job_id=job_id, api_key_id=request.state.api_key_id)
     if job is None:
@@ -238,7 +227,7 @@ async def _get(state: AppState, job_id: str, request: Request) -> store.JobRecor
 async def get_job(job_id: str, request: Request) -> JobView:
     """A job's status, progress, usage and timings; its results once it has finished."""
     state = state_of(request)
-    job = await _get(state, job_id, request)
+    job = await get_visible_job(state, job_id, request)
     results = None
     if job.is_finished:
         async with state.engine.connect() as conn:
@@ -275,137 +264,11 @@ async def list_jobs(
 async def cancel_job(job_id: str, request: Request) -> JobView:
     """Cancel a job: its unfinished items are aborted in the batcher; finished ones are kept."""
     state = state_of(request)
-    await _get(state, job_id, request)  # 404 for a job of another key
+    await get_visible_job(state, job_id, request)  # 404 for a job of another key
     async with state.engine.begin() as conn:
         request_ids = await store.cancel_job(conn, job_id=job_id)
     if request_ids is None:
         raise NotFoundError(f"No job with id {job_id!r}", param="job_id")
     for request_id in request_ids:
         await state.transport.abort(request_id, "job cancelled")
-    return view(await _get(state, job_id, request))
-
-
-# --- events ------------------------------------------------------------------------------------
-
-
-def parse_last_event_id(value: str | None) -> tuple[int, int]:
-    """(first item, first seq) to send after the event `value` ("3.7", "3.r" or "done")."""
-    if not value:
-        return 0, 0
-    item, _, seq = value.partition(".")
-    if value == "done":
-        return 1 << 30, 0
-    if not item.isdigit() or not (seq == "r" or seq.isdigit()):
-        raise ValidationError(
-            f"Invalid Last-Event-ID {value!r}: expected '<item>.<seq>', '<item>.r' or 'done'",
-            param="Last-Event-ID",
-        )
-    return (int(item) + 1, 0) if seq == "r" else (int(item), int(seq) + 1)
-
-
-@router.get("/v1/jobs/{job_id}/events")
-async def job_events(
-    job_id: str,
-    request: Request,
-    last_event_id: str | None = Header(default=None),
-) -> Response:
-    """Server-Sent Events of a job: tokens and results per item, then `done`."""
-    state = state_of(request)
-    job = await _get(state, job_id, request)
-    start = parse_last_event_id(last_event_id)
-    return sse_response(_events(state, job, start), {})
-
-
-async def _events(
-    state: AppState, job: store.JobRecord, start: tuple[int, int]
-) -> AsyncIterator[ServerSentEvent]:
-    first_item, first_seq = start
-    try:
-        for index in range(first_item, job.num_items):
-            seq = first_seq if index == first_item else 0
-            async for event in _item_events(state, job.id, index, seq):
-                yield event
-        yield await _done_event(state, job.id)
-    except ApiError as error:
-        yield ServerSentEvent(data=_dump({"error": error.message}), event="error", sep="\n")
-
-
-async def _item_events(
-    state: AppState, job_id: str, index: int, seq: int
-) -> AsyncIterator[ServerSentEvent]:
-    request_id = request_id_of(job_id, index)
-    transport = state.transport
-    while True:
-        result = await _stored_result(state, job_id, index)
-        if result is not None:  # persisted: send what tokens remain, then the result
-            for event in await transport.read_tokens(request_id, seq, 0):
-                yield _token_event(index, event.seq_index, event.token_ids, event.text)
-            yield _result_event(index, _item_result(result).model_dump())
-            return
-        final: FinalResult | None = None
-        events = await transport.read_tokens(request_id, seq, EVENT_POLL_S)
-        for event in events:
-            yield _token_event(index, event.seq_index, event.token_ids, event.text)
-            seq = event.seq_index + 1
-        if events:
-            continue
-        final = await transport.read_final(request_id)
-        if final is not None:
-            for event in await transport.read_tokens(request_id, seq, 0):
-                yield _token_event(index, event.seq_index, event.token_ids, event.text)
-            status = store.item_status(final.finish_reason)
-            yield _result_event(index, _final_result(index, status, final))
-            return
-        if await _item_is_closed(state, job_id, index):  # cancelled before it ever ran
-            yield _result_event(index, {"index": index, "status": "cancelled"})
-            return
-
-
-def _final_result(index: int, status: str, final: FinalResult) -> dict[str, Any]:
-    return JobItemResult(
-        index=index,
-        status=status,
-        text=final.text,
-        token_ids=final.token_ids,
-        finish_reason=final.finish_reason,
-        finish_detail=final.finish_detail,
-        prompt_tokens=final.num_prompt_tokens,
-        completion_tokens=final.num_output_tokens,
-    ).model_dump()
-
-
-async def _stored_result(state: AppState, job_id: str, index: int) -> store.ResultRecord | None:
-    async with state.engine.connect() as conn:
-        return await store.get_result(conn, job_id=job_id, item_index=index)
-
-
-async def _item_is_closed(state: AppState, job_id: str, index: int) -> bool:
-    async with state.engine.connect() as conn:
-        status = await store.get_item_status(conn, job_id=job_id, item_index=index)
-    return status in store.TERMINAL_STATUSES
-
-
-async def _done_event(state: AppState, job_id: str) -> ServerSentEvent:
-    deadline = time.monotonic() + DONE_WAIT_S
-    while True:
-        async with state.engine.connect() as conn:
-            job = await store.get_job(conn, job_id=job_id)
-        if job is None:
-            raise NotFoundError(f"No job with id {job_id!r}")
-        if job.is_finished or time.monotonic() > deadline:
-            data = view(job).model_dump_json()
-            return ServerSentEvent(data=data, event="done", id="done", sep="\n")
-        await asyncio.sleep(0.05)
-
-
-def _token_event(index: int, seq: int, token_ids: list[int], text: str) -> ServerSentEvent:
-    data = _dump({"index": index, "seq": seq, "token_ids": token_ids, "text": text})
-    return ServerSentEvent(data=data, event="token", id=f"{index}.{seq}", sep="\n")
-
-
-def _result_event(index: int, result: dict[str, Any]) -> ServerSentEvent:
-    return ServerSentEvent(data=_dump(result), event="result", id=f"{index}.r", sep="\n")
-
-
-def _dump(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), default=str)  # datetimes as text
+    return view(await get_visible_job(state, job_id, request))

@@ -18,7 +18,7 @@ from api.app import VERSION, AppState, state_of
 from api.chat_template import InvalidMessageError, NoChatTemplateError, normalize_messages
 from api.chat_template import TemplateError as RenderError
 from api.errors import ApiError, GenerationError, TemplateError, ValidationError, error_body
-from api.routes.tgi import dump_json, output_text, sse_response
+from api.routes.tgi import output_text
 from api.schemas.openai import (
     ChatCompletion,
     ChatCompletionChoice,
@@ -39,6 +39,7 @@ from api.schemas.openai import (
     Usage,
 )
 from api.service import Run, check_failed
+from api.sse import dump_json, sse_response
 from api.validated import GenerationParams
 from api.validation import chat_params, completion_params, completion_prompts
 from batcher.messages import FinalResult, TokenEvent

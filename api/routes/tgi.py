@@ -8,7 +8,6 @@ stream has no `[DONE]`.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from api.app import VERSION, AppState, state_of
 from api.db import store
@@ -36,23 +35,12 @@ from api.schemas.tgi import (
     Token,
 )
 from api.service import Run, check_failed
+from api.sse import dump_json, sse_response
 from api.validation import check_inputs, tgi_params
 from batcher.messages import FinalResult, TokenEvent
 
 router = APIRouter(tags=["Text Generation Inference"])
-KEEP_ALIVE_S = 15
 COMPUTE_TYPE = os.environ.get("COMPUTE_TYPE", "gpu+optimized")  # as TGI: a deployment label
-
-
-def sse_response(content: AsyncIterator[ServerSentEvent], headers: dict[str, str]) -> Response:
-    """`data: <json>\\n\\n` events, a comment every 15 s to keep proxies from closing."""
-    return EventSourceResponse(
-        content,
-        headers={"X-Accel-Buffering": "no", **headers},
-        sep="\n",
-        ping=KEEP_ALIVE_S,
-        ping_message_factory=lambda: ServerSentEvent(comment="", sep="\n"),
-    )
 
 
 def finish_reason(final: FinalResult) -> str:
@@ -270,10 +258,6 @@ def _last_event(
 
 def _event(response: StreamResponse) -> ServerSentEvent:
     return ServerSentEvent(data=response.model_dump_json(exclude_defaults=False), sep="\n")
-
-
-def dump_json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
 
 
 async def generate_stream_response(request: Request, body: GenerateRequest, route: str) -> Response:

@@ -1,0 +1,28 @@
+"""Server-Sent Events as every streaming route writes them: `data: <json>\n\n` events (`\n`
+line ends, as TGI's axum writes them) and a comment every 15 s so proxies keep the connection."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+KEEP_ALIVE_S = 15
+
+
+def sse_response(content: AsyncIterator[ServerSentEvent], headers: dict[str, str]) -> Response:
+    """`data: <json>\\n\\n` events, a comment every 15 s to keep proxies from closing."""
+    return EventSourceResponse(
+        content,
+        headers={"X-Accel-Buffering": "no", **headers},
+        sep="\n",
+        ping=KEEP_ALIVE_S,
+        ping_message_factory=lambda: ServerSentEvent(comment="", sep="\n"),
+    )
+
+
+def dump_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
