@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from starlette.types import Receive
 
 from api.admission import Admission, Ticket
 from api.db import store
-from api.errors import GenerationError
+from api.errors import GenerationError, UnavailableError
 from api.generation import Recorder, follow, new_job_id, request_id_of
 from api.metrics import Metrics
 from api.settings import Settings
@@ -36,6 +37,7 @@ from batcher.request import Priority
 from batcher.transport.aio import AsyncApiTransport
 
 FAILED_REASONS = ("failed", "rejected")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -188,8 +190,10 @@ class Generation:
             try:
                 async for event in follow(self.transport, request_id):
                     queue.put_nowait((index, event))
-            except BaseException as error:
-                queue.put_nowait(error)
+            except Exception as error:  # Redis away mid-request: the consumer says 503
+                log.error("following %s failed: %s", request_id, error)
+                message = "The token stream is unavailable; the request stays recorded"
+                queue.put_nowait(UnavailableError(message))
 
         tasks = [asyncio.create_task(pump(i, r.request_id)) for i, r in enumerate(run.requests)]
         try:
