@@ -25,7 +25,7 @@ from starlette.types import Receive
 
 from api.admission import Admission, Ticket
 from api.db import store
-from api.errors import GenerationError, UnavailableError
+from api.errors import ApiError, GenerationError, TemplateError, UnavailableError
 from api.generation import Recorder, follow, new_job_id, request_id_of
 from api.metrics import Metrics
 from api.settings import Settings
@@ -100,6 +100,14 @@ class Generation:
         ticket.release()
         self.metrics.set_in_flight(self.admission.num_in_flight)
 
+    def abandon(self, ticket: Ticket, error: BaseException) -> None:
+        """An admitted request that never started: its slot back, its failure counted."""
+        self.release(ticket)
+        if isinstance(error, ApiError) and error.status_code == 422:
+            self.metrics.on_failure(
+                "template" if isinstance(error, TemplateError) else "validation"
+            )
+
     async def validate(
         self,
         prompts: Sequence[str],
@@ -115,24 +123,18 @@ class Generation:
                 for prompt in prompts
             )
         )
-        validated = []
-        for prompt, ids in zip(prompts, token_ids, strict=True):
-            try:
-                validated.append(
-                    validate_tokens(
-                        prompt=prompt,
-                        token_ids=ids,
-                        params=params,
-                        settings=self.settings,
-                        priority=priority,
-                        deadline=deadline,
-                        eos_token_ids=self.tokenizer.eos_token_ids,
-                    )
-                )
-            except Exception:
-                self.metrics.on_failure("validation")
-                raise
-        return validated
+        return [
+            validate_tokens(
+                prompt=prompt,
+                token_ids=ids,
+                params=params,
+                settings=self.settings,
+                priority=priority,
+                deadline=deadline,
+                eos_token_ids=self.tokenizer.eos_token_ids,
+            )
+            for prompt, ids in zip(prompts, token_ids, strict=True)
+        ]
 
     async def start(
         self,

@@ -109,8 +109,8 @@ def _admit(request: Request, *, num_requests: int = 1) -> None:
     request.state.ticket = state_of(request).generation.admit(num_requests=num_requests)
 
 
-def _release(request: Request) -> None:
-    state_of(request).generation.release(request.state.ticket)
+def _abandon(request: Request, error: BaseException) -> None:
+    state_of(request).generation.abandon(request.state.ticket, error)
 
 
 async def _render_chat(state: AppState, body: ChatCompletionRequest) -> str:
@@ -139,8 +139,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         params = chat_params(body, state.settings)
         prompt = await _render_chat(state, body)
         run = await _start(request, [prompt], params, route="/v1/chat/completions")
-    except BaseException:
-        _release(request)
+    except BaseException as error:
+        _abandon(request, error)
         raise
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     if body.stream:
@@ -232,8 +232,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         params = completion_params(body, state.settings)
         prompts = completion_prompts(body, state.settings)
         run = await _start(request, prompts, params, route="/v1/completions")
-    except BaseException:
-        _release(request)
+    except BaseException as error:
+        _abandon(request, error)
         raise
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     if body.stream:

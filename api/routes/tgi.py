@@ -169,8 +169,8 @@ async def start_generation(
             api_key_id=request.state.api_key_id,
             keep_events=params.top_n_tokens > 0,
         )
-    except BaseException:
-        generation.release(ticket)
+    except BaseException as error:
+        generation.abandon(ticket, error)
         raise
 
 
