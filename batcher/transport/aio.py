@@ -9,9 +9,11 @@ concurrency). `ThreadedApiTransport` runs any synchronous `ApiTransport` (the in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis
@@ -125,6 +127,7 @@ class AsyncRedisApiTransport:
         self.config = config or TransportConfig()
         self._max_block_ms = max_block_ms
         self._has_group = False
+        self._hub = TokenHub(client)
 
     @classmethod
     def from_url(
@@ -159,10 +162,7 @@ class AsyncRedisApiTransport:
         key = self.keys.tokens(request_id)
         entries: Any
         if timeout_s > 0:
-            found: Any = await self.client.xread(
-                {key: f"0-{from_seq}"}, block=self._block(timeout_s)
-            )
-            entries = found[0][1] if found else []
+            entries = await self._hub.read(key, from_seq, timeout_s)
         else:
             entries = await self.client.xrange(key, event_id(from_seq), "+")
         return [decode_event(f) for entry_id, f in entries if entry_id_str(entry_id) != END_ID]
@@ -237,10 +237,97 @@ class AsyncRedisApiTransport:
         return started_ids(cursor, found)
 
     async def close(self) -> None:
+        await self._hub.close()
         await self.client.aclose()
 
     def _block(self, timeout_s: float) -> int:
         return min(_ms(timeout_s), self._max_block_ms)
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    from_seq: int
+    found: asyncio.Future[list[Any]]
+
+
+class TokenHub:
+    """Every blocking token read of this replica in one XREAD: a waiter registers (stream,
+    first seq) and the hub's loop reads all registered streams at once, handing each waiter its
+    entries (the end marker included, so a waiter on a finished request wakes with nothing new).
+    Per generated token that is one Redis round trip per engine step, not one per request.
+    A waiter registered while the XREAD blocks joins the next one, at most `block_ms` later."""
+
+    def __init__(self, client: aioredis.Redis, *, block_ms: int = 10, max_count: int = 1000):
+        self.client = client
+        self.block_ms = block_ms
+        self.max_count = max_count
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def read(self, key: str, from_seq: int, timeout_s: float) -> list[Any]:
+        """Entries of `key` from `from_seq` on, as soon as there are any; [] on timeout."""
+        waiter = _Waiter(from_seq, asyncio.get_running_loop().create_future())
+        self._waiters.setdefault(key, []).append(waiter)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="token-hub")
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(waiter.found, timeout_s)
+        except TimeoutError:
+            return []
+        finally:
+            self._forget(key, waiter)
+
+    def _forget(self, key: str, waiter: _Waiter) -> None:
+        waiters = self._waiters.get(key, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+        if not waiters:
+            self._waiters.pop(key, None)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._waiters:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            streams: dict[Any, Any] = {
+                key: f"0-{min(w.from_seq for w in waiters)}"
+                for key, waiters in self._waiters.items()
+            }
+            try:
+                found: Any = await self.client.xread(
+                    streams, count=self.max_count, block=self.block_ms
+                )
+            except Exception as error:  # every waiter learns it; the next read retries
+                for waiters in list(self._waiters.values()):
+                    for waiter in waiters:
+                        if not waiter.found.done():
+                            waiter.found.set_exception(error)
+                await asyncio.sleep(0.1)
+                continue
+            for key, entries in found or []:
+                self._hand_out(key.decode() if isinstance(key, bytes) else key, entries)
+
+    def _hand_out(self, key: str, entries: list[Any]) -> None:
+        for waiter in list(self._waiters.get(key, [])):
+            # Entry ids are `0-(seq + 1)`, then the end marker `1-0`.
+            mine = [e for e in entries if _seq_of(e[0]) >= waiter.from_seq]
+            if mine and not waiter.found.done():
+                waiter.found.set_result(mine)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+def _seq_of(entry_id: Any) -> int:
+    """The seq index of a token-stream entry id; the end marker sorts after every event."""
+    major, _, minor = entry_id_str(entry_id).partition("-")
+    return int(minor) - 1 if major == "0" else 1 << 62
 
 
 def _ms(seconds: float) -> int:
