@@ -122,3 +122,43 @@ def test_the_started_log(pair: Pair) -> None:
         assert await api.read_started(cursor, 10, 0) == (cursor, [])
 
     run(pair, body)
+
+
+def test_many_readers_at_once_each_get_their_own_stream_in_order(pair: Pair) -> None:
+    """Through the Redis side these share one XREAD (the token hub); ordering, finals and
+    timeouts hold per reader."""
+    num_requests, num_events = 40, 6
+
+    async def follow(api: AsyncApiTransport, request_id: str) -> list[int]:
+        token_ids: list[int] = []
+        seq = 0
+        while True:
+            events = await api.read_tokens(request_id, seq, 2.0)
+            for event in events:
+                assert event.seq_index == seq
+                token_ids += event.token_ids
+                seq += 1
+            if not events and await api.read_final(request_id) is not None:
+                return token_ids
+
+    def publish(batcher: Transport) -> None:
+        for seq in range(num_events):
+            batcher.publish_tokens(
+                [TokenEvent(f"r{i}", seq, [i * 100 + seq], [None]) for i in range(num_requests)]
+            )
+            time.sleep(0.01)
+        for i in range(num_requests):
+            batcher.publish_final(FinalResult(f"r{i}", [], "length", None, 2, 6, 0, 1, "b0"))
+
+    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+        readers = [asyncio.create_task(follow(api, f"r{i}")) for i in range(num_requests)]
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(publish, batcher)
+        results = await asyncio.gather(*readers)
+        for i, token_ids in enumerate(results):
+            assert token_ids == [i * 100 + seq for seq in range(num_events)]
+        started = time.monotonic()
+        assert await api.read_tokens("nobody", 0, 0.2) == []  # a timeout is an empty answer
+        assert 0.15 < time.monotonic() - started < 1.5
+
+    run(pair, body)
