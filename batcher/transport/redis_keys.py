@@ -25,6 +25,8 @@ can share a server:
                                         published (a rerun adds its id again), capped near
                                         100,000 entries; each api replica reads it with its own
                                         cursor to mark items `running`.
+{p}:hub:{replica}                       wake-up stream of one api replica's token hub (capped at
+                                        ~100 entries; it lives as long as the replica's XREADs).
 {p}:abort:{request_id}                  abort flag, seen by `pull` of a still-queued request.
 {p}:aborts                              broadcast stream of aborts (each batcher reads it
                                         with its own cursor), capped near 10,000 entries.
@@ -69,6 +71,9 @@ class RedisKeys:
     @property
     def started(self) -> str:
         return f"{self.prefix}:started"
+
+    def hub_wake(self, replica: str) -> str:
+        return f"{self.prefix}:hub:{replica}"
 
     def abort(self, request_id: str) -> str:
         return f"{self.prefix}:abort:{request_id}"

@@ -162,3 +162,17 @@ def test_many_readers_at_once_each_get_their_own_stream_in_order(pair: Pair) -> 
         assert 0.15 < time.monotonic() - started < 1.5
 
     run(pair, body)
+
+
+def test_a_reader_from_further_back_reads_the_stream_again(pair: Pair) -> None:
+    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+        batcher.publish_tokens([TokenEvent("r0", seq, [seq], [None]) for seq in range(3)])
+        assert [e.seq_index for e in await api.read_tokens("r0", 0, 1.0)] == [0, 1, 2]
+        assert await api.read_tokens("r0", 3, 0.05) == []
+        again = await api.read_tokens("r0", 1, 1.0)  # a reconnecting client
+        assert [e.seq_index for e in again] == [1, 2]
+        batcher.publish_final(FinalResult("r0", [0, 1, 2], "length", None, 2, 3, 0, 1, "b0"))
+        assert await api.read_tokens("r0", 3, 1.0) == []  # ended: nothing new, at once
+        assert [e.seq_index for e in await api.read_tokens("r0", 2, 1.0)] == [2]
+
+    run(pair, body)
