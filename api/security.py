@@ -64,8 +64,11 @@ class PayloadLimitMiddleware:
             await self.app(scope, receive, send)
             return
         content_length = Headers(scope=scope).get("content-length", "")
-        if content_length.isdecimal() and int(content_length) > self.limit:
-            await _too_large(self.limit, scope)(scope, receive, send)
+        if content_length.isdecimal():  # the server reads no more than it announces
+            if int(content_length) > self.limit:
+                await _too_large(self.limit, scope)(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
             return
         body = _LimitedBody(self.limit, scope, receive, send)
         try:

@@ -13,7 +13,14 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 KEEP_ALIVE_S = 15
 
 
-def sse_response(content: AsyncIterator[ServerSentEvent], headers: dict[str, str]) -> Response:
+def data_event(data: str) -> bytes:
+    """One `data:` event, framed here (the hot path: one per token; `data` is one JSON line)."""
+    return f"data: {data}\n\n".encode()
+
+
+def sse_response(
+    content: AsyncIterator[bytes | ServerSentEvent], headers: dict[str, str]
+) -> Response:
     """`data: <json>\\n\\n` events, a comment every 15 s to keep proxies from closing."""
     return EventSourceResponse(
         content,

@@ -7,12 +7,12 @@ usage. Choice `i` of prompt `p` is item `p * n + i` of the request's job.
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from sse_starlette import ServerSentEvent
 
 from api.app import VERSION, AppState, state_of
 from api.chat_template import InvalidMessageError, NoChatTemplateError, normalize_messages
@@ -39,14 +39,14 @@ from api.schemas.openai import (
     Usage,
 )
 from api.service import Run, check_failed
-from api.sse import dump_json, sse_response
+from api.sse import data_event, dump_json, sse_response
 from api.validated import GenerationParams
 from api.validation import chat_params, completion_params, completion_prompts
 from batcher.messages import FinalResult, TokenEvent
 
 router = APIRouter(tags=["OpenAI"])
 FINGERPRINT = f"{VERSION}-native"
-DONE = ServerSentEvent(data="[DONE]", sep="\n")
+DONE = data_event("[DONE]")
 
 
 def _finish_reason(final: FinalResult) -> str:
@@ -174,13 +174,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     )
 
 
-async def _chat_chunks(
-    state: AppState, run: Run, *, include_usage: bool
-) -> AsyncIterator[ServerSentEvent]:
+async def _chat_chunks(state: AppState, run: Run, *, include_usage: bool) -> AsyncIterator[bytes]:
     params = run.prompts[0].params
     index_of = {r.request_id: i for i, r in enumerate(run.requests)}
 
-    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> ServerSentEvent:
+    def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> bytes:
         body = ChatCompletionChunk(
             id=f"chatcmpl-{run.job_id}",
             created=int(run.started_at),
@@ -189,8 +187,9 @@ async def _chat_chunks(
             choices=choices,
             usage=usage,
         )
-        return ServerSentEvent(data=body.model_dump_json(), sep="\n")
+        return data_event(body.model_dump_json())
 
+    content_chunks = [_content_chunk(chunk, i) for i in range(len(run.requests))]
     try:
         yield chunk(
             [
@@ -207,17 +206,32 @@ async def _chat_chunks(
                 continue
             if not event.text and not params.sampling.logprobs:
                 continue
-            logprobs = None
             if params.sampling.logprobs:
                 logprobs = ChatLogprobs(content=_token_logprobs(state, event))
-            yield chunk(
-                [ChunkChoice(index=index, delta=Delta(content=event.text), logprobs=logprobs)]
-            )
+                delta = Delta(content=event.text)
+                yield chunk([ChunkChoice(index=index, delta=delta, logprobs=logprobs)])
+            else:
+                yield content_chunks[index](event.text)
         if include_usage:
             yield chunk([], _usage(run))
     except ApiError as error:
-        yield ServerSentEvent(data=dump_json(error_body(error, flavour="openai")), sep="\n")
+        yield data_event(dump_json(error_body(error, flavour="openai")))
     yield DONE
+
+
+def _content_chunk(
+    chunk: Callable[[list[ChunkChoice]], bytes], index: int
+) -> Callable[[str], bytes]:
+    """The chunk of choice `index` carrying a text delta, as `chunk` renders it but without
+    building models per token (the hot path): the rendering of a marker, split around it."""
+    marker = '"\\u0000marker"'  # how JSON writes the content below
+    rendered = chunk([ChunkChoice(index=index, delta=Delta(content="\x00marker"))]).decode()
+    head, tail = rendered.split(marker)
+
+    def render(text: str) -> bytes:
+        return f"{head}{json.dumps(text, ensure_ascii=False)}{tail}".encode()
+
+    return render
 
 
 # --- completions -------------------------------------------------------------------------------
@@ -299,13 +313,11 @@ def _legacy_logprobs(
 
 async def _completion_chunks(
     state: AppState, run: Run, *, include_usage: bool
-) -> AsyncIterator[ServerSentEvent]:
+) -> AsyncIterator[bytes]:
     wants_logprobs = run.prompts[0].sampling.wants_logprobs
 
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> ServerSentEvent:
-        return ServerSentEvent(
-            data=_completion(state, run, choices, usage).model_dump_json(), sep="\n"
-        )
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
+        return data_event(_completion(state, run, choices, usage).model_dump_json())
 
     try:
         async for index, event in state.generation.stream(run):
@@ -322,7 +334,7 @@ async def _completion_chunks(
         if include_usage:
             yield chunk([], _usage(run))
     except ApiError as error:
-        yield ServerSentEvent(data=dump_json(error_body(error, flavour="openai")), sep="\n")
+        yield data_event(dump_json(error_body(error, flavour="openai")))
     yield DONE
 
 

@@ -15,7 +15,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from sse_starlette import ServerSentEvent
 
 from api.app import VERSION, AppState, state_of
 from api.db import store
@@ -35,7 +34,7 @@ from api.schemas.tgi import (
     Token,
 )
 from api.service import Run, check_failed
-from api.sse import dump_json, sse_response
+from api.sse import data_event, dump_json, sse_response
 from api.validation import check_inputs, tgi_params
 from batcher.messages import FinalResult, TokenEvent
 
@@ -189,7 +188,7 @@ async def generate_once(request: Request, body: GenerateRequest, *, route: str) 
     return JSONResponse(content, headers=timing_headers(run, finals))
 
 
-async def stream_events(state: AppState, run: Run) -> AsyncIterator[ServerSentEvent]:
+async def stream_events(state: AppState, run: Run) -> AsyncIterator[bytes]:
     """One event per token; the last carries `generated_text` (and `details`). A token that may
     be the last is held until the next event shows whether it was."""
     prompt = run.prompts[0]
@@ -227,7 +226,7 @@ async def stream_events(state: AppState, run: Run) -> AsyncIterator[ServerSentEv
                 else:
                     yield _event(response)
     except ApiError as error:
-        yield ServerSentEvent(data=dump_json(error_body(error, flavour="tgi")), sep="\n")
+        yield data_event(dump_json(error_body(error, flavour="tgi")))
 
 
 def _tokens_of(event: TokenEvent) -> list[tuple[int, float | None]]:
@@ -237,10 +236,10 @@ def _tokens_of(event: TokenEvent) -> list[tuple[int, float | None]]:
 
 def _last_event(
     state: AppState, run: Run, final: FinalResult, held: StreamResponse | None, index: int
-) -> ServerSentEvent:
+) -> bytes:
     if final.finish_reason not in ("stop", "length"):
         error = GenerationError(final.finish_detail or final.finish_reason)
-        return ServerSentEvent(data=dump_json(error_body(error, flavour="tgi")), sep="\n")
+        return data_event(dump_json(error_body(error, flavour="tgi")))
     prompt = run.prompts[0]
     last = held or StreamResponse(
         index=index + 1, token=Token(id=0, text="", logprob=None, special=True)
@@ -256,8 +255,8 @@ def _last_event(
     return _event(last)
 
 
-def _event(response: StreamResponse) -> ServerSentEvent:
-    return ServerSentEvent(data=response.model_dump_json(exclude_defaults=False), sep="\n")
+def _event(response: StreamResponse) -> bytes:
+    return data_event(response.model_dump_json(exclude_defaults=False))
 
 
 async def generate_stream_response(request: Request, body: GenerateRequest, route: str) -> Response:
