@@ -537,7 +537,7 @@ def main() -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="medium")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="runs each way, best kept")
+    parser.add_argument("--repeats", type=int, default=3, help="runs each way, best kept")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batcher-threads", type=int, help="default: --threads")
     parser.add_argument("--num-jobs", type=int, default=2000)
