@@ -49,21 +49,19 @@ class Health:
     """What `/health` answers from: live batchers (heartbeats) and the engine's last outcome."""
 
     num_batchers: int = 0
-    last_success: float = 0.0
-    last_engine_failure: float = 0.0
-    engine_failure: str | None = None
+    engine_failure: str | None = None  # set by a failed result, cleared by a successful one
 
     def observe(self, result: FinalResult) -> None:
         if result.finish_reason == "failed":
-            self.last_engine_failure, self.engine_failure = time.time(), result.finish_detail
+            self.engine_failure = result.finish_detail or "failed"
         elif result.finish_reason in ("stop", "length"):
-            self.last_success = time.time()
+            self.engine_failure = None
 
     @property
     def problem(self) -> str | None:
         if self.num_batchers == 0:
             return "no batcher is alive"
-        if self.last_engine_failure > self.last_success:
+        if self.engine_failure is not None:
             return f"the engine is failing: {self.engine_failure}"
         return None
 

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
 
 from api.admission import Admission, Limits
+from api.app import Health
 from api.db import create_engine, store
 from api.errors import OverloadedError, UnavailableError
 from api.generation import Persister, Recorder, new_job_id, parse_request_id, request_id_of
@@ -160,3 +161,16 @@ def test_admission_limits() -> None:
         admission.check_queue(2)
     assert rejected == ["concurrency", "queue_tokens", "queue_requests"]
     assert (admission.num_in_flight, admission.num_tokens) == (0, 0)
+
+
+def test_health_names_its_problem() -> None:
+    health = Health()
+    assert health.problem == "no batcher is alive"
+    health.num_batchers = 1
+    assert health.problem is None
+    health.observe(FinalResult("r0", [], "failed", "CUDA error: out of memory", 3, 0, 0, 1, "b0"))
+    assert health.problem == "the engine is failing: CUDA error: out of memory"
+    health.observe(final_of("r1", "abort"))  # an abort says nothing about the engine
+    assert health.problem is not None
+    health.observe(final_of("r2", "stop"))
+    assert health.problem is None
