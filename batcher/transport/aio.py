@@ -60,6 +60,8 @@ class AsyncApiTransport(Protocol):
 
     async def ack_finals(self, entry_ids: list[str]) -> None: ...
 
+    async def missing(self, request_ids: list[str]) -> list[str]: ...
+
     async def read_started(
         self, cursor: str | None, max_count: int, block_ms: int
     ) -> tuple[str, list[str]]: ...
@@ -110,6 +112,9 @@ class ThreadedApiTransport:
     ) -> tuple[str, list[str]]:
         return await self._run(self.transport.read_started, cursor, max_count, block_ms)
 
+    async def missing(self, request_ids: list[str]) -> list[str]:
+        return self.transport.missing(request_ids)
+
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -147,9 +152,18 @@ class AsyncRedisApiTransport:
 
     async def submit(self, requests: list[SubmitRequest]) -> None:
         pipe = self.client.pipeline(transaction=False)
+        known_ms = _ms(self.config.final_ttl_s)
         for request in requests:
             pipe.xadd(self.keys.queue(request.priority), {"m": encode(request)})
+            pipe.set(self.keys.known(request.request_id), 1, px=known_ms)
         await pipe.execute()
+
+    async def missing(self, request_ids: list[str]) -> list[str]:
+        pipe = self.client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.exists(self.keys.known(request_id))
+        found = await pipe.execute()
+        return [r for r, known in zip(request_ids, found, strict=True) if not known]
 
     async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         pipe = self.client.pipeline()

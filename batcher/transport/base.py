@@ -102,6 +102,11 @@ class ApiTransport(Protocol):
 
     def ack_finals(self, entry_ids: list[str]) -> None: ...
 
+    def missing(self, request_ids: list[str]) -> list[str]:
+        """Those of `request_ids` this transport has no trace of (never submitted, or lost with
+        a Redis flush or restart): the reconciler enqueues them again."""
+        ...
+
     def read_started(
         self, cursor: str | None, max_count: int, block_ms: int
     ) -> tuple[str, list[str]]:

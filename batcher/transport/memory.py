@@ -50,12 +50,14 @@ class MemoryTransport:
         self._unpersisted: deque[StoredFinal] = deque()  # finals no persister has taken yet
         self._persisting: dict[str, tuple[str, float, StoredFinal]] = {}  # consumer, since
         self._started: list[str] = []  # request ids, in the order of their first event
+        self._known: set[str] = set()  # every request id ever submitted (nothing is lost here)
         self._started_base = 0  # how many the cap has dropped from the front
 
     # api side
 
     def submit(self, request: SubmitRequest) -> None:
         with self._changed:
+            self._known.add(request.request_id)
             self._queues[request.priority].append((str(next(self._entry_ids)), request))
             self._changed.notify_all()
 
@@ -109,6 +111,10 @@ class MemoryTransport:
         with self._changed:
             for entry_id in entry_ids:
                 self._persisting.pop(entry_id, None)
+
+    def missing(self, request_ids: list[str]) -> list[str]:
+        with self._changed:
+            return [r for r in request_ids if r not in self._known]
 
     def read_started(
         self, cursor: str | None, max_count: int, block_ms: int

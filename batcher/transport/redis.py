@@ -101,7 +101,16 @@ class RedisTransport:
     # api side
 
     def submit(self, request: SubmitRequest) -> None:
-        self.client.xadd(self.keys.queue(request.priority), {"m": encode(request)})
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xadd(self.keys.queue(request.priority), {"m": encode(request)})
+        pipe.set(self.keys.known(request.request_id), 1, px=_ms(self.config.final_ttl_s))
+        pipe.execute()
+
+    def missing(self, request_ids: list[str]) -> list[str]:
+        pipe = self.client.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.exists(self.keys.known(request_id))
+        return [r for r, known in zip(request_ids, pipe.execute(), strict=True) if not known]
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         pipe = self.client.pipeline()

@@ -27,6 +27,9 @@ can share a server:
                                         cursor to mark items `running`.
 {p}:hub:{replica}                       wake-up stream of one api replica's token hub (capped at
                                         ~100 entries; it lives as long as the replica's XREADs).
+{p}:known:{request_id}                  set with each submit (`final_ttl_s`): Redis knows this
+                                        request. Gone after a FLUSHALL or a restart without
+                                        persistence: the reconciler re-enqueues such requests.
 {p}:abort:{request_id}                  abort flag, seen by `pull` of a still-queued request.
 {p}:aborts                              broadcast stream of aborts (each batcher reads it
                                         with its own cursor), capped near 10,000 entries.
@@ -74,6 +77,9 @@ class RedisKeys:
 
     def hub_wake(self, replica: str) -> str:
         return f"{self.prefix}:hub:{replica}"
+
+    def known(self, request_id: str) -> str:
+        return f"{self.prefix}:known:{request_id}"
 
     def abort(self, request_id: str) -> str:
         return f"{self.prefix}:abort:{request_id}"

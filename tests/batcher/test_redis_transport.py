@@ -88,3 +88,17 @@ def test_blocking_reads_return_before_the_socket_timeout() -> None:
     assert time.monotonic() - start < 3 * 1.0
     client.delete(*client.scan_iter(match=f"{prefix}:*"))
     client.close()
+
+
+def test_a_flushed_redis_forgets_its_requests() -> None:
+    """What the reconciler relies on: after FLUSHALL (here: the prefix's keys deleted) every
+    request submitted before is missing."""
+    prefix = f"test-{uuid.uuid4().hex}"
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    transport = RedisTransport(client, prefix)
+    request = SubmitRequest("r0", [1], SamplingParams(), StoppingParams())
+    transport.submit(request)
+    assert transport.missing(["r0"]) == []
+    client.delete(*client.scan_iter(match=f"{prefix}:*"))
+    assert transport.missing(["r0"]) == ["r0"]
+    client.close()

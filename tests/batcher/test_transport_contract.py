@@ -357,3 +357,10 @@ def test_a_waiting_started_reader_wakes_on_a_first_event(transport: Transport) -
     _, ids = transport.read_started(cursor, 10, 2000)
     timer.join()
     assert ids == ["r0"] and time.monotonic() - started < 1.0
+
+
+def test_missing_names_the_requests_the_transport_never_saw(transport: Transport) -> None:
+    submit(transport, "r0")
+    submit(transport, "r1", Priority.BULK)
+    assert transport.missing(["r0", "r1", "r2"]) == ["r2"]
+    assert transport.missing([]) == []
