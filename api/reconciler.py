@@ -1,0 +1,90 @@
+"""The reconciler: accepted work the transport lost is enqueued again from the database.
+
+Postgres is the record; Redis only carries work. An item that is still open (queued or running)
+some time after it was committed, and that the transport has no trace of (`missing`: Redis was
+flushed or restarted without persistence, or the enqueue after the commit failed), is rebuilt
+from its row (prompt token ids) and its job's recorded parameters, and submitted again with the
+next attempt number. A duplicate run is harmless: the first final result wins, in Redis and in
+the results table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from api.db import store
+from api.settings import Settings
+from batcher.messages import SubmitRequest
+from batcher.request import Priority, StoppingParams
+from batcher.transport.aio import AsyncApiTransport
+from gpu_worker.plan import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+async def reconcile_once(
+    *,
+    engine: AsyncEngine,
+    transport: AsyncApiTransport,
+    settings: Settings,
+    eos_token_ids: frozenset[int],
+    older_than_s: float,
+    limit: int = 1000,
+) -> int:
+    """Re-enqueues the lost items among the `limit` oldest open ones; returns how many."""
+    before = datetime.now(UTC) - timedelta(seconds=older_than_s)
+    async with engine.connect() as conn:
+        items = await store.unfinished_items(conn, created_before=before, limit=limit)
+        if not items:
+            return 0
+        missing = set(await transport.missing([item.request_id for item in items]))
+        lost = [item for item in items if item.request_id in missing]
+        jobs = {}
+        for job_id in sorted({item.job_id for item in lost}):
+            job = await store.get_job(conn, job_id=job_id)
+            if job is not None and not job.is_finished:
+                jobs[job_id] = job
+    requests = [
+        rebuild_request(item, jobs[item.job_id], settings, eos_token_ids)
+        for item in lost
+        if item.job_id in jobs
+    ]
+    if requests:
+        await transport.submit(requests)
+        log.warning("reconciler: re-enqueued %d requests the transport had lost", len(requests))
+    return len(requests)
+
+
+def rebuild_request(
+    item: store.ItemRecord, job: store.JobRecord, settings: Settings, eos: frozenset[int]
+) -> SubmitRequest:
+    """The item's request as it was first submitted (same rules as `api.service`)."""
+    params: dict[str, Any] = job.params or {}
+    sampling = SamplingParams(**params.get("sampling", {}))
+    copies = max(params.get("best_of", 1), params.get("num_choices", 1))
+    copy = item.item_index % copies
+    if copy and sampling.seed is not None:
+        sampling = dataclasses.replace(sampling, seed=sampling.seed + copy)
+    num_prompt = len(item.prompt_token_ids)
+    max_new_tokens = params.get("max_new_tokens") or max(settings.max_total_tokens - num_prompt, 1)
+    stopping = StoppingParams(
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos,
+        stop_strings=tuple(params.get("stop_strings", ())),
+        ignore_eos=params.get("ignore_eos", False),
+    )
+    deadline = None if job.deadline is None else job.deadline.timestamp()
+    return SubmitRequest(
+        item.request_id,
+        item.prompt_token_ids,
+        sampling,
+        stopping,
+        Priority(job.priority if job.priority is not None else Priority.BULK),
+        deadline,
+        attempt=max(item.attempts, 1) + 1,
+    )

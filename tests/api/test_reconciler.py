@@ -1,0 +1,149 @@
+"""The reconciler against real Postgres and Redis: what Redis lost is enqueued again, exactly as
+first submitted, and nothing else is."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from api.db import store
+from api.generation import new_job_id, request_id_of
+from api.reconciler import rebuild_request, reconcile_once
+from api.service import job_params
+from api.settings import Settings
+from api.validated import GenerationParams
+from api.validation import validate_tokens
+from batcher.messages import SubmitRequest
+from batcher.request import Priority
+from batcher.transport.aio import AsyncRedisApiTransport
+from batcher.transport.redis import RedisTransport
+from gpu_worker.plan import SamplingParams
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+SETTINGS = Settings.model_validate({})
+EOS = frozenset({2})
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    name = f"test-{uuid.uuid4().hex}"
+    yield name
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{name}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def submitted(num_copies: int = 2) -> tuple[store.NewJob, list[SubmitRequest]]:
+    """A job as the api records it: two prompts, `num_copies` seeded samples each."""
+    sampling = SamplingParams(temperature=0.7, seed=11)
+    params = GenerationParams(
+        sampling=sampling, max_new_tokens=None, stop_strings=("\n\n",), num_choices=num_copies
+    )
+    job_id = new_job_id()
+    requests = []
+    for index, prompt_ids in enumerate([[5, 6, 7], [8, 9]]):
+        validated = validate_tokens(
+            prompt="p", token_ids=prompt_ids, params=params, settings=SETTINGS, eos_token_ids=EOS
+        )
+        for copy in range(num_copies):
+            seeded = dataclasses.replace(sampling, seed=11 + copy)
+            requests.append(
+                SubmitRequest(
+                    request_id_of(job_id, index * num_copies + copy),
+                    validated.prompt_token_ids,
+                    seeded,
+                    validated.stopping,
+                    Priority.BULK,
+                )
+            )
+    job = store.NewJob(
+        job_id=job_id,
+        kind="job",
+        route="/v1/jobs",
+        priority=int(Priority.BULK),
+        model="m",
+        params=job_params(params),
+        items=[(r.request_id, r.prompt_token_ids) for r in requests],
+    )
+    return job, requests
+
+
+def test_lost_items_are_enqueued_again_as_first_submitted(
+    pg_engine: AsyncEngine, prefix: str
+) -> None:
+    job, requests = submitted()
+    batcher = RedisTransport(redis.Redis.from_url(REDIS_URL), prefix)
+
+    async def run() -> tuple[int, int]:
+        transport = AsyncRedisApiTransport.from_url(REDIS_URL, prefix)
+        async with pg_engine.begin() as conn:
+            await store.create_jobs(conn, jobs=[job])
+        await transport.submit(requests[:1])  # the rest was lost (say, Redis restarted)
+        first = await reconcile_once(
+            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            older_than_s=0,
+        )  # fmt: skip
+        again = await reconcile_once(
+            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            older_than_s=0,
+        )  # fmt: skip
+        await transport.close()
+        return first, again
+
+    assert asyncio.run(run()) == (3, 0)  # the second pass finds nothing missing
+    pulled = {d.request.request_id: d.request for d in batcher.pull("b0", 10, 0)}
+    assert len(pulled) == 4
+    for original in requests:
+        expected = original if original is requests[0] else dataclasses.replace(original, attempt=2)
+        assert pulled[original.request_id] == expected
+
+
+def test_young_and_finished_items_are_left_alone(pg_engine: AsyncEngine, prefix: str) -> None:
+    job, _ = submitted(num_copies=1)
+
+    async def run() -> tuple[int, int]:
+        transport = AsyncRedisApiTransport.from_url(REDIS_URL, prefix)
+        async with pg_engine.begin() as conn:
+            await store.create_jobs(conn, jobs=[job])
+        young = await reconcile_once(
+            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            older_than_s=60,
+        )  # fmt: skip
+        async with pg_engine.begin() as conn:
+            await store.cancel_job(conn, job_id=job.job_id)
+        cancelled = await reconcile_once(
+            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            older_than_s=0,
+        )  # fmt: skip
+        await transport.close()
+        return young, cancelled
+
+    assert asyncio.run(run()) == (0, 0)
+
+
+def test_rebuild_resolves_max_new_tokens_as_validation_does() -> None:
+    job, requests = submitted(num_copies=1)
+    record = store.JobRecord(
+        id=job.job_id, kind="job", route=None, status="queued", priority=0, model="m",
+        params=job.params, num_items=2, num_items_done=0, num_items_failed=0, prompt_tokens=0,
+        completion_tokens=0, idempotency_scope="", idempotency_key=None,
+        idempotency_fingerprint=None, api_key_id=None, deadline=None, created_at=None,  # type: ignore[arg-type]
+        started_at=None, finished_at=None, error=None, metadata=None,
+    )  # fmt: skip
+    for index, original in enumerate(requests):
+        item = store.ItemRecord(
+            job.job_id, index, original.request_id, original.prompt_token_ids, "queued", 0,
+            None,  # type: ignore[arg-type]
+            None,
+        )  # fmt: skip
+        rebuilt = rebuild_request(item, record, SETTINGS, EOS)
+        assert rebuilt.stopping == original.stopping  # 1024 - prompt length, EOS, stop strings
+        assert rebuilt.sampling == original.sampling and rebuilt.attempt == 2
