@@ -28,6 +28,7 @@ from api.admission import Admission, Limits
 from api.db import api_keys, create_engine
 from api.db.migrate import check_schema, upgrade
 from api.errors import UnavailableError, error_response, flavour_for_path, install_error_handlers
+from api.files.storage import FileStorage, LocalFileStorage
 from api.generation import Persister, Recorder, Running
 from api.metrics import Metrics
 from api.security import install_security
@@ -77,6 +78,7 @@ class AppState:
     persister: Persister
     running: Running
     health: Health
+    files: FileStorage
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     embedded: Any = None  # the in-process batcher, without Redis
 
@@ -118,12 +120,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return None if record is None else record.id
 
     install_security(app, settings, verify_key if settings.require_api_keys else None)
-    from api.routes import job_events, jobs, openai, tgi  # they import this module's `state_of`
+    from api.routes import files, job_events, jobs, openai, tgi  # they import `state_of`
 
     app.include_router(tgi.router)
     app.include_router(openai.router)
     app.include_router(jobs.router)
     app.include_router(job_events.router)
+    app.include_router(files.router)
     return app
 
 
@@ -194,7 +197,7 @@ async def _start(settings: Settings) -> AppState:
     )
     state = AppState(
         settings, engine, transport, tokenizer, metrics, generation, persister, running, health,
-        embedded=embedded,
+        LocalFileStorage(settings.file_storage_dir), embedded=embedded,
     )  # fmt: skip
     recorder.start()
     running.start()

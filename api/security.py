@@ -27,6 +27,7 @@ from api.settings import Settings
 
 VerifyKey = Callable[[str], Awaitable[int | None]]  # a stored key's id, or None
 
+MULTIPART_FRAMING_BYTES = 64 * 1024  # boundaries, part headers and the `purpose` field
 CORS_ALLOWED_HEADERS = ("Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID")
 CORS_EXPOSED_HEADERS = ("Retry-After",)
 MISSING_KEY = "Missing API key: send `Authorization: Bearer <key>`"
@@ -40,7 +41,11 @@ def install_security(app: FastAPI, settings: Settings, verify_key: VerifyKey | N
         raise ValueError("`require_api_keys` needs a `verify_key` that checks the database")
     # Each `add_middleware` wraps the ones added before it: the last added is the outermost.
     app.add_middleware(ApiKeyMiddleware, settings=settings, verify_key=verify_key)
-    app.add_middleware(PayloadLimitMiddleware, limit=settings.payload_limit)
+    # File uploads stream to storage and the route bounds the file itself (`max_file_bytes`);
+    # here only the multipart framing around it is allowed on top. Every other body is held in
+    # memory, so it gets TGI's `payload_limit`.
+    limits = {"/v1/files": settings.max_file_bytes + MULTIPART_FRAMING_BYTES}
+    app.add_middleware(PayloadLimitMiddleware, limit=settings.payload_limit, path_limits=limits)
     if settings.cors_allow_origin:
         app.add_middleware(
             CORSMiddleware,
@@ -55,22 +60,24 @@ class PayloadLimitMiddleware:
     """413 for a request body over `limit` bytes: by `Content-Length` before the app runs,
     otherwise (chunked) as soon as the bytes received pass the limit."""
 
-    def __init__(self, app: ASGIApp, *, limit: int) -> None:
+    def __init__(self, app: ASGIApp, *, limit: int, path_limits: dict[str, int] | None = None):
         self.app = app
         self.limit = limit
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope["path"], self.limit)
         content_length = Headers(scope=scope).get("content-length", "")
         if content_length.isdecimal():  # the server reads no more than it announces
-            if int(content_length) > self.limit:
-                await _too_large(self.limit, scope)(scope, receive, send)
+            if int(content_length) > limit:
+                await _too_large(limit, scope)(scope, receive, send)
             else:
                 await self.app(scope, receive, send)
             return
-        body = _LimitedBody(self.limit, scope, receive, send)
+        body = _LimitedBody(limit, scope, receive, send)
         try:
             await self.app(scope, body.receive, body.send)
         except ClientDisconnect:

@@ -38,6 +38,11 @@ class Settings(BaseSettings):
     max_job_prompts: int = Field(1000, ge=1)  # prompts in one POST /v1/jobs
     retry_after_s: int = Field(1, ge=1)
 
+    # Uploaded files (POST /v1/files): not bound by `payload_limit`, streamed to storage.
+    max_file_bytes: int = Field(200_000_000, ge=1)  # OpenAI's 200 MB; past it: 413
+    max_file_lines: int = Field(50_000, ge=1)  # requests in one batch input file
+    file_storage_dir: str = ".cache/files"  # relative to the working directory
+
     # Auth: when on, every route outside `public_routes` needs `Authorization: Bearer <key>`.
     api_key: str | None = None  # a single static key, as TGI's --api-key
     require_api_keys: bool = False  # keys stored (hashed) in the database

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Column,
     DateTime,
     Dialect,
@@ -117,6 +118,7 @@ job_items = Table(
     Column("finished_at", UtcDateTime),
     PrimaryKeyConstraint("job_id", "item_index", name="pk_job_items"),
     UniqueConstraint("request_id", name="uq_job_items_request_id"),
+    Index("ix_job_items_status_created_at", "status", "created_at"),
 )
 
 results = Table(
@@ -162,4 +164,22 @@ usage = Table(
     Column("completion_tokens", Integer, nullable=False),
     Column("created_at", UtcDateTime, nullable=False),
     UniqueConstraint("job_id", "item_index", name="uq_usage_job_item"),
+)
+
+# Uploaded files (OpenAI's Files API); the bytes are in the file storage under `storage_key`.
+# A delete sets `deleted_at` (the row stays: batches will refer to their input files).
+files = Table(
+    "files",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("purpose", Text, nullable=False),
+    Column("filename", Text, nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("num_lines", Integer, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("api_key_id", Integer, ForeignKey("api_keys.id", name="fk_files_api_key_id")),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("deleted_at", UtcDateTime),
+    Column("storage_key", Text, nullable=False),
+    Index("ix_files_api_key_id_created_at", "api_key_id", "created_at"),
 )
