@@ -53,6 +53,7 @@ class _Active:
     logprobs: list[float | None] = field(default_factory=list)
     text: str = ""
     deadline_passed: bool = False
+    duplicates: list[Delivery] = field(default_factory=list)  # other entries of this request
 
 
 class BatcherService:
@@ -71,7 +72,7 @@ class BatcherService:
         self.transient_errors = transient_errors
         self.active: dict[str, _Active] = {}
         self._outbox_events: list[TokenEvent] = []
-        self._outbox_finals: list[tuple[FinalResult, Delivery]] = []  # published, then acked
+        self._outbox_finals: list[tuple[FinalResult, list[Delivery]]] = []  # published, then acked
         self._next_heartbeat = 0.0
         self._next_reclaim = 0.0
         transport.poll_aborts(config.batcher_id)  # start the abort cursor before any pull
@@ -98,6 +99,8 @@ class BatcherService:
         try:
             for active in self.active.values():
                 self.transport.release(self.batcher_id, active.delivery)
+                for duplicate in active.duplicates:  # one copy back in the queue is enough
+                    self.transport.ack(self.batcher_id, duplicate)
         except self.transient_errors as error:  # still pending to us: reclaimed when we are gone
             log.warning("could not hand back in-flight work (%r)", error)
         self.active.clear()
@@ -168,8 +171,12 @@ class BatcherService:
 
     def _admit(self, delivery: Delivery) -> None:
         submit = delivery.request
-        if submit.request_id in self.active:
-            return  # already running here (a redelivery); the running copy will ack
+        if (running := self.active.get(submit.request_id)) is not None:
+            # Already running here (a redelivery, or the reconciler's copy after Redis lost
+            # the first): acked together with the running copy.
+            if delivery.entry_id != running.delivery.entry_id:
+                running.duplicates.append(delivery)
+            return
         if delivery.is_aborted:
             self._finish(_Active(delivery, None), "abort", "aborted before it started")
             return
@@ -219,10 +226,11 @@ class BatcherService:
             self.transport.publish_tokens(self._outbox_events)
             self._outbox_events = []
         while self._outbox_finals:
-            result, delivery = self._outbox_finals[0]
+            result, deliveries = self._outbox_finals[0]
             if not self.transport.publish_final(result):
                 log.info("request %s already had a final result; dropped ours", result.request_id)
-            self.transport.ack(self.batcher_id, delivery)
+            for delivery in deliveries:
+                self.transport.ack(self.batcher_id, delivery)
             self._outbox_finals.pop(0)
 
     def _event(self, output: RequestOutput) -> TokenEvent | None:
@@ -270,7 +278,7 @@ class BatcherService:
             text.matched_stop if text is not None else None,
             active.logprobs if wants_logprobs else [],
         )
-        self._outbox_finals.append((result, active.delivery))
+        self._outbox_finals.append((result, [active.delivery, *active.duplicates]))
         self.active.pop(submit.request_id, None)
 
     def _fail_all(self, detail: str) -> None:

@@ -320,3 +320,18 @@ def test_a_stop_during_an_outage_still_ends_within_the_drain_timeout() -> None:
     assert not thread.is_alive()
     (again,) = transport.pull("b1", 5, 0)  # handed back
     assert again.request.request_id == "r0"
+
+
+def test_a_second_copy_of_a_running_request_is_acked_with_it() -> None:
+    """The reconciler may enqueue a request again while a batcher still runs it (Redis lost the
+    first entry): it runs once, and both entries are acked."""
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport)
+    submit(transport, "r0", [1, 2, 3], max_new_tokens=8)
+    service.run_once()
+    submit(transport, "r0", [1, 2, 3], max_new_tokens=8)
+    run_until_final(service, transport, "r0")
+    service.run_once()
+    assert final_of(transport, "r0").num_output_tokens == 8
+    assert transport.queue_depth() == 0
+    assert_nothing_pending(transport)
