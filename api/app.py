@@ -31,6 +31,7 @@ from api.errors import UnavailableError, error_response, flavour_for_path, insta
 from api.files.storage import FileStorage, LocalFileStorage
 from api.generation import Persister, Recorder, Running
 from api.metrics import Metrics
+from api.reconciler import reconcile_once
 from api.security import install_security
 from api.service import Generation
 from api.settings import Settings
@@ -203,6 +204,8 @@ async def _start(settings: Settings) -> AppState:
     running.start()
     persister.start()
     state.tasks.append(asyncio.create_task(_monitor(state), name="monitor"))
+    if settings.reconcile_interval_s > 0:
+        state.tasks.append(asyncio.create_task(_reconcile(state), name="reconciler"))
     log.info(
         "api serving %s (%s)", settings.model_id, "redis" if settings.redis_url else "embedded"
     )
@@ -237,6 +240,25 @@ async def _monitor(state: AppState) -> None:
             state.health.num_batchers = 0
             log.warning("monitor: %s", error)
         await asyncio.sleep(MONITOR_INTERVAL_S)
+
+
+async def _reconcile(state: AppState) -> None:
+    """Until Celery beat runs it (the bulk pipelines issue), each api replica reconciles."""
+    settings = state.settings
+    while True:
+        await asyncio.sleep(settings.reconcile_interval_s)
+        try:
+            await reconcile_once(
+                engine=state.engine,
+                transport=state.transport,
+                settings=settings,
+                eos_token_ids=state.tokenizer.eos_token_ids,
+                older_than_s=settings.reconcile_grace_s,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the database or Redis is away: next round
+            log.warning("reconciler: %s", error)
 
 
 async def _stop(state: AppState) -> None:

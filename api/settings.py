@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     max_file_lines: int = Field(50_000, ge=1)  # requests in one batch input file
     file_storage_dir: str = ".cache/files"  # relative to the working directory
 
+    # The reconciler: open items older than `reconcile_grace_s` that the transport has lost are
+    # enqueued again, checked every `reconcile_interval_s` (0: off).
+    reconcile_interval_s: float = Field(30.0, ge=0)
+    reconcile_grace_s: float = Field(30.0, ge=0)
+
     # Auth: when on, every route outside `public_routes` needs `Authorization: Bearer <key>`.
     api_key: str | None = None  # a single static key, as TGI's --api-key
     require_api_keys: bool = False  # keys stored (hashed) in the database
