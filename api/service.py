@@ -115,6 +115,7 @@ class Generation:
         *,
         priority: Priority = Priority.INTERACTIVE,
         deadline: float | None = None,
+        param: str = "inputs",
     ) -> list[ValidatedRequest]:
         """Tokenize (on the tokenizer's pool) and check lengths; raises `ValidationError`."""
         token_ids = await asyncio.gather(
@@ -132,6 +133,7 @@ class Generation:
                 priority=priority,
                 deadline=deadline,
                 eos_token_ids=self.tokenizer.eos_token_ids,
+                param=param,
             )
             for prompt, ids in zip(prompts, token_ids, strict=True)
         ]

@@ -57,8 +57,9 @@ SUFFIX_MESSAGE = "Suffix is not supported and can be achieved by preprocessing t
 EMPTY_PROMPTS_MESSAGE = "Empty array detected. Do not use an empty array for the prompt."
 
 
-def check_inputs(prompt: str) -> None:
-    _require(prompt != "", "`inputs` cannot be empty", "inputs")
+def check_inputs(prompt: str, param: str = "inputs") -> None:
+    """TGI's message on every route; `param` names the field of the route's own body."""
+    _require(prompt != "", "`inputs` cannot be empty", param)
 
 
 # --- TGI ---------------------------------------------------------------------------------------
@@ -234,7 +235,7 @@ def completion_prompts(request: CompletionRequest, settings: Settings) -> list[s
         message = f"Number of prompts exceeds the maximum allowed batch size of {limit}"
         raise RouteValidationError(message, error_type="batch size exceeded", param="prompt")
     for prompt in prompts:
-        check_inputs(prompt)
+        check_inputs(prompt, "prompt")
     return prompts
 
 
@@ -315,9 +316,10 @@ def validate_tokens(
     priority: Priority = Priority.INTERACTIVE,
     deadline: float | None = None,
     eos_token_ids: frozenset[int] = frozenset(),
+    param: str = "inputs",  # the prompt's field in the route's body (`prompt`, `messages`)
 ) -> ValidatedRequest:
     """Truncate (keep the last `truncate` tokens), check the lengths, resolve `max_new_tokens`."""
-    _require(bool(token_ids), "`inputs` cannot be empty", "inputs")
+    _require(bool(token_ids), "`inputs` cannot be empty", param)
     kept_ids = token_ids[-params.truncate :] if params.truncate else token_ids
     num_input, max_total = len(kept_ids), settings.max_total_tokens
     max_new_tokens = _default(params.max_new_tokens, max(max_total - num_input, 0))
@@ -330,7 +332,7 @@ def validate_tokens(
     _require(
         num_input <= max_input,
         f"`inputs` must have less than {max_input} tokens. Given: {num_input}",
-        "inputs",
+        param,
     )
     stopping = StoppingParams(
         max_new_tokens=max_new_tokens,

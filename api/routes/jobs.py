@@ -160,12 +160,12 @@ async def create_job(
     if params.best_of > 1:
         raise ValidationError("`best_of` is not supported for jobs", param="parameters.best_of")
     for prompt in prompts:
-        check_inputs(prompt)
+        check_inputs(prompt, "prompt")
     state.generation.admission.check_queue(len(prompts))
     priority = Priority.INTERACTIVE if body.priority == "interactive" else Priority.BULK
     deadline = None if body.deadline is None else _aware(body.deadline).timestamp()
     validated = await state.generation.validate(
-        prompts, params, priority=priority, deadline=deadline
+        prompts, params, priority=priority, deadline=deadline, param="prompt"
     )
     job_id = new_job_id()
     requests = [

@@ -89,11 +89,11 @@ def _token_logprobs(state: AppState, event: TokenEvent) -> list[ChatTokenLogprob
 
 
 async def _start(
-    request: Request, prompts: Sequence[str], params: GenerationParams, *, route: str
+    request: Request, prompts: Sequence[str], params: GenerationParams, *, route: str, param: str
 ) -> Run:
     state = state_of(request)
     generation = state.generation
-    validated = await generation.validate(prompts, params)
+    validated = await generation.validate(prompts, params, param=param)
     return await generation.start(
         validated,
         request.state.ticket,
@@ -138,7 +138,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     try:
         params = chat_params(body, state.settings)
         prompt = await _render_chat(state, body)
-        run = await _start(request, [prompt], params, route="/v1/chat/completions")
+        run = await _start(
+            request, [prompt], params, route="/v1/chat/completions", param="messages"
+        )
     except BaseException as error:
         _abandon(request, error)
         raise
@@ -245,7 +247,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     try:
         params = completion_params(body, state.settings)
         prompts = completion_prompts(body, state.settings)
-        run = await _start(request, prompts, params, route="/v1/completions")
+        run = await _start(request, prompts, params, route="/v1/completions", param="prompt")
     except BaseException as error:
         _abandon(request, error)
         raise

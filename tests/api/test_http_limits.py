@@ -233,7 +233,7 @@ VALIDATION_CASES = [
     case("limited", COMPLETIONS, completion(prompt=["a"] * 3),
          "Number of prompts exceeds the maximum allowed batch size of 2", "prompt"),
     case("default", COMPLETIONS, completion(prompt=["a", ""]), "`inputs` cannot be empty",
-         "inputs"),
+         "prompt"),
     case("default", COMPLETIONS, completion(logprobs=6),
          "`logprobs` must be >= 0 and <= 5. Given: 6", "logprobs"),
     case("default", COMPLETIONS, completion(repetition_penalty=-1),
@@ -250,7 +250,7 @@ VALIDATION_CASES = [
          "`best_of` is not supported for jobs", "parameters.best_of"),
     case("default", "/v1/jobs", job(temperature=0),
          "`temperature` must be strictly positive", "temperature"),
-    case("default", "/v1/jobs", {"prompt": ["a", ""]}, "`inputs` cannot be empty", "inputs"),
+    case("default", "/v1/jobs", {"prompt": ["a", ""]}, "`inputs` cannot be empty", "prompt"),
     case("default", "/v1/jobs", {"prompt": "x", "parameters": {"max_new_tokens": 5000}},
          "`inputs` tokens + `max_new_tokens` must be <= 1024. Given: 1 `inputs` tokens and "
          "5000 `max_new_tokens`"),
@@ -366,10 +366,10 @@ def test_token_counts_on_openai_routes(
     assert response.json() == openai_error(total_message(num_chat, 30), None)
     response = limited.post(COMPLETIONS, json=completion(prompt=LONG_PROMPT, max_tokens=1))
     assert response.status_code == 422, response.text
-    assert response.json() == openai_error(input_message(num_long), "inputs")
+    assert response.json() == openai_error(input_message(num_long), "prompt")
     response = limited.post("/v1/jobs", json={"prompt": LONG_PROMPT, "parameters": {}})
     assert response.status_code == 422, response.text
-    assert response.json() == openai_error(input_message(num_long), "inputs")
+    assert response.json() == openai_error(input_message(num_long), "prompt")
 
 
 # --- invalid streams: a JSON 4xx before any SSE byte -------------------------------------------
