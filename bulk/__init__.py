@@ -1,0 +1,1 @@
+"""Bulk pipelines on Celery: the app (`celery_app`) and its tasks (`tasks`)."""

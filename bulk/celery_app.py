@@ -1,0 +1,45 @@
+"""The Celery app of tgq's bulk work: `celery -A bulk.celery_app worker` and `... beat`.
+
+Redis is the broker (`REDIS_URL`, keys under `REDIS_PREFIX:celery:`), JSON is the only
+serializer a worker accepts, tasks are acknowledged late (after they ran) and handed back when
+their worker dies, one task at a time per worker process. Tasks take ids and plain data; their
+bodies are functions tested on their own (`bulk.tasks`). Beat runs the reconciler every
+`RECONCILE_INTERVAL_S`.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from api.settings import Settings
+
+DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    settings = settings or Settings()
+    broker = settings.redis_url or DEFAULT_BROKER
+    app = Celery("tgq", broker=broker, backend=broker, include=["bulk.tasks"])
+    keyprefix = f"{settings.redis_prefix}:celery:"
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options={"global_keyprefix": keyprefix},
+        result_backend_transport_options={"global_keyprefix": keyprefix},
+        result_expires=3600,
+        timezone="UTC",
+        broker_connection_retry_on_startup=True,
+    )
+    if settings.reconcile_interval_s > 0:
+        app.conf.beat_schedule = {
+            "reconcile": {"task": "tgq.reconcile", "schedule": settings.reconcile_interval_s},
+        }
+    return app
+
+
+app = make_app()
