@@ -48,6 +48,11 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = Field(30.0, ge=0)
     reconcile_grace_s: float = Field(30.0, ge=0)
 
+    # Retention (Celery beat, every `retention_interval_s`): finished jobs, with their items,
+    # results and usage, are deleted `retention_days` after they finished (0: kept forever).
+    retention_days: float = Field(30.0, ge=0)
+    retention_interval_s: float = Field(3600.0, gt=0)
+
     # Auth: when on, every route outside `public_routes` needs `Authorization: Bearer <key>`.
     api_key: str | None = None  # a single static key, as TGI's --api-key
     require_api_keys: bool = False  # keys stored (hashed) in the database

@@ -4,7 +4,7 @@ Redis is the broker (`REDIS_URL`, keys under `REDIS_PREFIX:celery:`), JSON is th
 serializer a worker accepts, tasks are acknowledged late (after they ran) and handed back when
 their worker dies, one task at a time per worker process. Tasks take ids and plain data; their
 bodies are functions tested on their own (`bulk.tasks`). Beat runs the reconciler every
-`RECONCILE_INTERVAL_S`.
+`RECONCILE_INTERVAL_S` and retention every `RETENTION_INTERVAL_S`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ def make_app(settings: Settings | None = None) -> Celery:
         timezone="UTC",
         broker_connection_retry_on_startup=True,
     )
+    schedule = {"retention": {"task": "tgq.retention", "schedule": settings.retention_interval_s}}
     if settings.reconcile_interval_s > 0:
-        app.conf.beat_schedule = {
-            "reconcile": {"task": "tgq.reconcile", "schedule": settings.reconcile_interval_s},
-        }
+        schedule["reconcile"] = {"task": "tgq.reconcile", "schedule": settings.reconcile_interval_s}
+    app.conf.beat_schedule = schedule
     return app
 
 

@@ -1,14 +1,15 @@
 """Celery tasks: thin wrappers that open what they need from the settings and call tested
-functions (`api.reconciler.reconcile_once`)."""
+functions (`api.reconciler.reconcile_once`, `api.db.store.delete_finished_before`)."""
 
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.pool import NullPool
 
 from api.app import model_dir_of
-from api.db import create_engine
+from api.db import create_engine, store
 from api.reconciler import reconcile_once
 from api.settings import Settings
 from batcher.transport.aio import AsyncRedisApiTransport
@@ -36,4 +37,22 @@ async def _reconcile(settings: Settings) -> int:
         )
     finally:
         await transport.close()
+        await engine.dispose()
+
+
+@app.task(name="tgq.retention")  # type: ignore[untyped-decorator]  # celery has no types
+def retention() -> int:
+    """Deletes what finished more than `retention_days` ago; returns how many jobs."""
+    return asyncio.run(delete_expired(Settings()))
+
+
+async def delete_expired(settings: Settings, *, now: datetime | None = None) -> int:
+    if settings.retention_days <= 0:
+        return 0
+    before = (now or datetime.now(UTC)) - timedelta(days=settings.retention_days)
+    engine = create_engine(settings.database_url, poolclass=NullPool)
+    try:
+        async with engine.begin() as conn:
+            return await store.delete_finished_before(conn, before=before)
+    finally:
         await engine.dispose()
