@@ -25,7 +25,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.admission import Admission, Limits
+from api.batches.runner import BatchContext, run_batch
 from api.db import api_keys, create_engine
+from api.db import batches as db_batches
 from api.db.migrate import check_schema, upgrade
 from api.errors import UnavailableError, error_response, flavour_for_path, install_error_handlers
 from api.files.storage import FileStorage, LocalFileStorage
@@ -82,6 +84,23 @@ class AppState:
     files: FileStorage
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     embedded: Any = None  # the in-process batcher, without Redis
+    batch_tasks: dict[str, asyncio.Task[str]] = field(default_factory=dict)
+
+    def start_batch(self, batch_id: str) -> None:
+        """Runs the batch on a task of this process (once per batch at a time)."""
+        if batch_id in self.batch_tasks:
+            return
+        context = BatchContext(
+            self.engine, self.transport, self.files, self.tokenizer, self.settings
+        )
+        task = asyncio.create_task(run_batch(context, batch_id), name=f"batch {batch_id}")
+        self.batch_tasks[batch_id] = task
+        task.add_done_callback(lambda done: self._batch_done(batch_id, done))
+
+    def _batch_done(self, batch_id: str, task: asyncio.Task[str]) -> None:
+        self.batch_tasks.pop(batch_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("batch %s failed: %r", batch_id, task.exception())
 
 
 def state_of(request: Request) -> AppState:
@@ -121,13 +140,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return None if record is None else record.id
 
     install_security(app, settings, verify_key if settings.require_api_keys else None)
-    from api.routes import files, job_events, jobs, openai, tgi  # they import `state_of`
+    from api.routes import batches, files, job_events, jobs, openai, tgi  # they import `state_of`
 
     app.include_router(tgi.router)
     app.include_router(openai.router)
     app.include_router(jobs.router)
     app.include_router(job_events.router)
     app.include_router(files.router)
+    app.include_router(batches.router)
     return app
 
 
@@ -206,6 +226,9 @@ async def _start(settings: Settings) -> AppState:
     state.tasks.append(asyncio.create_task(_monitor(state), name="monitor"))
     if settings.reconcile_interval_s > 0:
         state.tasks.append(asyncio.create_task(_reconcile(state), name="reconciler"))
+    async with engine.connect() as conn:  # batches an earlier process left unfinished
+        for batch in await db_batches.unfinished_batches(conn):
+            state.start_batch(batch.id)
     log.info(
         "api serving %s (%s)", settings.model_id, "redis" if settings.redis_url else "embedded"
     )
@@ -262,9 +285,10 @@ async def _reconcile(state: AppState) -> None:
 
 
 async def _stop(state: AppState) -> None:
-    for task in state.tasks:
+    running = [*state.tasks, *state.batch_tasks.values()]  # batches resume at the next start
+    for task in running:
         task.cancel()
-    for task in state.tasks:
+    for task in running:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     await state.generation.recorder.stop()

@@ -47,7 +47,8 @@ async def reconcile_once(
         jobs = {}
         for job_id in sorted({item.job_id for item in lost}):
             job = await store.get_job(conn, job_id=job_id)
-            if job is not None and not job.is_finished:
+            # A batch's lines have parameters of their own: its runner refills them.
+            if job is not None and not job.is_finished and job.kind != "batch":
                 jobs[job_id] = job
     requests = [
         rebuild_request(item, jobs[item.job_id], settings, eos_token_ids)

@@ -183,3 +183,55 @@ files = Table(
     Column("storage_key", Text, nullable=False),
     Index("ix_files_api_key_id_created_at", "api_key_id", "created_at"),
 )
+
+
+def _moment(name: str) -> Column[datetime]:
+    return Column(name, UtcDateTime)
+
+
+batches = Table(
+    "batches",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("status", Text, nullable=False),
+    Column("endpoint", Text, nullable=False),
+    Column("input_file_id", Text, nullable=False),
+    Column("completion_window", Text, nullable=False),
+    Column("job_id", Text),  # the job whose items are the batch's valid lines
+    Column("output_file_id", Text),
+    Column("error_file_id", Text),
+    _counter("num_total"),
+    _counter("num_completed"),
+    _counter("num_failed"),
+    Column("metadata", Json),
+    Column("error", Text),
+    Column("api_key_id", Integer, ForeignKey("api_keys.id", name="fk_batches_api_key_id")),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("expires_at", UtcDateTime, nullable=False),
+    _moment("in_progress_at"),
+    _moment("finalizing_at"),
+    _moment("completed_at"),
+    _moment("failed_at"),
+    _moment("expired_at"),
+    _moment("cancelling_at"),
+    _moment("cancelled_at"),
+    Index("ix_batches_api_key_id_created_at", "api_key_id", "created_at"),
+)
+
+# One per input line: its custom_id, and either the job item that runs it or why it cannot run.
+batch_lines = Table(
+    "batch_lines",
+    metadata,
+    Column(
+        "batch_id",
+        Text,
+        ForeignKey("batches.id", ondelete="CASCADE", name="fk_batch_lines_batch_id"),
+        nullable=False,
+    ),
+    Column("line_index", Integer, nullable=False),
+    Column("custom_id", Text, nullable=False),
+    Column("item_index", Integer),
+    Column("error", Text),
+    PrimaryKeyConstraint("batch_id", "line_index", name="pk_batch_lines"),
+    UniqueConstraint("batch_id", "custom_id", name="uq_batch_lines_custom_id"),
+)

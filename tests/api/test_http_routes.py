@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -286,24 +287,30 @@ def test_interactive_requests_are_recorded(client: httpx.Client, stack: Stack) -
 
 
 def test_client_disconnect_aborts_in_the_batcher(stack: Stack) -> None:
+    """The client hangs up once its request's first token exists (seen in the transport's
+    started log), streaming or not: the batcher ends it as `abort`, its blocks come back, and
+    its row says `cancelled`."""
     transport = RedisTransport(redis.Redis.from_url(REDIS_URL), stack.prefix)
     free_before = max(b.num_free_blocks for b in transport.live_batchers())
     body = {"inputs": "a long one", "parameters": {"max_new_tokens": 900, "ignore_eos": True}}
     for route in ("/generate_stream", "/generate"):
-        with httpx.Client(base_url=stack.url, timeout=60) as client:
-            if route == "/generate_stream":
-                with client.stream("POST", route, json=body) as response:
-                    next(response.iter_lines())  # the first event, then hang up
-            else:
-                with pytest.raises(httpx.ReadTimeout):
-                    client.post(route, json=body, timeout=1.0)
+        cursor, _ = transport.read_started(None, 10, 0)
+        with socket.create_connection(("127.0.0.1", stack.port)) as sock:
+            payload = json.dumps(body).encode()
+            head = (
+                f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + payload)
+            _, started = transport.read_started(cursor, 10, 10_000)
+        assert len(started) == 1, route  # it was running when the client went away
+        final = transport.read_final(started[0], 10)
+        assert final is not None and final.finish_reason == "abort", (route, final)
+        assert final.num_output_tokens < 900
         deadline = time.monotonic() + 10
-        aborted = False
-        while time.monotonic() < deadline and not aborted:
-            time.sleep(0.2)
-            beats = transport.live_batchers()
-            aborted = all(b.num_running == 0 for b in beats)
-        assert aborted, f"{route}: the request kept running after the client left"
+        while not all(b.num_running == 0 for b in transport.live_batchers()):
+            assert time.monotonic() < deadline, f"{route}: still running after the client left"
+            time.sleep(0.1)
         free_after = max(b.num_free_blocks for b in transport.live_batchers())
         assert free_after >= free_before - 1  # its blocks are back (the prefix cache may keep one)
         deadline = time.monotonic() + 10

@@ -1,0 +1,140 @@
+"""The Batches API through the unmodified `openai` SDK against the real stack (api process,
+Postgres, Redis, a batcher process): files.create → batches.create → poll → output and error
+files; cancel mid-batch; expiry."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+import openai
+import pytest
+
+from tests.api.stack import Stack
+
+pytestmark = pytest.mark.timeout(300)
+CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"
+
+
+def line(custom_id: str, url: str = CHAT, **body: Any) -> str:
+    if url == CHAT:
+        body = {"messages": [{"role": "user", "content": f"hi {custom_id}"}], **body}
+    else:
+        body = {"prompt": f"say {custom_id}", **body}
+    request = {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+    return json.dumps(request)
+
+
+def sdk(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", timeout=60)
+
+
+def wait(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], timeout_s: float = 120):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.2)
+    raise TimeoutError(f"batch {batch_id} stayed {batch.status}")
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(row) for row in client.files.content(file_id).content.splitlines()]
+
+
+def test_the_openai_sdk_flow(stack: Stack) -> None:
+    client = sdk(stack)
+    rows = [line(f"req-{i}", max_tokens=4) for i in range(20)]
+    rows.append(line("bad", messages=[], max_tokens=4))  # fails validation: an error line
+    uploaded = client.files.create(file=("in.jsonl", "\n".join(rows).encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h", metadata={"k": "v"}
+    )
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"k": "v"}
+    done = wait(client, batch.id, ("completed", "failed"))
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed) == (21, 20)
+    assert done.request_counts.failed == 1
+    outputs, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    custom_ids = [row["custom_id"] for row in outputs + errors]
+    assert sorted(custom_ids) == sorted([f"req-{i}" for i in range(20)] + ["bad"])
+    for row in outputs:
+        body = row["response"]["body"]
+        assert row["response"]["status_code"] == 200 and row["error"] is None
+        assert body["object"] == "chat.completion"
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+        assert body["usage"]["completion_tokens"] <= 4
+    (bad,) = errors
+    assert bad["custom_id"] == "bad" and bad["response"] is None
+    assert "`messages` cannot be empty" in bad["error"]["message"]
+    listed = client.batches.list(limit=5)
+    assert batch.id in [b.id for b in listed.data]
+
+
+def test_cancel_mid_batch_keeps_what_finished(stack: Stack) -> None:
+    client = sdk(stack)
+    rows = [line(f"c-{i}", max_tokens=300, ignore_eos=True) for i in range(80)]
+    uploaded = client.files.create(file=("c.jsonl", "\n".join(rows).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (counts := client.batches.retrieve(batch.id).request_counts) is None or (
+        counts.completed == 0
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = wait(client, batch.id, ("cancelled",))
+    assert done.request_counts is not None
+    outputs, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    assert len(outputs) == done.request_counts.completed >= 1
+    assert len(outputs) + len(errors) == 80 == done.request_counts.total
+    assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
+    assert sorted(row["custom_id"] for row in outputs + errors) == sorted(
+        f"c-{i}" for i in range(80)
+    )
+
+
+def test_a_batch_past_its_window_expires(stack: Stack) -> None:
+    client = sdk(stack)
+    rows = [
+        line(f"e-{i}", url="/v1/completions", max_tokens=500, ignore_eos=True) for i in range(60)
+    ]
+    uploaded = client.files.create(file=("e.jsonl", "\n".join(rows).encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/completions",
+        completion_window="2s",  # type: ignore[arg-type]  # tgq takes any window
+    )
+    done = wait(client, batch.id, ("expired",), timeout_s=60)
+    assert done.request_counts is not None
+    outputs, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    assert len(outputs) + len(errors) == 60 == done.request_counts.total
+    assert len(outputs) == done.request_counts.completed
+    assert "batch_expired" in {row["error"]["code"] for row in errors}
+
+
+def test_bad_batch_requests(stack: Stack) -> None:
+    client = sdk(stack)
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    uploaded = client.files.create(file=("x.jsonl", line("x").encode()), purpose="batch")
+    with pytest.raises(openai.UnprocessableEntityError, match="endpoint must be one of"):
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+        )
+    with pytest.raises(openai.UnprocessableEntityError, match="completion_window must be like"):
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint=CHAT,
+            completion_window="soon",  # type: ignore[arg-type]
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
