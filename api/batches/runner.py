@@ -258,10 +258,12 @@ async def _finalize(ctx: BatchContext, batch_id: str, final_status: str) -> str:
     if final_status == "failed" or batch.status == "failed":
         return "failed"
     async with ctx.engine.begin() as conn:
-        await db_batches.set_status(
+        is_mine = await db_batches.set_status(
             conn, batch_id=batch_id, status="finalizing",
             only_from=("in_progress", "cancelling"),
         )  # fmt: skip
+    if not is_mine:  # another runner of this batch is finalizing it
+        return (await _get(ctx, batch_id)).status
     async with ctx.engine.connect() as conn:
         lines = await db_batches.get_lines(conn, batch_id=batch_id)
         results = {}

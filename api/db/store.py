@@ -53,6 +53,7 @@ def item_status(finish_reason: str) -> str:
 
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +157,19 @@ def record_columns(table: Table, record: type[Any]) -> list[ColumnElement[Any]]:
 _JOB = record_columns(db.jobs, JobRecord)
 _ITEM = record_columns(db.job_items, ItemRecord)
 _RESULT = record_columns(db.results, ResultRecord)
+
+
+def storable(value: T) -> T:
+    """`value` with NUL characters replaced by U+FFFD: Postgres text and JSONB cannot hold them,
+    and a model can generate one (a byte-level token). The HTTP answer, built from the
+    transport's result, keeps the real text; the stored copy has the replacement."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")  # type: ignore[return-value]
+    if isinstance(value, list):
+        return [storable(v) for v in value]  # type: ignore[return-value]
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}  # type: ignore[return-value]
+    return value
 
 
 def utc_now() -> datetime:
@@ -265,7 +279,7 @@ def _job_row(job: NewJob, now: datetime) -> dict[str, Any]:
         "status": "queued",
         "priority": job.priority,
         "model": job.model,
-        "params": job.params,
+        "params": storable(job.params),
         "num_items": len(job.items),
         "num_items_done": 0,
         "num_items_failed": 0,
@@ -280,7 +294,7 @@ def _job_row(job: NewJob, now: datetime) -> dict[str, Any]:
         "started_at": None,
         "finished_at": None,
         "error": None,
-        "metadata": job.metadata,
+        "metadata": storable(job.metadata),
     }
 
 
@@ -354,7 +368,12 @@ async def _record_result(conn: AsyncConnection, result: NewResult, now: datetime
         return False
     written = await conn.execute(
         _insert_unless_taken(conn.dialect.name, db.results, "job_id", "item_index"),
-        {**asdict(result), "created_at": now},
+        {
+            **asdict(result),
+            "text": storable(result.text),
+            "finish_detail": storable(result.finish_detail),
+            "created_at": now,
+        },
     )
     if written.first() is None:
         return False

@@ -4,6 +4,7 @@ check, jobs, idempotency, results under concurrency, cancellation, api keys, ret
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Awaitable, Callable
@@ -513,3 +514,21 @@ def test_an_item_records_the_attempt_that_finished_it(pg_engine: AsyncEngine) ->
         return [item.attempts for item in await store.get_items(conn, job_id="job_a")]
 
     assert run(pg_engine, body) == [1, 3]
+
+
+def test_nul_characters_are_stored_as_replacement_characters(pg_engine: AsyncEngine) -> None:
+    """Postgres refuses NUL in text and JSONB; a model can generate one, and a stop string can
+    hold one. Neither may block the write (one bad result would stall every persister)."""
+
+    async def body(conn: AsyncConnection) -> tuple[str | None, Any]:
+        params = {"stop_strings": ["a\x00b"]}
+        await create(conn, "job_a", params=params, metadata={"note": "\x00"})
+        generated = dataclasses.replace(result("job_a", 0), text="x\x00y", finish_detail="\x00")
+        assert await store.record_results(conn, results=[generated]) == [True]
+        (stored,) = await store.get_results(conn, job_id="job_a")
+        job = await get(conn, "job_a")
+        return stored.text, (job.params, job.metadata, stored.finish_detail)
+
+    text, rest = run(pg_engine, body)
+    assert text == "x\ufffdy"
+    assert rest == ({"stop_strings": ["a\ufffdb"]}, {"note": "\ufffd"}, "\ufffd")
