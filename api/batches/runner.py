@@ -276,7 +276,9 @@ async def _finalize(ctx: BatchContext, batch_id: str, final_status: str) -> str:
             errors.append(_error_line(line, "invalid_request", line.error))
         elif result is not None and result.finish_reason in ("stop", "length"):
             outputs.append(_output_line(ctx, batch, line, result))
-        elif final_status == "expired" and result is None:
+        elif final_status == "expired" and (
+            result is None or result.finish_reason in ("deadline", "abort")
+        ):  # the batcher ends what is still running at `expires_at` itself ("deadline")
             errors.append(_error_line(line, "batch_expired", "the batch expired first"))
         elif result is None or result.finish_reason == "abort":
             errors.append(_error_line(line, "batch_cancelled", "the batch was cancelled first"))
