@@ -52,6 +52,24 @@ def parse_request_id(request_id: str) -> tuple[str, int] | None:
     return job_id, int(index)
 
 
+class _Loop:
+    """A background loop of the api: `start` runs `_run` on a task, `stop` cancels it."""
+
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=type(self).__name__.lower())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass(slots=True)
 class _Pending:
     job: store.NewJob
@@ -61,7 +79,7 @@ class _Pending:
     )
 
 
-class Recorder:
+class Recorder(_Loop):
     """Commits jobs, then enqueues their requests; many concurrent submissions per round."""
 
     def __init__(
@@ -71,17 +89,7 @@ class Recorder:
         self.transport = transport
         self.max_group = max_group
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
         self.num_rounds = 0
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="recorder")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
     async def submit(self, job: store.NewJob, requests: list[SubmitRequest]) -> store.JobRecord:
         """Returns the job's row once it is committed and its requests are enqueued."""
@@ -144,7 +152,7 @@ def _unavailable(error: Exception) -> UnavailableError:
     return UnavailableError("The database is unavailable; nothing was queued. Retry later")
 
 
-class Persister:
+class Persister(_Loop):
     """Writes every final result to the database, then acks it in the transport."""
 
     def __init__(
@@ -164,16 +172,6 @@ class Persister:
         self.max_count = max_count
         self.block_ms = block_ms
         self.num_written = 0
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="persister")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
     async def _run(self) -> None:
         backoff_s = 0.1
@@ -231,7 +229,7 @@ def new_result(result: FinalResult) -> store.NewResult | None:
     )
 
 
-class Running:
+class Running(_Loop):
     """Marks items `running` (with their job's `started_at`) as batchers start them: reads the
     transport's started log and updates in batches. Best effort: a status, not a result."""
 
@@ -241,16 +239,6 @@ class Running:
         self.engine = engine
         self.transport = transport
         self.max_count = max_count
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="running")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
     async def _run(self) -> None:
         cursor: str | None = None
