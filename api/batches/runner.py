@@ -201,11 +201,12 @@ async def _drive(ctx: BatchContext, batch: db_batches.BatchRecord) -> str:
             job = await store.get_job(conn, job_id=batch.job_id)
             window = await db_batches.open_items(conn, job_id=batch.job_id, limit=ctx.window)
         assert job is not None
-        async with ctx.engine.begin() as conn:
-            await db_batches.set_counts(
-                conn, batch_id=batch.id, completed=job.num_items_done - job.num_items_failed,
-                failed=job.num_items_failed,
-            )  # fmt: skip
+        completed = job.num_items_done - job.num_items_failed
+        if (completed, job.num_items_failed) != (batch.num_completed, batch.num_failed):
+            async with ctx.engine.begin() as conn:
+                await db_batches.set_counts(
+                    conn, batch_id=batch.id, completed=completed, failed=job.num_items_failed
+                )
         if job.is_finished:
             return "completed"
         missing = await ctx.transport.missing(window)

@@ -10,7 +10,6 @@ token streams expire after `token_ttl_s`); its result from the database once per
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +22,7 @@ from api.db import store
 from api.errors import ApiError, NotFoundError, ValidationError
 from api.generation import request_id_of
 from api.routes.jobs import JobItemResult, get_visible_job, item_result, view
-from api.sse import sse_response
+from api.sse import dump_json, sse_response
 from batcher.messages import FinalResult
 
 router = APIRouter(tags=["Jobs"])
@@ -70,7 +69,7 @@ async def _events(
                 yield event
         yield await _done_event(state, job.id)
     except ApiError as error:
-        yield ServerSentEvent(data=_dump({"error": error.message}), event="error", sep="\n")
+        yield ServerSentEvent(data=dump_json({"error": error.message}), event="error", sep="\n")
 
 
 async def _item_events(
@@ -142,13 +141,9 @@ async def _done_event(state: AppState, job_id: str) -> ServerSentEvent:
 
 
 def _token_event(index: int, seq: int, token_ids: list[int], text: str) -> ServerSentEvent:
-    data = _dump({"index": index, "seq": seq, "token_ids": token_ids, "text": text})
+    data = dump_json({"index": index, "seq": seq, "token_ids": token_ids, "text": text})
     return ServerSentEvent(data=data, event="token", id=f"{index}.{seq}", sep="\n")
 
 
 def _result_event(index: int, result: dict[str, Any]) -> ServerSentEvent:
-    return ServerSentEvent(data=_dump(result), event="result", id=f"{index}.r", sep="\n")
-
-
-def _dump(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), default=str)  # datetimes as text
+    return ServerSentEvent(data=dump_json(result), event="result", id=f"{index}.r", sep="\n")

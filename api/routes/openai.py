@@ -161,7 +161,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         choices.append(
             ChatCompletionChoice(
                 index=index,
-                message=ChatMessage(content=output_text(state, run, final, include_stop=False)),
+                message=ChatMessage(content=output_text(state, final, include_stop=False)),
                 logprobs=logprobs,
                 finish_reason=_finish_reason(final),
             )
@@ -280,7 +280,7 @@ def _completion_choice(
     state: AppState, run: Run, index: int, final: FinalResult
 ) -> CompletionChoice:
     prompt = run.prompt_of(index)
-    text = output_text(state, run, final, include_stop=False)
+    text = output_text(state, final, include_stop=False)
     prefix = prompt.prompt if prompt.params.return_full_text else ""
     logprobs = None
     if prompt.sampling.wants_logprobs:

@@ -49,7 +49,7 @@ def finish_reason(final: FinalResult) -> str:
     return "length"
 
 
-def output_text(state: AppState, run: Run, final: FinalResult, *, include_stop: bool) -> str:
+def output_text(state: AppState, final: FinalResult, *, include_stop: bool) -> str:
     text = final.text if final.text is not None else state.tokenizer.decode(final.token_ids)
     if include_stop and final.matched_stop is not None:
         text += final.matched_stop
@@ -58,7 +58,7 @@ def output_text(state: AppState, run: Run, final: FinalResult, *, include_stop: 
 
 def tgi_text(state: AppState, run: Run, index: int, final: FinalResult) -> str:
     prompt = run.prompt_of(index)
-    text = output_text(state, run, final, include_stop=prompt.params.include_stop_string)
+    text = output_text(state, final, include_stop=prompt.params.include_stop_string)
     return prompt.prompt + text if prompt.params.return_full_text else text
 
 
