@@ -27,13 +27,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from api.admission import Admission, Limits
 from api.batches.runner import BatchContext, run_batch
 from api.db import api_keys, create_engine
-from api.db import batches as db_batches
 from api.db.migrate import check_schema, upgrade
 from api.errors import UnavailableError, error_response, flavour_for_path, install_error_handlers
 from api.files.storage import FileStorage, LocalFileStorage
 from api.generation import Persister, Recorder, Running
 from api.metrics import Metrics
-from api.reconciler import reconcile_once
+from api.reconciler import reconcile_once, resume_batches
 from api.security import install_security
 from api.service import Generation
 from api.settings import Settings
@@ -86,13 +85,24 @@ class AppState:
     embedded: Any = None  # the in-process batcher, without Redis
     batch_tasks: dict[str, asyncio.Task[str]] = field(default_factory=dict)
 
-    def start_batch(self, batch_id: str) -> None:
-        """Runs the batch on a task of this process (once per batch at a time)."""
+    async def start_batch(self, batch_id: str) -> None:
+        """Starts a runner for the batch: a Celery task (`tgq.run_batch`), or a task of this
+        process (once per batch at a time). A runner that cannot start now is started by the
+        reconciler once the batch's lease lapses."""
+        if self.settings.batches_on_celery:
+            from bulk.celery_app import send_run_batch  # Celery only where batches go to it
+
+            try:
+                await asyncio.to_thread(send_run_batch, self.settings, batch_id)
+            except Exception as error:  # the broker is away: the reconciler starts it later
+                log.warning("batch %s: its task could not be sent: %s", batch_id, error)
+            return
         if batch_id in self.batch_tasks:
             return
         context = BatchContext(
-            self.engine, self.transport, self.files, self.tokenizer, self.settings
-        )
+            self.engine, self.transport, self.files, self.tokenizer, self.settings,
+            window=self.settings.batch_window, lease_s=self.settings.batch_lease_s,
+        )  # fmt: skip
         task = asyncio.create_task(run_batch(context, batch_id), name=f"batch {batch_id}")
         self.batch_tasks[batch_id] = task
         task.add_done_callback(lambda done: self._batch_done(batch_id, done))
@@ -226,9 +236,8 @@ async def _start(settings: Settings) -> AppState:
     state.tasks.append(asyncio.create_task(_monitor(state), name="monitor"))
     if settings.reconcile_interval_s > 0:
         state.tasks.append(asyncio.create_task(_reconcile(state), name="reconciler"))
-    async with engine.connect() as conn:  # batches an earlier process left unfinished
-        for batch in await db_batches.unfinished_batches(conn):
-            state.start_batch(batch.id)
+    with contextlib.suppress(Exception):  # batches an earlier process left (or the reconciler)
+        await resume_batches(engine, state.start_batch, grace_s=2 * settings.batch_lease_s)
     log.info(
         "api serving %s (%s)", settings.model_id, "redis" if settings.redis_url else "embedded"
     )
@@ -277,6 +286,9 @@ async def _reconcile(state: AppState) -> None:
                 settings=settings,
                 eos_token_ids=state.tokenizer.eos_token_ids,
                 older_than_s=settings.reconcile_grace_s,
+            )
+            await resume_batches(
+                state.engine, state.start_batch, grace_s=2 * settings.batch_lease_s
             )
         except asyncio.CancelledError:
             raise

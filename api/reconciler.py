@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from api.db import batches as db_batches
 from api.db import store
 from api.settings import Settings
 from batcher.messages import SubmitRequest
@@ -61,11 +63,31 @@ async def reconcile_once(
     return len(requests)
 
 
+async def resume_batches(
+    engine: AsyncEngine, start: Callable[[str], Awaitable[None]], *, grace_s: float
+) -> list[str]:
+    """Starts a runner for every unfinished batch that nobody drives (its runner died, or the
+    task meant to start one was lost); returns their ids. Each is leased for `grace_s` to the
+    runner being started, so that other reconcilers leave it alone meanwhile."""
+    async with engine.begin() as conn:
+        lapsed = await db_batches.lapsed_batches(conn, grace_s=grace_s)
+    for batch_id in lapsed:
+        log.warning("reconciler: batch %s has no live runner: starting one", batch_id)
+        await start(batch_id)
+    return lapsed
+
+
 def rebuild_request(
-    item: store.ItemRecord, job: store.JobRecord, settings: Settings, eos: frozenset[int]
+    item: store.ItemRecord,
+    job: store.JobRecord,
+    settings: Settings,
+    eos: frozenset[int],
+    *,
+    attempt: int | None = None,
 ) -> SubmitRequest:
-    """The item's request as it was first submitted (same rules as `api.service`)."""
-    params: dict[str, Any] = job.params or {}
+    """The item's request as it was first submitted (same rules as `api.service`), as attempt
+    `attempt` (default: the one after the item's last)."""
+    params: dict[str, Any] = item.params or job.params or {}
     sampling = SamplingParams(**params.get("sampling", {}))
     copies = max(params.get("best_of", 1), params.get("num_choices", 1))
     copy = item.item_index % copies
@@ -87,5 +109,5 @@ def rebuild_request(
         stopping,
         Priority(job.priority if job.priority is not None else Priority.BULK),
         deadline,
-        attempt=max(item.attempts, 1) + 1,
+        attempt=attempt or max(item.attempts, 1) + 1,
     )

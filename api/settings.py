@@ -4,6 +4,8 @@ of the same upper-case name (TGI launcher names where TGI has the flag: `MAX_INP
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -43,6 +45,12 @@ class Settings(BaseSettings):
     max_file_lines: int = Field(50_000, ge=1)  # requests in one batch input file
     file_storage_dir: str = ".cache/files"  # relative to the working directory
 
+    # Batches (POST /v1/batches) run on the Celery workers (`celery`), or on a task of the api
+    # process that took them (`api`); `auto`: Celery with Redis, the api process without.
+    batch_runner: Literal["auto", "api", "celery"] = "auto"
+    batch_window: int = Field(256, ge=1)  # a batch's requests in the transport at once
+    batch_lease_s: float = Field(30.0, gt=0)  # a batch's runner silent this long is replaced
+
     # The reconciler: open items older than `reconcile_grace_s` that the transport has lost are
     # enqueued again, checked every `reconcile_interval_s` (0: off).
     reconcile_interval_s: float = Field(30.0, ge=0)
@@ -52,12 +60,21 @@ class Settings(BaseSettings):
     # results and usage, are deleted `retention_days` after they finished (0: kept forever).
     retention_days: float = Field(30.0, ge=0)
     retention_interval_s: float = Field(3600.0, gt=0)
+    # Files (uploads and batch outputs) are deleted `file_retention_days` after they were
+    # created, unless an unfinished batch reads them (0: kept until deleted).
+    file_retention_days: float = Field(30.0, ge=0)
 
     # Auth: when on, every route outside `public_routes` needs `Authorization: Bearer <key>`.
     api_key: str | None = None  # a single static key, as TGI's --api-key
     require_api_keys: bool = False  # keys stored (hashed) in the database
     public_routes: tuple[str, ...] = ("/health", "/ping", "/info", "/metrics", "/v1/models")
     cors_allow_origin: tuple[str, ...] = ()
+
+    @property
+    def batches_on_celery(self) -> bool:
+        if self.batch_runner == "auto":
+            return self.redis_url is not None
+        return self.batch_runner == "celery"
 
     @model_validator(mode="after")
     def _check_lengths(self) -> Settings:

@@ -9,6 +9,8 @@ bodies are functions tested on their own (`bulk.tasks`). Beat runs the reconcile
 
 from __future__ import annotations
 
+from functools import cache
+
 from celery import Celery
 
 from api.settings import Settings
@@ -40,6 +42,16 @@ def make_app(settings: Settings | None = None) -> Celery:
         schedule["reconcile"] = {"task": "tgq.reconcile", "schedule": settings.reconcile_interval_s}
     app.conf.beat_schedule = schedule
     return app
+
+
+@cache
+def _sender(settings: Settings) -> Celery:
+    return make_app(settings)
+
+
+def send_run_batch(settings: Settings, batch_id: str) -> None:
+    """Queues `tgq.run_batch` for the batch (the api sends it; it imports no task code)."""
+    _sender(settings).send_task("tgq.run_batch", args=[batch_id])
 
 
 app = make_app()

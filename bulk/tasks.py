@@ -1,5 +1,5 @@
 """Celery tasks: thin wrappers that open what they need from the settings and call tested
-functions (`api.reconciler.reconcile_once`, `api.db.store.delete_finished_before`)."""
+functions (`api.batches.runner.run_batch`, `api.reconciler.reconcile_once`, ...)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,47 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.pool import NullPool
 
 from api.app import model_dir_of
+from api.batches.runner import BatchContext, run_batch
 from api.db import create_engine, store
-from api.reconciler import reconcile_once
+from api.files.storage import LocalFileStorage
+from api.reconciler import reconcile_once, resume_batches
 from api.settings import Settings
+from api.tokenizer import ModelTokenizer
 from batcher.transport.aio import AsyncRedisApiTransport
-from bulk.celery_app import DEFAULT_BROKER, app
+from bulk.celery_app import DEFAULT_BROKER, app, send_run_batch
 from gpu_worker.config import model_eos_token_ids  # torch-free: it reads config.json
+
+
+@app.task(name="tgq.run_batch")  # type: ignore[untyped-decorator]  # celery has no types
+def run_batch_task(batch_id: str) -> str:
+    """Drives the batch to its end (or leaves it to the runner that holds it); its status."""
+    return asyncio.run(_run_batch(Settings(), batch_id))
+
+
+async def _run_batch(settings: Settings, batch_id: str) -> str:
+    engine = create_engine(settings.database_url)
+    transport = AsyncRedisApiTransport.from_url(
+        settings.redis_url or DEFAULT_BROKER, settings.redis_prefix
+    )
+    tokenizer = ModelTokenizer.from_model_dir(
+        model_dir_of(settings), max_workers=settings.validation_workers
+    )
+    context = BatchContext(
+        engine, transport, LocalFileStorage(settings.file_storage_dir), tokenizer, settings,
+        window=settings.batch_window, lease_s=settings.batch_lease_s,
+    )  # fmt: skip
+    try:
+        return await run_batch(context, batch_id)
+    finally:
+        tokenizer.close()
+        await transport.close()
+        await engine.dispose()
 
 
 @app.task(name="tgq.reconcile")  # type: ignore[untyped-decorator]  # celery has no types
 def reconcile() -> int:
-    """Re-enqueues the accepted items Redis lost; returns how many."""
+    """Re-enqueues the accepted items Redis lost, and starts runners for the batches nobody
+    drives; returns how many items."""
     return asyncio.run(_reconcile(Settings()))
 
 
@@ -27,14 +57,21 @@ async def _reconcile(settings: Settings) -> int:
     engine = create_engine(settings.database_url, poolclass=NullPool)
     redis_url = settings.redis_url or DEFAULT_BROKER
     transport = AsyncRedisApiTransport.from_url(redis_url, settings.redis_prefix)
+
+    async def start(batch_id: str) -> None:
+        await asyncio.to_thread(send_run_batch, settings, batch_id)
+
     try:
-        return await reconcile_once(
+        count = await reconcile_once(
             engine=engine,
             transport=transport,
             settings=settings,
             eos_token_ids=model_eos_token_ids(model_dir_of(settings)),
             older_than_s=settings.reconcile_grace_s,
         )
+        if settings.batches_on_celery:
+            await resume_batches(engine, start, grace_s=2 * settings.batch_lease_s)
+        return count
     finally:
         await transport.close()
         await engine.dispose()

@@ -1,10 +1,15 @@
-"""Running one batch: its input file becomes one job of kind `batch` (one item per valid line),
-fed to the transport in a bounded window, then its results become the output and error files.
+"""Running one batch: its input file becomes one job of kind `batch` (one item per valid line,
+each with its own parameters), fed to the transport in a bounded window, then its results become
+the output and error files.
 
-`run_batch` can be run again at any point (a worker that died, an api restart) and goes on
-where the database says the batch is: lines and the job are committed once, together; the
-window enqueues only items the transport does not know (as the reconciler does), so a line is
-never run twice on purpose and a finished one is never redone.
+A batch is driven by one runner at a time: the runner holds the batch's lease in the database
+and renews it as it goes; a second runner started for the same batch (a task delivered twice,
+a reconciler that thought it lost) finds the lease taken and leaves. A runner that dies stops
+renewing; when the lease has run out, the reconciler starts another, which goes on where the
+database says the batch is: validation resumes after the last committed chunk of lines, the
+window enqueues only items the transport does not know (items are rebuilt from their rows, as
+the reconciler does for jobs), and finalizing is redone from the start (its files have ids of
+the batch's own, so a redo replaces them). Nothing finished is redone.
 
 Statuses, as OpenAI's: validating → in_progress → finalizing → completed; failed (the input
 could not be read); cancelling → cancelled; expired (past `expires_at`: unfinished lines go to
@@ -17,8 +22,9 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,13 +38,13 @@ from api.db import store
 from api.errors import ApiError
 from api.files.storage import FileStorage
 from api.generation import new_job_id, request_id_of
+from api.reconciler import rebuild_request
 from api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from api.service import job_params
 from api.settings import Settings
 from api.tokenizer import ModelTokenizer
-from api.validated import GenerationParams, ValidatedRequest
+from api.validated import ValidatedRequest
 from api.validation import chat_params, completion_params, validate_tokens
-from batcher.messages import SubmitRequest
 from batcher.request import Priority
 from batcher.transport.aio import AsyncApiTransport
 
@@ -54,17 +60,64 @@ class BatchContext:
     tokenizer: ModelTokenizer
     settings: Settings
     window: int = 256  # at most this many of a batch's requests in the transport at once
+    lease_s: float = 30.0  # a runner silent this long is taken for dead
+    chunk_lines: int = 500  # lines validated, committed and written per round
+    runner_id: str = field(default_factory=lambda: f"runner-{secrets.token_hex(6)}")
+
+
+class LeaseLostError(Exception):
+    """Another runner took the batch over (this one was too slow to renew its lease)."""
+
+
+class _Lease:
+    """This runner's hold on one batch, renewed at most every third of its length."""
+
+    def __init__(self, ctx: BatchContext, batch_id: str) -> None:
+        self.ctx, self.batch_id = ctx, batch_id
+        self.renewed = -float("inf")
+
+    async def take(self) -> bool:
+        async with self.ctx.engine.begin() as conn:
+            taken = await db_batches.claim(
+                conn, batch_id=self.batch_id, runner_id=self.ctx.runner_id,
+                lease_s=self.ctx.lease_s,
+            )  # fmt: skip
+        if taken:
+            self.renewed = time.monotonic()
+        return taken
+
+    async def release(self) -> None:
+        async with self.ctx.engine.begin() as conn:
+            await db_batches.release(conn, batch_id=self.batch_id, runner_id=self.ctx.runner_id)
+
+    async def renew(self) -> None:
+        if time.monotonic() - self.renewed >= self.ctx.lease_s / 3 and not await self.take():
+            raise LeaseLostError(self.batch_id)
 
 
 async def run_batch(ctx: BatchContext, batch_id: str) -> str:
-    """Drives the batch to a terminal status; returns it."""
-    batch = await _get(ctx, batch_id)
-    if batch.is_finished:
+    """Drives the batch to a terminal status and returns it; a batch another runner holds is
+    left alone (its status is returned)."""
+    lease = _Lease(ctx, batch_id)
+    if not await lease.take():
+        batch = await _get(ctx, batch_id)
+        if not batch.is_finished:
+            log.info("batch %s: runner %s holds it", batch_id, batch.runner_id)
         return batch.status
-    if batch.job_id is None and batch.status != "cancelling":
-        batch = await _prepare(ctx, batch)
-    final_status = await _drive(ctx, batch)
-    return await _finalize(ctx, batch_id, final_status)
+    try:
+        batch = await _get(ctx, batch_id)
+        if batch.status == "validating":
+            batch = await _prepare(ctx, batch, lease)
+        if batch.status in ("in_progress", "cancelling"):
+            await _drive(ctx, batch, lease)
+        if (await _get(ctx, batch_id)).status == "finalizing":
+            await _finalize(ctx, batch_id, lease)
+    except LeaseLostError:
+        log.warning("batch %s: another runner took it over; %s stops", batch_id, ctx.runner_id)
+    except asyncio.CancelledError:  # this process stops: the next runner need not wait
+        await asyncio.shield(lease.release())
+        raise
+    return (await _get(ctx, batch_id)).status
 
 
 async def _get(ctx: BatchContext, batch_id: str) -> db_batches.BatchRecord:
@@ -75,86 +128,109 @@ async def _get(ctx: BatchContext, batch_id: str) -> db_batches.BatchRecord:
     return batch
 
 
-# --- validating: lines → one job ------------------------------------------------------------
+# --- validating: lines → one job, a chunk at a time -------------------------------------------
 
 
-async def _prepare(ctx: BatchContext, batch: db_batches.BatchRecord) -> db_batches.BatchRecord:
+async def _prepare(
+    ctx: BatchContext, batch: db_batches.BatchRecord, lease: _Lease
+) -> db_batches.BatchRecord:
+    """Validates the lines after those already committed, `chunk_lines` per transaction, then
+    moves the batch to `in_progress` (or stops, when it is being cancelled)."""
+    job_id = batch.job_id or await _create_job(ctx, batch)
+    async with ctx.engine.connect() as conn:
+        num_lines, num_items = await db_batches.count_lines(conn, batch_id=batch.id)
+    lines: list[db_batches.LineRecord] = []
+    items: list[tuple[str, list[int]]] = []
+    params: list[dict[str, Any]] = []
+
+    async def commit() -> bool:
+        """Writes the chunk; False when the batch is no longer validating (cancelled)."""
+        nonlocal num_items
+        await lease.renew()
+        async with ctx.engine.begin() as conn:
+            if await db_batches.lock_status(conn, batch_id=batch.id) != "validating":
+                return False
+            await db_batches.add_items(
+                conn, job_id=job_id, first_index=num_items, items=items, params=params
+            )
+            await db_batches.add_lines(conn, lines=lines)
+        num_items += len(items)
+        for chunk in (lines, items, params):
+            chunk.clear()
+        return True
+
     try:
-        raw_lines = await _read_lines(ctx, batch.input_file_id)
-    except (OSError, LookupError) as error:
+        async for line_index, raw in _read_lines(ctx, batch.input_file_id, skip=num_lines):
+            custom_id = str(raw.get("custom_id", ""))
+            try:
+                if raw.get("url") != batch.endpoint:
+                    raise ValueError(f"url {raw.get('url')!r} is not the batch's {batch.endpoint}")
+                validated = await _validate(ctx, batch.endpoint, raw.get("body", {}))
+            except (ApiError, RenderError, ValueError) as error:
+                message = error.message if isinstance(error, ApiError) else str(error)
+                lines.append(db_batches.LineRecord(batch.id, line_index, custom_id, None, message))
+            else:
+                item_index = num_items + len(items)
+                items.append((request_id_of(job_id, item_index), validated.prompt_token_ids))
+                params.append(job_params(validated.params))
+                line = db_batches.LineRecord(batch.id, line_index, custom_id, item_index, None)
+                lines.append(line)
+            if len(lines) >= ctx.chunk_lines and not await commit():
+                return await _get(ctx, batch.id)
+    except (OSError, LookupError, json.JSONDecodeError) as error:
         async with ctx.engine.begin() as conn:
             await db_batches.set_status(
                 conn, batch_id=batch.id, status="failed", only_from=("validating",),
                 error=f"the input file could not be read: {error}",
             )  # fmt: skip
         return await _get(ctx, batch.id)
-    job_id = new_job_id()
-    lines: list[db_batches.LineRecord] = []
-    requests: list[SubmitRequest] = []
-    params_seen: GenerationParams | None = None
-    for line_index, raw in enumerate(raw_lines):
-        custom_id = str(raw.get("custom_id", ""))
-        try:
-            if raw.get("url") != batch.endpoint:
-                raise ValueError(f"url {raw.get('url')!r} is not the batch's {batch.endpoint}")
-            validated = await _validate(ctx, batch.endpoint, raw.get("body", {}))
-        except (ApiError, RenderError, ValueError) as error:
-            message = error.message if isinstance(error, ApiError) else str(error)
-            lines.append(db_batches.LineRecord(batch.id, line_index, custom_id, None, message))
-            continue
-        item_index = len(requests)
-        params_seen = params_seen or validated.params
-        requests.append(
-            SubmitRequest(
-                request_id_of(job_id, item_index),
-                validated.prompt_token_ids,
-                validated.sampling,
-                validated.stopping,
-                Priority.BULK,
-                batch.expires_at.timestamp(),
-            )
-        )
-        lines.append(db_batches.LineRecord(batch.id, line_index, custom_id, item_index, None))
+    if not await commit():
+        return await _get(ctx, batch.id)
     async with ctx.engine.begin() as conn:
-        if requests:
-            await store.create_jobs(
-                conn,
-                jobs=[
-                    store.NewJob(
-                        job_id=job_id,
-                        kind="batch",
-                        route=batch.endpoint,
-                        priority=int(Priority.BULK),
-                        model=ctx.settings.model_id,
-                        params=job_params(params_seen) if params_seen else {},
-                        items=[(r.request_id, r.prompt_token_ids) for r in requests],
-                        api_key_id=batch.api_key_id,
-                        deadline=batch.expires_at,
-                        metadata={"batch_id": batch.id},
-                    )
-                ],
-            )
-        await db_batches.add_lines(conn, lines=lines)
+        num_lines, num_items = await db_batches.count_lines(conn, batch_id=batch.id)
+        await db_batches.set_num_items(conn, job_id=job_id, num_items=num_items)
         await db_batches.set_status(
             conn, batch_id=batch.id, status="in_progress", only_from=("validating",),
-            job_id=job_id if requests else None, num_total=len(lines),
+            num_total=num_lines,
         )  # fmt: skip
-    _built[batch.id] = {r.request_id: r for r in requests}
     return await _get(ctx, batch.id)
 
 
-# Per batch, its requests as built at validation, kept for the window of this process (a
-# restarted runner rebuilds them from the file).
-_built: dict[str, dict[str, SubmitRequest]] = {}
+async def _create_job(ctx: BatchContext, batch: db_batches.BatchRecord) -> str:
+    """The batch's job, without items yet (they come with their lines)."""
+    job_id = new_job_id()
+    job = store.NewJob(
+        job_id=job_id, kind="batch", route=batch.endpoint, priority=int(Priority.BULK),
+        model=ctx.settings.model_id, params={}, items=[], api_key_id=batch.api_key_id,
+        deadline=batch.expires_at, metadata={"batch_id": batch.id},
+    )  # fmt: skip
+    async with ctx.engine.begin() as conn:
+        await store.create_jobs(conn, jobs=[job])
+        await db_batches.set_job(conn, batch_id=batch.id, job_id=job_id)
+    return job_id
 
 
-async def _read_lines(ctx: BatchContext, file_id: str) -> list[dict[str, Any]]:
+async def _read_lines(
+    ctx: BatchContext, file_id: str, *, skip: int
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """The file's non-blank lines after the first `skip`, parsed, streamed from the storage."""
     async with ctx.engine.connect() as conn:
         record = await db_files.get_file(conn, file_id=file_id)
     if record is None:
         raise LookupError(f"file {file_id} is gone")
-    content = b"".join([chunk async for chunk in ctx.storage.read(record.storage_key)])
-    return [json.loads(line) for line in content.splitlines() if line.strip()]
+    line_index, rest = 0, b""
+    chunks = ctx.storage.read(record.storage_key)
+    while True:
+        chunk = await anext(chunks, None)
+        rows = (rest + (chunk or b"\n")).split(b"\n")
+        rest = rows.pop()
+        for row in rows:
+            if row.strip():
+                if line_index >= skip:
+                    yield line_index, json.loads(row)
+                line_index += 1
+        if chunk is None:
+            return
 
 
 async def _validate(ctx: BatchContext, endpoint: str, body: dict[str, Any]) -> ValidatedRequest:
@@ -185,18 +261,19 @@ async def _validate(ctx: BatchContext, endpoint: str, body: dict[str, Any]) -> V
 # --- in_progress: the window ------------------------------------------------------------------
 
 
-async def _drive(ctx: BatchContext, batch: db_batches.BatchRecord) -> str:
-    """Feeds the window until the job ends, the batch is cancelled or it expires."""
+async def _drive(ctx: BatchContext, batch: db_batches.BatchRecord, lease: _Lease) -> None:
+    """Feeds the window until the job ends, the batch is cancelled or it expires; then moves
+    the batch to `finalizing`, recording the status that ends it."""
     while True:
+        await lease.renew()
         batch = await _get(ctx, batch.id)
-        if batch.status == "cancelling":
-            await _stop_job(ctx, batch)
-            return "cancelled"
-        if batch.status != "in_progress" or batch.job_id is None:
-            return "completed" if batch.status == "in_progress" else batch.status
-        if datetime.now(UTC) >= batch.expires_at:
-            await _stop_job(ctx, batch)
-            return "expired"
+        if batch.status not in ("in_progress", "cancelling") or batch.job_id is None:
+            outcome = "cancelled" if batch.status == "cancelling" else "completed"
+            break
+        if batch.status == "cancelling" or datetime.now(UTC) >= batch.expires_at:
+            await _stop_job(ctx, batch.job_id)
+            outcome = "cancelled" if batch.status == "cancelling" else "expired"
+            break
         async with ctx.engine.connect() as conn:
             job = await store.get_job(conn, job_id=batch.job_id)
             window = await db_batches.open_items(conn, job_id=batch.job_id, limit=ctx.window)
@@ -207,94 +284,107 @@ async def _drive(ctx: BatchContext, batch: db_batches.BatchRecord) -> str:
                 await db_batches.set_counts(
                     conn, batch_id=batch.id, completed=completed, failed=job.num_items_failed
                 )
-        if job.is_finished:
-            return "completed"
-        missing = await ctx.transport.missing(window)
+        if job.is_finished or job.num_items_done >= job.num_items:
+            outcome = "completed"
+            break
+        missing = set(await ctx.transport.missing([item.request_id for item in window]))
         if missing:
-            await ctx.transport.submit(await _requests_for(ctx, batch, missing))
+            eos = ctx.tokenizer.eos_token_ids
+            requests = [
+                rebuild_request(item, job, ctx.settings, eos, attempt=item.attempts + 1)
+                for item in window
+                if item.request_id in missing
+            ]
+            await ctx.transport.submit(requests)
         await asyncio.sleep(POLL_S)
-
-
-async def _requests_for(
-    ctx: BatchContext, batch: db_batches.BatchRecord, request_ids: list[str]
-) -> list[SubmitRequest]:
-    built = _built.get(batch.id, {})
-    if all(r in built for r in request_ids):
-        return [built[r] for r in request_ids]
-    # A restarted runner: validate the lines again (same file, same rules, same requests).
-    raw_lines = await _read_lines(ctx, batch.input_file_id)
-    async with ctx.engine.connect() as conn:
-        lines = await db_batches.get_lines(conn, batch_id=batch.id)
-    assert batch.job_id is not None
-    rebuilt = {}
-    for line in lines:
-        if line.item_index is None:
-            continue
-        validated = await _validate(ctx, batch.endpoint, raw_lines[line.line_index]["body"])
-        request_id = request_id_of(batch.job_id, line.item_index)
-        rebuilt[request_id] = SubmitRequest(
-            request_id, validated.prompt_token_ids, validated.sampling, validated.stopping,
-            Priority.BULK, batch.expires_at.timestamp(), attempt=2,
-        )  # fmt: skip
-    _built[batch.id] = rebuilt
-    return [rebuilt[r] for r in request_ids]
-
-
-async def _stop_job(ctx: BatchContext, batch: db_batches.BatchRecord) -> None:
-    if batch.job_id is None:
-        return
     async with ctx.engine.begin() as conn:
-        request_ids = await store.cancel_job(conn, job_id=batch.job_id) or []
-    for request_id in request_ids:
+        await db_batches.set_status(
+            conn, batch_id=batch.id, status="finalizing", only_from=("in_progress", "cancelling"),
+            finalizing_to=outcome,
+        )  # fmt: skip
+
+
+async def _stop_job(ctx: BatchContext, job_id: str) -> None:
+    """Cancels the job's unfinished items (the cancel route may have done it already) and aborts
+    those that can be in the transport: the first `window` of them, in item order."""
+    async with ctx.engine.begin() as conn:
+        request_ids = await store.cancel_job(conn, job_id=job_id) or []
+    for request_id in request_ids[: ctx.window]:
         await ctx.transport.abort(request_id, "batch cancelled or expired")
 
 
 # --- finalizing: the output and error files ---------------------------------------------------
 
 
-async def _finalize(ctx: BatchContext, batch_id: str, final_status: str) -> str:
+@dataclass
+class _Tally:
+    num_lines: int = 0
+    num_outputs: int = 0
+    num_errors: int = 0
+
+
+async def _finalize(ctx: BatchContext, batch_id: str, lease: _Lease) -> None:
+    """Writes the output file, then the error file, a chunk of lines at a time, and ends the
+    batch in the status recorded when it entered `finalizing`."""
     batch = await _get(ctx, batch_id)
-    if batch.is_finished:
-        return batch.status
-    if final_status == "failed" or batch.status == "failed":
-        return "failed"
-    async with ctx.engine.begin() as conn:
-        is_mine = await db_batches.set_status(
-            conn, batch_id=batch_id, status="finalizing",
-            only_from=("in_progress", "cancelling"),
-        )  # fmt: skip
-    if not is_mine:  # another runner of this batch is finalizing it
-        return (await _get(ctx, batch_id)).status
-    async with ctx.engine.connect() as conn:
-        lines = await db_batches.get_lines(conn, batch_id=batch_id)
-        results = {}
-        if batch.job_id is not None:
-            results = {r.item_index: r for r in await store.get_results(conn, job_id=batch.job_id)}
-    outputs, errors = [], []
-    for line in lines:
-        result = None if line.item_index is None else results.get(line.item_index)
-        if line.error is not None:
-            errors.append(_error_line(line, "invalid_request", line.error))
-        elif result is not None and result.finish_reason in ("stop", "length"):
-            outputs.append(_output_line(ctx, batch, line, result))
-        elif final_status == "expired" and (
-            result is None or result.finish_reason in ("deadline", "abort")
-        ):  # the batcher ends what is still running at `expires_at` itself ("deadline")
-            errors.append(_error_line(line, "batch_expired", "the batch expired first"))
-        elif result is None or result.finish_reason == "abort":
-            errors.append(_error_line(line, "batch_cancelled", "the batch was cancelled first"))
-        else:
-            errors.append(_error_line(line, result.finish_reason, result.finish_detail or ""))
-    output_id = await _write_file(ctx, batch, f"{batch_id}_output.jsonl", outputs)
-    error_id = await _write_file(ctx, batch, f"{batch_id}_error.jsonl", errors)
+    outcome = batch.finalizing_to or "completed"
+    tally = _Tally()
+
+    async def rows(want_output: bool) -> AsyncIterator[bytes]:
+        first = 0
+        while True:
+            await lease.renew()
+            async with ctx.engine.connect() as conn:
+                lines = await db_batches.get_lines(
+                    conn, batch_id=batch_id, first=first, limit=ctx.chunk_lines
+                )
+                indexes = [line.item_index for line in lines if line.item_index is not None]
+                results = {}
+                if batch.job_id is not None and indexes:
+                    found = await store.get_results(conn, job_id=batch.job_id, item_indexes=indexes)
+                    results = {result.item_index: result for result in found}
+            if not lines:
+                return
+            for line in lines:
+                result = None if line.item_index is None else results.get(line.item_index)
+                is_output, row = _line_of(ctx, batch, line, result, outcome)
+                if is_output == want_output:
+                    yield (json.dumps(row, ensure_ascii=False) + "\n").encode()
+                if want_output:
+                    tally.num_lines += 1
+                    tally.num_outputs += is_output
+                else:
+                    tally.num_errors += not is_output
+            first = lines[-1].line_index + 1
+
+    output_id = await _write_file(ctx, batch, "output", rows(want_output=True))
+    error_id = await _write_file(ctx, batch, "error", rows(want_output=False))
     async with ctx.engine.begin() as conn:
         await db_batches.set_status(
-            conn, batch_id=batch_id, status=final_status, only_from=("finalizing",),
-            output_file_id=output_id, error_file_id=error_id, num_total=len(lines),
-            num_completed=len(outputs), num_failed=len(errors),
+            conn, batch_id=batch_id, status=outcome, only_from=("finalizing",),
+            output_file_id=output_id, error_file_id=error_id, num_total=tally.num_lines,
+            num_completed=tally.num_outputs, num_failed=tally.num_errors,
         )  # fmt: skip
-    _built.pop(batch_id, None)
-    return final_status
+
+
+def _line_of(
+    ctx: BatchContext,
+    batch: db_batches.BatchRecord,
+    line: db_batches.LineRecord,
+    result: store.ResultRecord | None,
+    outcome: str,
+) -> tuple[bool, dict[str, Any]]:
+    """The line's row, and whether it goes to the output file (else the error file)."""
+    if line.error is not None:
+        return False, _error_line(line, "invalid_request", line.error)
+    if result is not None and result.finish_reason in ("stop", "length"):
+        return True, _output_line(ctx, batch, line, result)
+    if outcome == "expired" and (result is None or result.finish_reason in ("deadline", "abort")):
+        # the batcher ends what is still running at `expires_at` itself ("deadline")
+        return False, _error_line(line, "batch_expired", "the batch expired first")
+    if result is None or result.finish_reason == "abort":
+        return False, _error_line(line, "batch_cancelled", "the batch was cancelled first")
+    return False, _error_line(line, result.finish_reason, result.finish_detail or "")
 
 
 def _output_line(
@@ -321,34 +411,42 @@ def _output_line(
         body = {"id": f"cmpl-{result.request_id}", "object": "text_completion"}
     body.update(created=created, model=ctx.settings.model_id, choices=[choice], usage=usage)
     response = {"status_code": 200, "request_id": result.request_id, "body": body}
-    return {"id": _line_id(), "custom_id": line.custom_id, "response": response, "error": None}
+    return {"id": _line_id(line), "custom_id": line.custom_id, "response": response, "error": None}
 
 
 def _error_line(line: db_batches.LineRecord, code: str, message: str) -> dict[str, Any]:
     error = {"code": code, "message": message}
-    return {"id": _line_id(), "custom_id": line.custom_id, "response": None, "error": error}
+    return {"id": _line_id(line), "custom_id": line.custom_id, "response": None, "error": error}
 
 
-def _line_id() -> str:
-    return f"batch_req_{secrets.token_hex(12)}"
+def _line_id(line: db_batches.LineRecord) -> str:
+    """The line's id in the output: the same when finalizing is redone."""
+    return f"batch_req_{line.batch_id.removeprefix('batch_')}_{line.line_index}"
 
 
 async def _write_file(
-    ctx: BatchContext, batch: db_batches.BatchRecord, filename: str, rows: list[dict[str, Any]]
+    ctx: BatchContext, batch: db_batches.BatchRecord, kind: str, rows: AsyncIterator[bytes]
 ) -> str | None:
-    if not rows:
+    """Streams the rows to the batch's `kind` file; its id, or None when there were no rows.
+    The id is the batch's own, so a redone finalizing replaces the file."""
+    file_id = f"file-{kind}-{batch.id.removeprefix('batch_')}"
+    num_lines = 0
+
+    async def counted() -> AsyncIterator[bytes]:
+        nonlocal num_lines
+        async for row in rows:
+            num_lines += 1
+            yield row
+
+    num_bytes = await ctx.storage.write(file_id, counted())
+    if num_lines == 0:
+        await ctx.storage.delete(file_id)
         return None
-    file_id = f"file-{secrets.token_hex(12)}"
-
-    async def chunks() -> AsyncIterator[bytes]:
-        for row in rows:
-            yield (json.dumps(row, ensure_ascii=False) + "\n").encode()
-
-    num_bytes = await ctx.storage.write(file_id, chunks())
     async with ctx.engine.begin() as conn:
+        await db_files.purge_file(conn, file_id=file_id)
         await db_files.create_file(
-            conn, file_id=file_id, purpose="batch_output", filename=filename,
-            num_bytes=num_bytes, num_lines=len(rows), storage_key=file_id,
+            conn, file_id=file_id, purpose="batch_output", filename=f"{batch.id}_{kind}.jsonl",
+            num_bytes=num_bytes, num_lines=num_lines, storage_key=file_id,
             api_key_id=batch.api_key_id,
         )  # fmt: skip
     return file_id

@@ -4,14 +4,14 @@ one job of kind `batch`, so their results, the persister and the reconciler are 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.db import models as db
-from api.db.store import as_records, record_columns, utc_now
+from api.db.store import ItemRecord, as_records, item_rows, record_columns, utc_now
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 # The timestamp column each status sets when a batch enters it.
@@ -51,6 +51,9 @@ class BatchRecord:
     expired_at: datetime | None
     cancelling_at: datetime | None
     cancelled_at: datetime | None
+    runner_id: str | None
+    lease_until: datetime | None
+    finalizing_to: str | None
 
     @property
     def is_finished(self) -> bool:
@@ -80,7 +83,11 @@ async def create_batch(
     expires_at: datetime,
     metadata: dict[str, Any] | None = None,
     api_key_id: int | None = None,
+    dispatch_grace_s: float = 60.0,
 ) -> BatchRecord:
+    """A new batch, `validating`, leased for `dispatch_grace_s` to the runner about to be
+    started for it (the reconciler resumes it if none has claimed it by then)."""
+    now = utc_now()
     created = await conn.execute(
         insert(db.batches)
         .values(
@@ -91,8 +98,9 @@ async def create_batch(
             completion_window=completion_window,
             metadata=metadata,
             api_key_id=api_key_id,
-            created_at=utc_now(),
+            created_at=now,
             expires_at=expires_at,
+            lease_until=now + timedelta(seconds=dispatch_grace_s),
         )
         .returning(*_BATCH)
     )
@@ -131,12 +139,66 @@ async def unfinished_batches(conn: AsyncConnection) -> list[BatchRecord]:
     return as_records(BatchRecord, await conn.execute(query.order_by(db.batches.c.created_at)))
 
 
+async def claim(conn: AsyncConnection, *, batch_id: str, runner_id: str, lease_s: float) -> bool:
+    """Take (or renew) the batch's lease for `runner_id`: it succeeds when the batch is
+    unfinished and its lease is this runner's, nobody's, or has run out."""
+    batch = db.batches.c
+    now = utc_now()
+    claimed = await conn.execute(
+        update(db.batches)
+        .where(
+            batch.id == batch_id,
+            batch.status.not_in(TERMINAL),
+            or_(
+                batch.runner_id.is_(None),
+                batch.runner_id == runner_id,
+                batch.lease_until.is_(None),
+                batch.lease_until < now,
+            ),
+        )
+        .values(runner_id=runner_id, lease_until=now + timedelta(seconds=lease_s))
+        .returning(batch.id)
+    )
+    return claimed.first() is not None
+
+
+async def release(conn: AsyncConnection, *, batch_id: str, runner_id: str) -> None:
+    """Give the lease up now (a runner stopping early), so another can take over at once."""
+    batch = db.batches.c
+    await conn.execute(
+        update(db.batches)
+        .where(batch.id == batch_id, batch.runner_id == runner_id)
+        .values(runner_id=None, lease_until=utc_now())
+    )
+
+
+async def lapsed_batches(conn: AsyncConnection, *, grace_s: float) -> list[str]:
+    """Unfinished batches nobody drives: their lease ran out (their runner died, or the task
+    that was to start one was lost). Each is leased for `grace_s` to the runner the caller
+    starts, so that other replicas of the caller leave it alone meanwhile."""
+    batch = db.batches.c
+    now = utc_now()
+    lapsed = await conn.execute(
+        update(db.batches)
+        .where(
+            batch.status.not_in(TERMINAL),
+            or_(batch.lease_until.is_(None), batch.lease_until < now),
+        )
+        .values(runner_id=None, lease_until=now + timedelta(seconds=grace_s))
+        .returning(batch.id, batch.created_at)
+    )
+    return [batch_id for batch_id, _ in sorted(lapsed.all(), key=lambda row: row[1])]
+
+
 async def set_status(
     conn: AsyncConnection, *, batch_id: str, status: str, only_from: tuple[str, ...], **values: Any
 ) -> bool:
-    """Move the batch to `status` (stamping its time) if it is in one of `only_from`."""
+    """Move the batch to `status` (stamping its time) if it is in one of `only_from`; a
+    terminal status releases the lease."""
     batch = db.batches.c
-    stamp = {_ENTERED_AT[status]: utc_now()} if status in _ENTERED_AT else {}
+    stamp: dict[str, Any] = {_ENTERED_AT[status]: utc_now()} if status in _ENTERED_AT else {}
+    if status in TERMINAL:
+        stamp |= {"runner_id": None, "lease_until": None}
     moved = await conn.execute(
         update(db.batches)
         .where(batch.id == batch_id, batch.status.in_(only_from))
@@ -144,6 +206,17 @@ async def set_status(
         .returning(batch.id)
     )
     return moved.first() is not None
+
+
+async def lock_status(conn: AsyncConnection, *, batch_id: str) -> str | None:
+    """The batch's status, its row locked until the transaction ends (a cancel waits)."""
+    query = select(db.batches.c.status).where(db.batches.c.id == batch_id).with_for_update()
+    status: str | None = (await conn.execute(query)).scalar()
+    return status
+
+
+async def set_job(conn: AsyncConnection, *, batch_id: str, job_id: str) -> None:
+    await conn.execute(update(db.batches).where(db.batches.c.id == batch_id).values(job_id=job_id))
 
 
 async def set_counts(conn: AsyncConnection, *, batch_id: str, completed: int, failed: int) -> None:
@@ -169,19 +242,49 @@ async def add_lines(conn: AsyncConnection, *, lines: list[LineRecord]) -> None:
         await conn.execute(insert(db.batch_lines), rows)
 
 
-async def get_lines(conn: AsyncConnection, *, batch_id: str) -> list[LineRecord]:
+async def get_lines(
+    conn: AsyncConnection, *, batch_id: str, first: int = 0, limit: int | None = None
+) -> list[LineRecord]:
+    """The batch's lines from line index `first`, in order, at most `limit` of them."""
     lines = db.batch_lines.c
-    query = select(*_LINE).where(lines.batch_id == batch_id).order_by(lines.line_index)
+    query = select(*_LINE).where(lines.batch_id == batch_id, lines.line_index >= first)
+    query = query.order_by(lines.line_index).limit(limit)
     return as_records(LineRecord, await conn.execute(query))
 
 
-async def open_items(conn: AsyncConnection, *, job_id: str, limit: int) -> list[str]:
-    """Request ids of the job's first `limit` unfinished items, in item order (the window)."""
+async def count_lines(conn: AsyncConnection, *, batch_id: str) -> tuple[int, int]:
+    """How many lines the batch has recorded, and how many of them are job items."""
+    lines = db.batch_lines.c
+    query = select(func.count(), func.count(lines.item_index)).where(lines.batch_id == batch_id)
+    num_lines, num_items = (await conn.execute(query)).one()
+    return int(num_lines), int(num_items)
+
+
+async def add_items(
+    conn: AsyncConnection,
+    *,
+    job_id: str,
+    first_index: int,
+    items: list[tuple[str, list[int]]],
+    params: list[dict[str, Any]],
+) -> None:
+    """Append items (each with its own parameters) to the batch's job."""
+    if items:
+        rows = item_rows(job_id, items, params, now=utc_now(), first_index=first_index)
+        await conn.execute(insert(db.job_items), rows)
+
+
+async def set_num_items(conn: AsyncConnection, *, job_id: str, num_items: int) -> None:
+    await conn.execute(update(db.jobs).where(db.jobs.c.id == job_id).values(num_items=num_items))
+
+
+async def open_items(conn: AsyncConnection, *, job_id: str, limit: int) -> list[ItemRecord]:
+    """The job's first `limit` unfinished items, in item order (the window)."""
     items = db.job_items.c
     query = (
-        select(items.request_id)
+        select(*record_columns(db.job_items, ItemRecord))
         .where(items.job_id == job_id, items.status.in_(("queued", "running")))
         .order_by(items.item_index)
         .limit(limit)
     )
-    return list((await conn.execute(query)).scalars())
+    return as_records(ItemRecord, await conn.execute(query))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Select, and_, or_, select, update
+from sqlalchemy import Select, and_, delete, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.db import models as db
@@ -122,3 +122,8 @@ async def delete_file(
         query = query.where(file.api_key_id == api_key_id)
     row = (await conn.execute(query.values(deleted_at=utc_now()).returning(*_FILE))).first()
     return None if row is None else FileRecord(*row)
+
+
+async def purge_file(conn: AsyncConnection, *, file_id: str) -> None:
+    """Remove the file's record for good (a file about to be written again, retention)."""
+    await conn.execute(delete(db.files).where(db.files.c.id == file_id))

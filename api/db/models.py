@@ -116,6 +116,7 @@ job_items = Table(
     _counter("attempts"),
     Column("created_at", UtcDateTime, nullable=False),
     Column("finished_at", UtcDateTime),
+    Column("params", Json),  # the item's own parameters (a batch line's); None: the job's
     PrimaryKeyConstraint("job_id", "item_index", name="pk_job_items"),
     UniqueConstraint("request_id", name="uq_job_items_request_id"),
     Index("ix_job_items_status_created_at", "status", "created_at"),
@@ -215,6 +216,11 @@ batches = Table(
     _moment("expired_at"),
     _moment("cancelling_at"),
     _moment("cancelled_at"),
+    # The runner driving the batch holds it until `lease_until` (renewed as it goes); a batch
+    # whose lease ran out is resumed by another. `finalizing_to`: the status finalizing ends in.
+    Column("runner_id", Text),
+    _moment("lease_until"),
+    Column("finalizing_to", Text),
     Index("ix_batches_api_key_id_created_at", "api_key_id", "created_at"),
 )
 

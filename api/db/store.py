@@ -96,6 +96,7 @@ class ItemRecord:
     attempts: int
     created_at: datetime
     finished_at: datetime | None
+    params: dict[str, Any] | None  # the item's own parameters; None: its job's
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ class NewJob:
     model: str | None
     params: dict[str, Any]
     items: list[tuple[str, list[int]]]  # (request_id, prompt token ids) per item
+    item_params: list[dict[str, Any]] | None = None  # per item, when items differ (batches)
     idempotency_key: str | None = None
     idempotency_scope: str = ""
     fingerprint: str | None = None  # sha256 of the request body
@@ -299,18 +301,31 @@ def _job_row(job: NewJob, now: datetime) -> dict[str, Any]:
 
 
 def _item_rows(job: NewJob, now: datetime) -> list[dict[str, Any]]:
+    return item_rows(job.job_id, job.items, job.item_params, now=now)
+
+
+def item_rows(
+    job_id: str,
+    items: Sequence[tuple[str, list[int]]],
+    params: Sequence[dict[str, Any]] | None = None,
+    *,
+    now: datetime,
+    first_index: int = 0,
+) -> list[dict[str, Any]]:
+    """Rows of `job_items` for the job's items numbered from `first_index`."""
     return [
         {
-            "job_id": job.job_id,
-            "item_index": index,
+            "job_id": job_id,
+            "item_index": first_index + offset,
             "request_id": request_id,
             "prompt_token_ids": prompt_token_ids,
             "status": "queued",
             "attempts": 0,
             "created_at": now,
             "finished_at": None,
+            "params": None if params is None else storable(params[offset]),
         }
-        for index, (request_id, prompt_token_ids) in enumerate(job.items)
+        for offset, (request_id, prompt_token_ids) in enumerate(items)
     ]
 
 
@@ -474,9 +489,15 @@ async def get_items(conn: AsyncConnection, *, job_id: str) -> list[ItemRecord]:
     return as_records(ItemRecord, await conn.execute(query.order_by(db.job_items.c.item_index)))
 
 
-async def get_results(conn: AsyncConnection, *, job_id: str) -> list[ResultRecord]:
-    query = select(*_RESULT).where(db.results.c.job_id == job_id)
-    return as_records(ResultRecord, await conn.execute(query.order_by(db.results.c.item_index)))
+async def get_results(
+    conn: AsyncConnection, *, job_id: str, item_indexes: Sequence[int] | None = None
+) -> list[ResultRecord]:
+    """The job's results in item order; with `item_indexes`, only those items'."""
+    results = db.results.c
+    query = select(*_RESULT).where(results.job_id == job_id)
+    if item_indexes is not None:
+        query = query.where(results.item_index.in_(item_indexes))
+    return as_records(ResultRecord, await conn.execute(query.order_by(results.item_index)))
 
 
 async def get_result(conn: AsyncConnection, *, job_id: str, item_index: int) -> ResultRecord | None:

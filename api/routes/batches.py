@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from api.app import AppState, state_of
 from api.db import batches as db_batches
 from api.db import files as db_files
+from api.db import store
 from api.errors import NotFoundError, ValidationError
 from api.routes.files import BATCH_URLS
 
@@ -139,8 +140,9 @@ async def create_batch(body: BatchRequest, request: Request) -> BatchObject:
             expires_at=expires_at,
             metadata=body.metadata,
             api_key_id=key_id,
+            dispatch_grace_s=2 * state.settings.batch_lease_s,
         )
-    state.start_batch(batch.id)
+    await state.start_batch(batch.id)
     return view(batch)
 
 
@@ -181,11 +183,20 @@ async def list_batches(
 
 @router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject)
 async def cancel_batch(batch_id: str, request: Request) -> BatchObject:
-    """Cancelling: unfinished lines are aborted, finished ones kept; then `cancelled`."""
+    """Cancelling: unfinished lines are cancelled with the batch's status, in one transaction
+    (no result is recorded for them after this answers), then aborted in the batchers; the
+    runner writes the files of what finished, then `cancelled`."""
     state = state_of(request)
     await _visible(state, batch_id, request)
+    request_ids: list[str] = []
     async with state.engine.begin() as conn:
-        await db_batches.set_status(
+        cancelling = await db_batches.set_status(
             conn, batch_id=batch_id, status="cancelling", only_from=("validating", "in_progress")
         )
+        batch = await db_batches.get_batch(conn, batch_id=batch_id)  # its row is locked now
+        if cancelling and batch is not None and batch.job_id is not None:
+            request_ids = await store.cancel_job(conn, job_id=batch.job_id) or []
+    # Only the first `batch_window` open items can have reached the transport.
+    for request_id in request_ids[: state.settings.batch_window]:
+        await state.transport.abort(request_id, "batch cancelled")
     return view(await _visible(state, batch_id, request))

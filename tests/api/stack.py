@@ -63,6 +63,7 @@ class Stack:
     redis_url: str | None = REDIS_URL  # None: the api runs its own batcher (embedded mode)
     api: subprocess.Popen[bytes] | None = None
     batchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)  # Celery's
 
     @property
     def url(self) -> str:
@@ -80,19 +81,39 @@ class Stack:
         self.batchers.append(process)
         return process
 
+    def service_env(self) -> dict[str, str]:
+        """What the api and the Celery workers share: database, Redis, model, file storage."""
+        redis = {} if self.redis_url is None else {"REDIS_URL": self.redis_url}
+        shared = {
+            "DATABASE_URL": self.database_url,
+            "REDIS_PREFIX": self.prefix,
+            **redis,
+            "MODEL_ID": "tgq-test",
+            "MODEL_DIR": str(self.model_dir),
+            "FILE_STORAGE_DIR": str(self.log_dir / "files"),
+        }
+        return _env(**{**shared, **self.api_env})
+
+    def start_worker(self, name: str = "w0") -> subprocess.Popen[bytes]:
+        """A Celery worker (one task at a time) that runs this stack's batches."""
+        command = [
+            sys.executable, "-m", "celery", "-A", "bulk.celery_app", "worker", "--pool", "solo",
+            "--concurrency", "1", "--loglevel", "INFO", "--hostname", f"{name}@{self.prefix}",
+        ]  # fmt: skip
+        log = open(self.log_dir / f"worker-{name}.log", "wb")  # noqa: SIM115
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=self.service_env(), stdout=log, stderr=log
+        )
+        self.workers.append(process)
+        return process
+
+    def worker_log(self, name: str = "w0") -> str:
+        return (self.log_dir / f"worker-{name}.log").read_text(errors="replace")[-4000:]
+
     def start_api(self, timeout_s: float = 60.0, *, healthy: bool = True) -> None:
         """Starts the api and waits until `/health` says 200 (or, with `healthy=False`, until it
         answers at all: an api without a live batcher is up but unhealthy)."""
-        redis = {} if self.redis_url is None else {"REDIS_URL": self.redis_url}
-        env = _env(
-            DATABASE_URL=self.database_url,
-            REDIS_PREFIX=self.prefix,
-            **redis,
-            MODEL_ID="tgq-test",
-            MODEL_DIR=str(self.model_dir),
-            PORT=str(self.port),
-            **self.api_env,
-        )
+        env = {**self.service_env(), "PORT": str(self.port)}
         log = open(self.log_dir / f"{self.name}.log", "wb")  # noqa: SIM115
         self.api = subprocess.Popen(
             [sys.executable, "-m", "api"], cwd=ROOT, env=env, stdout=log, stderr=log
@@ -117,10 +138,11 @@ class Stack:
         return (self.log_dir / f"{self.name}.log").read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        for process in [p for p in (self.api, *self.batchers) if p is not None]:
+        processes = [p for p in (self.api, *self.batchers, *self.workers) if p is not None]
+        for process in processes:
             if process.poll() is None:
                 process.terminate()
-        for process in [p for p in (self.api, *self.batchers) if p is not None]:
+        for process in processes:
             try:
                 process.wait(30)
             except subprocess.TimeoutExpired:

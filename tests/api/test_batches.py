@@ -6,15 +6,35 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import openai
 import pytest
 
+from api.db.migrate import upgrade
+from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import Stack
 
 pytestmark = pytest.mark.timeout(300)
 CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def stack(text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The stack with a Celery worker: batches run on it (`BATCH_RUNNER=auto` with Redis)."""
+    url = _create_database()
+    upgrade(url)
+    running = Stack(text_model_dir, url, tmp_path_factory.mktemp("logs"))
+    try:
+        running.start_batcher()
+        running.start_worker()
+        running.start_api()
+        yield running
+    finally:
+        running.stop()
+        _drop_database(url)
 
 
 def line(custom_id: str, url: str = CHAT, **body: Any) -> str:
@@ -74,6 +94,7 @@ def test_the_openai_sdk_flow(stack: Stack) -> None:
     assert "`messages` cannot be empty" in bad["error"]["message"]
     listed = client.batches.list(limit=5)
     assert batch.id in [b.id for b in listed.data]
+    assert "Task tgq.run_batch[" in stack.worker_log()  # it ran on the Celery worker
 
 
 def test_cancel_mid_batch_keeps_what_finished(stack: Stack) -> None:

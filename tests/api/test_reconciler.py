@@ -142,7 +142,7 @@ def test_rebuild_resolves_max_new_tokens_as_validation_does() -> None:
         item = store.ItemRecord(
             job.job_id, index, original.request_id, original.prompt_token_ids, "queued", 0,
             None,  # type: ignore[arg-type]
-            None,
+            None, None,
         )  # fmt: skip
         rebuilt = rebuild_request(item, record, SETTINGS, EOS)
         assert rebuilt.stopping == original.stopping  # 1024 - prompt length, EOS, stop strings
