@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from batcher.engine import LLMEngine, RequestOutput
 from batcher.messages import FinalResult, Heartbeat, TokenEvent
-from batcher.request import Request
+from batcher.request import Priority, Request
 from batcher.transport.base import BatcherTransport, Delivery
 
 log = logging.getLogger(__name__)
@@ -155,19 +155,32 @@ class BatcherService:
         )
 
     def _pull(self) -> None:
-        """Takes only what the scheduler can admit soon: nothing while requests it already holds
-        wait for admission (KV or token budget), at most `max_pull` at a time, never past the
-        batch size. What it leaves stays in the queue for idle batchers."""
+        """Takes only what the scheduler can admit soon: at most `max_pull` at a time, never past
+        the batch size, and nothing while requests it already holds wait for admission (KV or
+        token budget) — except requests that outrank everything it holds: an interactive request
+        preempts bulk work here rather than wait behind it in the queue (up to a batch of
+        them). What it leaves stays in the queue for idle batchers."""
         scheduler = self.engine.scheduler
-        if scheduler.waiting:
+        max_batch_size = scheduler.config.max_batch_size
+        num_slots = max_batch_size - len(self.active)
+        if scheduler.waiting or num_slots <= 0:
+            self._pull_outranking(max_batch_size)
             return
-        num_slots = scheduler.config.max_batch_size - len(self.active)
         num_wanted = min(num_slots, self.config.max_pull)
-        if num_wanted <= 0:
-            return
         block_ms = 0 if self.engine.has_unfinished else self.config.idle_block_ms
         for delivery in self.transport.pull(self.batcher_id, num_wanted, block_ms):
             self._admit(delivery)
+
+    def _pull_outranking(self, max_batch_size: int) -> None:
+        priorities = [a.delivery.request.priority for a in self.active.values()]
+        if not priorities:
+            return
+        lowest = min(priorities)
+        num_outranking = sum(priority > lowest for priority in priorities)
+        num_wanted = min(max_batch_size - num_outranking, self.config.max_pull)
+        if lowest < max(Priority) and num_wanted > 0:
+            for delivery in self.transport.pull(self.batcher_id, num_wanted, 0, above=lowest):
+                self._admit(delivery)
 
     def _admit(self, delivery: Delivery) -> None:
         submit = delivery.request

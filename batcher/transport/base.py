@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from batcher.request import Priority
 
 MAX_STARTED_LOG = 100_000  # the started log keeps about this many of the latest ids
 
@@ -119,9 +120,12 @@ class ApiTransport(Protocol):
 class BatcherTransport(Protocol):
     """What a batcher does: pull work (interactive before bulk), publish, ack, reclaim."""
 
-    def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
+    def pull(
+        self, batcher_id: str, max_count: int, block_ms: int, *, above: Priority | None = None
+    ) -> list[Delivery]:
         """Up to `max_count` requests, interactive first; waits up to `block_ms` only when none
-        is queued (0: never waits)."""
+        is queued (0: never waits). With `above`, only requests of a higher priority, at once
+        (a full batcher still takes what may preempt its work)."""
         ...
 
     def publish_tokens(self, events: list[TokenEvent]) -> None: ...

@@ -133,11 +133,16 @@ class MemoryTransport:
 
     # batcher side
 
-    def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
+    def pull(
+        self, batcher_id: str, max_count: int, block_ms: int, *, above: Priority | None = None
+    ) -> list[Delivery]:
         with self._changed:
-            self._changed.wait_for(lambda: any(self._queues.values()), block_ms / 1000)
+            if above is None:
+                self._changed.wait_for(lambda: any(self._queues.values()), block_ms / 1000)
             deliveries: list[Delivery] = []
             for priority in _PRIORITY_ORDER:
+                if above is not None and priority <= above:
+                    break
                 queue = self._queues[priority]
                 while queue and len(deliveries) < max_count:
                     entry_id, request = queue.popleft()

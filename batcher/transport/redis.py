@@ -194,7 +194,13 @@ class RedisTransport:
 
     # batcher side
 
-    def pull(self, batcher_id: str, max_count: int, block_ms: int) -> list[Delivery]:
+    def pull(
+        self, batcher_id: str, max_count: int, block_ms: int, *, above: Priority | None = None
+    ) -> list[Delivery]:
+        if above is not None:  # never blocks; what is held for this batcher stays held
+            outranking = [p for p in _PRIORITY_ORDER if p > above]
+            found = self._read_group(batcher_id, outranking, max_count, None) if outranking else []
+            return self._mark_aborted(found)
         held = self._held.pop(batcher_id, [])
         deliveries, rest = held[:max_count], held[max_count:]
         for priority in _PRIORITY_ORDER:

@@ -52,11 +52,10 @@ def submit(
     max_new_tokens: int = 6,
     deadline: float | None = None,
     stop_strings: tuple[str, ...] = (),
+    priority: Priority = Priority.INTERACTIVE,
 ) -> None:
     stopping = StoppingParams(max_new_tokens=max_new_tokens, stop_strings=stop_strings)
-    request = SubmitRequest(
-        request_id, prompt, SamplingParams(), stopping, Priority.INTERACTIVE, deadline
-    )
+    request = SubmitRequest(request_id, prompt, SamplingParams(), stopping, priority, deadline)
     transport.submit(request)
 
 
@@ -134,6 +133,24 @@ def test_pulls_nothing_while_its_own_requests_wait_for_admission() -> None:
     service.run_once()
     assert sorted(service.active) == ["r0", "r1"]  # r1 still waits: no pull
     assert len(transport.pull("idle-batcher", 10, 0)) == 3
+
+
+def test_a_full_batch_of_bulk_work_still_takes_an_interactive_request() -> None:
+    """Bulk work fills the batch and more waits in the queue; an interactive request arriving
+    then is pulled at once and preempts a bulk one (it does not wait for a bulk one to end)."""
+    transport = MemoryTransport(CONFIG)
+    service = make_service(transport, max_batch_size=2)
+    for i in range(4):
+        submit(transport, f"bulk-{i}", [1, 2, 3], max_new_tokens=30, priority=Priority.BULK)
+    service.run_once()
+    assert sorted(service.active) == ["bulk-0", "bulk-1"]
+    submit(transport, "chat", [4, 5, 6], max_new_tokens=2)
+    service.run_once()
+    assert "chat" in service.active
+    assert "chat" in [r.request_id for r in service.engine.scheduler.running]
+    run_until_final(service, transport, "chat")
+    assert transport.read_final("bulk-0") is None  # bulk work is still going
+    assert len(transport.pull("idle-batcher", 10, 0)) == 2  # the queued bulk stayed queued
 
 
 def test_abort_mid_generation_frees_the_blocks_within_one_step() -> None:

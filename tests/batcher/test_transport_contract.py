@@ -66,6 +66,16 @@ def pulled_ids(transport: Transport, batcher_id: str, max_count: int = 10) -> li
     return [d.request.request_id for d in transport.pull(batcher_id, max_count, 0)]
 
 
+def test_a_pull_above_a_priority_takes_only_what_outranks_it(transport: Transport) -> None:
+    submit(transport, "bulk-0", Priority.BULK)
+    submit(transport, "chat-0")
+    submit(transport, "chat-1")
+    outranking = transport.pull("b0", 1, 0, above=Priority.BULK)
+    assert [d.request.request_id for d in outranking] == ["chat-0"]
+    assert transport.pull("b0", 10, 0, above=Priority.INTERACTIVE) == []
+    assert pulled_ids(transport, "b0") == ["chat-1", "bulk-0"]
+
+
 def test_requests_come_out_in_submit_order(transport: Transport) -> None:
     for i in range(5):
         submit(transport, f"r{i}")
