@@ -107,6 +107,19 @@ class Stack:
         self.workers.append(process)
         return process
 
+    def start_beat(self) -> subprocess.Popen[bytes]:
+        """Celery beat: the reconciler (and retention) on their schedule."""
+        command = [
+            sys.executable, "-m", "celery", "-A", "bulk.celery_app", "beat", "--loglevel",
+            "INFO", "--schedule", str(self.log_dir / "beat-schedule"),
+        ]  # fmt: skip
+        log = open(self.log_dir / "beat.log", "wb")  # noqa: SIM115
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=self.service_env(), stdout=log, stderr=log
+        )
+        self.workers.append(process)
+        return process
+
     def worker_log(self, name: str = "w0") -> str:
         return (self.log_dir / f"worker-{name}.log").read_text(errors="replace")[-4000:]
 
