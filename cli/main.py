@@ -1,0 +1,101 @@
+"""`tgq`: the command line of the text generation queue.
+
+Each command group adds its own subparser (`_add_batch` for `tgq batch ...`) and sets `handler`,
+a function of the parsed arguments returning the exit code. A new group (`serve`, `migrate`, ...)
+is one more `_add_*` function in `COMMAND_GROUPS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeAlias
+
+from cli import INTERRUPTED, CommandError, batch
+
+DEFAULT_URL = "http://127.0.0.1:3000"
+USAGE_ERROR = 2  # argparse's own exit code for bad arguments; tgq uses it for server errors too
+
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _metadata_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _add_batch(commands: Commands) -> None:
+    group = commands.add_parser("batch", help="submit and follow batches (OpenAI's Batches API)")
+    actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    submit = actions.add_parser("submit", help="upload a JSONL file and start a batch over it")
+    submit.add_argument("file", metavar="FILE.jsonl", type=Path, help="batch request lines")
+    submit.add_argument(
+        "--endpoint",
+        choices=batch.ENDPOINTS,
+        help="the endpoint of every line (default: the first line's `url`)",
+    )
+    submit.add_argument("--completion-window", default="24h", help="e.g. 24h, 30m (default 24h)")
+    submit.add_argument(
+        "--metadata",
+        nargs="+",
+        action="extend",
+        type=_metadata_pair,
+        default=[],
+        metavar="KEY=VALUE",
+        help="stored with the batch (after FILE, or repeated)",
+    )
+    submit.add_argument(
+        "--wait", action="store_true", help="follow the batch to its end, then download its files"
+    )
+    submit.add_argument(
+        "--output", type=Path, help="with --wait: default FILE's stem + .output.jsonl"
+    )
+    submit.add_argument(
+        "--errors", type=Path, help="with --wait: default FILE's stem + .errors.jsonl"
+    )
+    submit.set_defaults(handler=batch.submit)
+
+    status = actions.add_parser("status", help="show a batch")
+    status.add_argument("batch_id", metavar="BATCH_ID")
+    status.add_argument("--json", action="store_true", help="print the batch object as JSON")
+    status.set_defaults(handler=batch.status)
+
+
+COMMAND_GROUPS: tuple[Callable[[Commands], None], ...] = (_add_batch,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tgq", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("TGQ_URL", DEFAULT_URL),
+        help=f"the tgq server (env TGQ_URL; default {DEFAULT_URL})",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TGQ_API_KEY"),
+        help="sent as `Authorization: Bearer` (env TGQ_API_KEY)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_group in COMMAND_GROUPS:
+        add_group(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except CommandError as error:
+        print(f"tgq: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("tgq: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return code
