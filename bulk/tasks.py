@@ -11,6 +11,7 @@ from sqlalchemy.pool import NullPool
 from api.app import model_dir_of
 from api.batches.runner import BatchContext, run_batch
 from api.db import create_engine, store
+from api.db import files as db_files
 from api.files.storage import LocalFileStorage
 from api.reconciler import reconcile_once, resume_batches
 from api.settings import Settings
@@ -78,18 +79,34 @@ async def _reconcile(settings: Settings) -> int:
 
 
 @app.task(name="tgq.retention")  # type: ignore[untyped-decorator]  # celery has no types
-def retention() -> int:
-    """Deletes what finished more than `retention_days` ago; returns how many jobs."""
+def retention() -> dict[str, int]:
+    """Deletes finished jobs and old files past their retention; how many of each."""
     return asyncio.run(delete_expired(Settings()))
 
 
-async def delete_expired(settings: Settings, *, now: datetime | None = None) -> int:
-    if settings.retention_days <= 0:
-        return 0
-    before = (now or datetime.now(UTC)) - timedelta(days=settings.retention_days)
+async def delete_expired(settings: Settings, *, now: datetime | None = None) -> dict[str, int]:
+    """Jobs finished more than `retention_days` ago (with their items, results and usage), and
+    files created more than `file_retention_days` ago that no unfinished batch reads: each
+    file's record goes first, then its bytes (a crash in between leaves bytes nobody sees, never
+    a record without them)."""
+    now = now or datetime.now(UTC)
     engine = create_engine(settings.database_url, poolclass=NullPool)
+    storage = LocalFileStorage(settings.file_storage_dir)
+    deleted = {"jobs": 0, "files": 0}
     try:
-        async with engine.begin() as conn:
-            return await store.delete_finished_before(conn, before=before)
+        if settings.retention_days > 0:
+            before = now - timedelta(days=settings.retention_days)
+            async with engine.begin() as conn:
+                deleted["jobs"] = await store.delete_finished_before(conn, before=before)
+        if settings.file_retention_days > 0:
+            before = now - timedelta(days=settings.file_retention_days)
+            async with engine.connect() as conn:
+                expired = await db_files.expired_files(conn, created_before=before)
+            for record in expired:
+                async with engine.begin() as conn:
+                    await db_files.purge_file(conn, file_id=record.id)
+                await storage.delete(record.storage_key)
+            deleted["files"] = len(expired)
     finally:
         await engine.dispose()
+    return deleted

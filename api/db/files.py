@@ -15,6 +15,7 @@ from sqlalchemy import Select, and_, delete, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from api.db import models as db
+from api.db.batches import TERMINAL as BATCH_TERMINAL
 from api.db.store import as_records, record_columns, utc_now
 
 Order = Literal["asc", "desc"]
@@ -127,3 +128,11 @@ async def delete_file(
 async def purge_file(conn: AsyncConnection, *, file_id: str) -> None:
     """Remove the file's record for good (a file about to be written again, retention)."""
     await conn.execute(delete(db.files).where(db.files.c.id == file_id))
+
+
+async def expired_files(conn: AsyncConnection, *, created_before: datetime) -> list[FileRecord]:
+    """Files (deleted or not) created before the given time that no unfinished batch reads."""
+    file, batch = db.files.c, db.batches.c
+    in_use = select(batch.input_file_id).where(batch.status.not_in(BATCH_TERMINAL))
+    query = select(*_FILE).where(file.created_at < created_before, file.id.not_in(in_use))
+    return as_records(FileRecord, await conn.execute(query.order_by(file.created_at)))
