@@ -23,6 +23,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -199,12 +200,44 @@ class Persister(_Loop):
                 )
             else:
                 results.append(new)
-        async with self.engine.begin() as conn:
-            written = await store.record_results(conn, results=results)
+        try:
+            async with self.engine.begin() as conn:
+                written = await store.record_results(conn, results=results)
+        except Exception:  # a result the database refuses, or the database away: one by one
+            written = [await self._record_alone(result) for result in results]
         await self.transport.ack_finals([stored.entry_id for stored in finals])
         self.num_written += sum(written)
         self.on_results(finals)
         return len(finals)
+
+    async def _record_alone(self, result: store.NewResult) -> bool:
+        """One result in its own transaction. One the database refuses while it takes
+        others (a value it cannot store) is recorded as a failed result that keeps only its
+        ids, so its job still ends; when the database itself is away, the error propagates
+        (nothing is acked)."""
+        try:
+            async with self.engine.begin() as conn:
+                return (await store.record_results(conn, results=[result]))[0]
+        except Exception as error:
+            if not await self._database_is_up():
+                raise
+            log.error("persister: result %s refused (%r); failing it", result.request_id, error)
+            refused = type(error).__name__
+        stand_in = dataclasses.replace(
+            result, text=None, token_ids=[], logprobs=None, finish_reason="failed",
+            finish_detail=f"the database refused this result ({refused})",
+            num_prompt_tokens=0, num_output_tokens=0, num_cached_tokens=0,
+        )  # fmt: skip
+        async with self.engine.begin() as conn:
+            return (await store.record_results(conn, results=[stand_in]))[0]
+
+    async def _database_is_up(self) -> bool:
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except Exception:
+            return False
+        return True
 
 
 def new_result(result: FinalResult) -> store.NewResult | None:

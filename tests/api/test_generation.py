@@ -117,6 +117,34 @@ def test_persister_records_then_acks_and_repeats_change_nothing(pg_engine: Async
     asyncio.run(run())
 
 
+def test_a_result_the_database_refuses_fails_its_item_and_the_rest_are_written(
+    pg_engine: AsyncEngine,
+) -> None:
+    memory = MemoryTransport()
+    job, requests = job_of(3)
+    unstorable = FinalResult(requests[1].request_id, [5], "length", None, 3, 2**31, 0, 1, "b0")
+
+    async def run() -> None:
+        transport = ThreadedApiTransport(memory, max_workers=2)
+        async with pg_engine.begin() as conn:
+            await store.create_jobs(conn, jobs=[job])
+        for request in requests:
+            final = unstorable if request == requests[1] else final_of(request.request_id)
+            memory.publish_final(final)
+        persister = Persister(pg_engine, transport, "p0", block_ms=10)
+        assert await persister.persist_once() == 3
+        assert await persister.persist_once() == 0  # all acked
+        async with pg_engine.connect() as conn:
+            stored = await store.get_job(conn, job_id=job.job_id)
+            results = await store.get_results(conn, job_id=job.job_id)
+        assert stored is not None and stored.status == "succeeded"  # it ended
+        assert [r.finish_reason for r in results] == ["length", "failed", "length"]
+        assert results[1].finish_detail == "the database refused this result (DBAPIError)"
+        await transport.close()
+
+    asyncio.run(run())
+
+
 def test_persister_does_not_ack_what_it_could_not_commit() -> None:
     memory = MemoryTransport(TransportConfig(lease_s=0.05))
     broken = create_engine("postgresql+asyncpg://root@127.0.0.1:1/none", poolclass=NullPool)
