@@ -4,15 +4,19 @@ files; cancel mid-batch; expiry."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import openai
 import pytest
+from sqlalchemy import text
 
+from api.db import create_engine
 from api.db.migrate import upgrade
 from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import Stack
@@ -111,6 +115,7 @@ def test_cancel_mid_batch_keeps_what_finished(stack: Stack) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     cancelling = client.batches.cancel(batch.id)
+    acknowledged = datetime.now(UTC)
     assert cancelling.status in ("cancelling", "cancelled")
     done = wait(client, batch.id, ("cancelled",))
     assert done.request_counts is not None
@@ -121,6 +126,22 @@ def test_cancel_mid_batch_keeps_what_finished(stack: Stack) -> None:
     assert sorted(row["custom_id"] for row in outputs + errors) == sorted(
         f"c-{i}" for i in range(30)
     )
+    assert asyncio.run(results_after(stack.database_url, batch.id, acknowledged)) == 0
+
+
+async def results_after(database_url: str, batch_id: str, moment: datetime) -> int:
+    """The batch's successful results recorded after `moment`."""
+    engine = create_engine(database_url)
+    async with engine.connect() as conn:
+        count = await conn.scalar(
+            text(
+                "SELECT count(*) FROM results r JOIN batches b ON b.job_id = r.job_id"
+                " WHERE b.id = :b AND r.created_at > :t AND r.finish_reason IN ('stop', 'length')"
+            ),
+            {"b": batch_id, "t": moment},
+        )
+    await engine.dispose()
+    return int(count or 0)
 
 
 def test_a_batch_past_its_window_expires(stack: Stack) -> None:
