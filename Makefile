@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test lint bench-http bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
+.PHONY: run generate test lint bench-http bench-batch bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,9 @@ bench: $(STAMP)
 
 bench-http: $(STAMP)
 	$(PY) -m bench.bench_http
+
+bench-batch: $(STAMP)
+	$(PY) -m bench.bench_batch
 
 bench-scheduler: $(STAMP)
 	$(PY) -m bench.bench_scheduler

@@ -323,6 +323,7 @@ class Stack:
     database_url: str | None = None
     batcher: subprocess.Popen[bytes] | None = None
     api: subprocess.Popen[bytes] | None = None
+    api_env: dict[str, str] = field(default_factory=dict)  # more settings of the api
 
     @property
     def url(self) -> str:
@@ -335,22 +336,24 @@ class Stack:
         upgrade(self.database_url)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_batcher()
-        self.api = self._spawn(
-            "api",
-            [sys.executable, "-m", "api"],
-            process_env(
-                OMP_NUM_THREADS="1",
-                DATABASE_URL=self.database_url,
-                REDIS_URL=self.redis_url,
-                REDIS_PREFIX=self.prefix,
-                MODEL_ID="tgq-bench",
-                MODEL_DIR=str(self.model_dir),
-                PORT=str(self.port),
-                MAX_CONCURRENT_REQUESTS="512",
-                MAX_QUEUED_REQUESTS=str(self.max_queued),
-            ),
-        )
+        self.api = self.spawn("api", [sys.executable, "-m", "api"], self.service_env())
         self.wait_healthy()
+
+    def service_env(self) -> dict[str, str]:
+        """The api's environment (a Celery worker of this stack takes the same)."""
+        assert self.database_url is not None
+        return process_env(
+            OMP_NUM_THREADS="1",
+            DATABASE_URL=self.database_url,
+            REDIS_URL=self.redis_url,
+            REDIS_PREFIX=self.prefix,
+            MODEL_ID="tgq-bench",
+            MODEL_DIR=str(self.model_dir),
+            PORT=str(self.port),
+            MAX_CONCURRENT_REQUESTS="512",
+            MAX_QUEUED_REQUESTS=str(self.max_queued),
+            **self.api_env,
+        )
 
     def start_batcher(self) -> None:
         command = [
@@ -358,11 +361,11 @@ class Stack:
             "--redis-url", self.redis_url, "--prefix", self.prefix, "--batcher-id", "bench",
             "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
         ]  # fmt: skip
-        self.batcher = self._spawn(
+        self.batcher = self.spawn(
             "batcher", command, process_env(OMP_NUM_THREADS=str(self.threads))
         )
 
-    def _spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (the child holds it)
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
 
@@ -389,7 +392,7 @@ class Stack:
 
     def stop_batcher(self) -> None:
         if self.batcher is not None:
-            _stop(self.batcher)
+            stop_process(self.batcher)
             self.batcher = None
 
     def stop(self) -> None:
@@ -397,7 +400,7 @@ class Stack:
         try:
             for process in (self.api, self.batcher):
                 if process is not None:
-                    _stop(process)
+                    stop_process(process)
             client = redis.Redis.from_url(self.redis_url)
             keys = list(client.scan_iter(match=f"{self.prefix}:*"))
             if keys:
@@ -409,7 +412,7 @@ class Stack:
                 asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def stop_process(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
     try:
