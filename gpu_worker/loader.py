@@ -16,6 +16,7 @@ import torch
 from gpu_worker.config import ModelConfig, resolve_dtype
 from gpu_worker.models import model_class
 from gpu_worker.models.decoder import DecoderForCausalLM
+from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.weights import Checkpoint, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -26,9 +27,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     model: DecoderForCausalLM
-    config: ModelConfig
+    config: ModelConfig  # the whole model's
     model_dir: Path
     dtype: torch.dtype
+    tp: TensorParallel = SINGLE
+
+    @property
+    def local_config(self) -> ModelConfig:
+        """The shapes this rank holds (its KV heads size its KV cache)."""
+        return self.tp.local_config(self.config)
 
 
 def load_model(
@@ -39,14 +46,17 @@ def load_model(
     revision: str | None = None,
     cache_dir: str | Path | None = None,
     cpu_kernels: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
-    """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons)."""
+    """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons). With `tp`,
+    the rank's slice of the model: only that slice of each tensor is read from the files."""
     model_dir = resolve_model_dir(model_id, revision=revision, cache_dir=cache_dir)
     config = ModelConfig.from_dir(model_dir)
     cls = model_class(config)
     torch_dtype = _DTYPES[resolve_dtype(dtype, config.dtype, device.type)]
+    tp.check(config)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tp)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.tie_weights()
     model.rotary.to(device)
@@ -55,14 +65,16 @@ def load_model(
     model.eval().requires_grad_(False)
     num_fast = model.use_cpu_kernels() if cpu_kernels else 0
     log.info(
-        "loaded %s (%s) as %s on %s (%d modules on the AVX2 bf16 kernels)",
+        "loaded %s (%s) as %s on %s, rank %d of %d (%d modules on the CPU bf16 kernels)",
         model_id,
         config.architecture,
         torch_dtype,
         device,
+        tp.rank,
+        tp.world_size,
         num_fast,
     )
-    return LoadedModel(model, config, model_dir, torch_dtype)
+    return LoadedModel(model, config, model_dir, torch_dtype, tp)
 
 
 def fill_parameters(model: DecoderForCausalLM, checkpoint: Checkpoint) -> None:
@@ -70,8 +82,17 @@ def fill_parameters(model: DecoderForCausalLM, checkpoint: Checkpoint) -> None:
     params = dict(model.named_parameters(remove_duplicate=True))
     for name, sources in model.checkpoint_sources().items():
         param = params[name]
+        covered = sum(param.shape[0] if s.rows is None else s.rows for s in sources)
+        if covered < param.shape[0]:  # a vocabulary shard's padding rows
+            param.data.zero_()
         for source in sources:
+            rows = param.shape[0] if source.rows is None else source.rows
+            out = param.data.narrow(0, source.row_offset, rows)
+            if source.zero:
+                out.zero_()
+                continue
             if not checkpoint.has(source.name):
                 raise ValueError(f"checkpoint has no tensor {source.name!r} (needed for {name})")
-            rows = param.shape[0] if source.rows is None else source.rows
-            checkpoint.copy_into(source.name, param.data.narrow(0, source.row_offset, rows))
+            checkpoint.copy_into(
+                source.name, out, dim=source.dim, start=source.start, stop=source.stop
+            )

@@ -2,6 +2,10 @@
 
 It owns the model, the paged KV cache, the sampler, and per-sequence state (token ids and block
 table), which the plan updates with diffs; see `gpu_worker.plan` for the contract.
+
+With tensor parallelism every rank runs a `ModelRunner` over its slice of the model and of the
+KV cache, executing the same plans; rank 0 samples and its tokens are broadcast to the others
+(which keep the same per-sequence state); only rank 0's `StepResult` carries them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from gpu_worker.loader import LoadedModel, load_model
+from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.plan import (
     SampledToken,
     SamplingParams,
@@ -49,7 +54,9 @@ class _Sequence:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: RunnerConfig, loaded: LoadedModel | None = None, tp: TensorParallel = SINGLE
+    ) -> None:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -59,7 +66,9 @@ class ModelRunner:
             dtype=config.dtype,
             revision=config.revision,
             cache_dir=config.cache_dir,
+            tp=tp,
         )
+        self.tp = self.loaded.tp
         self.backend = get_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         if self.block_size % self.backend.block_size_multiple():
@@ -67,22 +76,15 @@ class ModelRunner:
                 f"attention backend {self.backend.name!r} needs a block size that is a multiple"
                 f" of {self.backend.block_size_multiple()}, got {self.block_size}"
             )
+        local = self.loaded.local_config  # this rank's KV heads
         self.num_blocks = config.num_blocks or num_blocks_for_budget(
-            self.loaded.config, self.block_size, self.loaded.dtype, self._kv_budget(config)
+            local, self.block_size, self.loaded.dtype, kv_budget(config, self.device)
         )
         self.kv_caches = allocate_kv_cache(
-            self.loaded.config, self.num_blocks, self.block_size, self.loaded.dtype, self.device
+            local, self.num_blocks, self.block_size, self.loaded.dtype, self.device
         )
         self.sampler = Sampler(self.device)
         self.sequences: dict[str, _Sequence] = {}
-
-    def _kv_budget(self, config: RunnerConfig) -> int:
-        if config.kv_cache_bytes is not None:
-            return config.kv_cache_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.9)
-        return DEFAULT_CPU_KV_BYTES
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -109,8 +111,15 @@ class ModelRunner:
         if not inputs.sample_seq_ids:
             return StepResult()
         logits = self.loaded.model.compute_logits(hidden[inputs.sample_rows])
+        if logits is None:  # another rank samples: take its tokens
+            tokens = self.tp.broadcast_tokens(None, len(inputs.sample_seq_ids))
+            for seq_id, token_id in zip(inputs.sample_seq_ids, tokens, strict=True):
+                self.sequences[seq_id].token_ids.append(token_id)
+            return StepResult()
         output = self.sampler(logits, self._sampling_inputs(inputs.sample_seq_ids))
-        return self._record(inputs.sample_seq_ids, output)
+        result = self._record(inputs.sample_seq_ids, output)
+        self.tp.broadcast_tokens([token.token_id for token in result.sampled], len(result.sampled))
+        return result
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name
@@ -211,6 +220,17 @@ class ModelRunner:
                 top = [TokenLogprob(t, lp) for t, lp in pairs]
             sampled.append(SampledToken(seq_id, token_ids[row], logprob, top))
         return StepResult(sampled)
+
+
+def kv_budget(config: RunnerConfig, device: torch.device) -> int:
+    """Bytes for the KV cache: the configured budget, else 90% of the device's free memory
+    (CUDA; measured per rank, so each rank sizes its own), else 1 GiB on CPU."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return DEFAULT_CPU_KV_BYTES
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,11 @@ except that q/k/v and gate/up are fused into one matmul each (`qkv_proj`, `gate_
 `checkpoint_sources` maps every parameter back to the checkpoint tensors that fill it.
 
 All activations are flat: `[num_tokens, ...]` for every token of every sequence in the step.
+
+With tensor parallelism (`gpu_worker.parallel`) every module is built with the rank's local
+shapes (its heads, intermediate size and vocabulary range); o_proj and down_proj all-reduce
+their partial sums, the embedding sums the rows of the ranks that own each token, and
+`checkpoint_sources` names the slice of each checkpoint tensor this rank reads.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.layers.linear import Linear
 from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
+from gpu_worker.parallel import SINGLE, TensorParallel
 from kernels import AttentionBackend, AttentionMetadata, cpu_ops
 
 # K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -38,11 +44,17 @@ class ForwardContext:
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """Fill rows `[row_offset, row_offset + rows)` of a parameter from a checkpoint tensor."""
+    """Fill rows `[row_offset, row_offset + rows)` of a parameter from a checkpoint tensor,
+    or from its slice `[start:stop]` along `dim`; `zero`: fill them with zeros instead (a
+    row-parallel bias lives on rank 0 only, so that the all-reduce adds it once)."""
 
     name: str
     row_offset: int = 0
     rows: int | None = None  # None: the whole parameter
+    dim: int = 0
+    start: int = 0
+    stop: int | None = None  # None: the end of `dim`
+    zero: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +81,10 @@ class Attention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         sliding_window: int | None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.shape = AttentionShape(config.num_heads, config.num_kv_heads, config.head_dim)
         qkv_size = self.shape.q_size + 2 * self.shape.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=qkv_bias)
@@ -98,7 +112,7 @@ class Attention(nn.Module):
         out = ctx.backend.attend(
             q, k_cache, v_cache, ctx.meta, scale=self.scale, sliding_window=self.sliding_window
         )
-        return self.o_proj(out.reshape(num_tokens, shape.q_size))
+        return self.tp.all_reduce_(self.o_proj(out.reshape(num_tokens, shape.q_size)))
 
     def _norm_and_rotate(
         self, q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext
@@ -109,8 +123,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = config.intermediate_size
         bias = config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
@@ -120,18 +135,18 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_cpu_kernel:
-            return self.down_proj(cpu_ops.silu_mul(gate_up))
+            return self.tp.all_reduce_(self.down_proj(cpu_ops.silu_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce_(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: Attention) -> None:
+    def __init__(self, config: ModelConfig, attention: Attention, mlp: MLP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
         """x: the residual stream, updated in place and returned."""
@@ -140,10 +155,34 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(hidden))
 
 
-class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+class VocabParallelEmbedding(nn.Module):
+    """The rows of this rank's vocabulary range; a token another rank owns contributes zeros
+    here, and the all-reduce sums each token's one real row."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.start, self.stop = tp.vocab_range(config.vocab_size)
+        self.weight = nn.Parameter(
+            torch.empty(tp.vocab_shard_size(config.vocab_size), config.hidden_size)
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        owned = (input_ids >= self.start) & (input_ids < self.stop)
+        rows = F.embedding(torch.where(owned, input_ids - self.start, 0), self.weight)
+        return self.tp.all_reduce_(rows.mul_(owned.unsqueeze(-1).to(rows.dtype)))
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layers: list[DecoderLayer], tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if tp.world_size == 1
+            else VocabParallelEmbedding(config, tp)
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -154,13 +193,15 @@ class DecoderForCausalLM(nn.Module):
     qk_norm: ClassVar[bool] = False
     uses_sliding_window: ClassVar[bool] = False
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config = config  # the whole model's
+        self.tp = tp
+        local = tp.local_config(config)
         self.model = DecoderModel(
-            config, [self._layer(config, i) for i in range(config.num_layers)]
+            config, [self._layer(local, i) for i in range(config.num_layers)], tp
         )
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, local.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -182,8 +223,9 @@ class DecoderForCausalLM(nn.Module):
             o_bias=o_bias,
             qk_norm=self.qk_norm,
             sliding_window=config.sliding_window if is_sliding else None,
+            tp=self.tp,
         )
-        return DecoderLayer(config, attention)
+        return DecoderLayer(config, attention, MLP(config, self.tp))
 
     def use_cpu_kernels(self) -> int:
         """bf16 on a CPU with the kernels: run matmuls, norms, rotary embeddings and the MLP's
@@ -228,34 +270,52 @@ class DecoderForCausalLM(nn.Module):
             x = layer(x, kv_cache, ctx)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] rows that need a next token -> [N, vocab] fp32 logits."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] rows that need a next token -> [N, vocab] fp32 logits, on rank 0 (None
+        on the other ranks, which only send their vocabulary range)."""
         logits: torch.Tensor = self.lm_head(self.model.norm(hidden))
-        return logits.float()
+        return self.tp.gather_logits(logits.float(), self.config.vocab_size)
 
     def checkpoint_sources(self) -> dict[str, list[Source]]:
-        """Our parameter name -> the checkpoint tensors that fill it."""
-        shape = AttentionShape(
-            self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        )
-        inter = self.config.intermediate_size
-        fused = {
+        """Our parameter name -> the checkpoint tensors (this rank's slices) that fill it."""
+        tp, config = self.tp, self.config
+        local = tp.local_config(config)
+        head_dim, inter = config.head_dim, local.intermediate_size
+        q_local, kv_local = local.num_heads * head_dim, local.num_kv_heads * head_dim
+        q_start = tp.rank * q_local
+        kv_start = tp.first_kv_head(config.num_kv_heads) * head_dim
+        inter_start = tp.rank * inter
+        vocab_start, vocab_stop = tp.vocab_range(config.vocab_size)
+        # module -> (checkpoint module, row offset in ours, rows, first stored row)
+        column_parallel = {
             "qkv_proj": [
-                ("q_proj", 0, shape.q_size),
-                ("k_proj", shape.q_size, shape.kv_size),
-                ("v_proj", shape.q_size + shape.kv_size, shape.kv_size),
+                ("q_proj", 0, q_local, q_start),
+                ("k_proj", q_local, kv_local, kv_start),
+                ("v_proj", q_local + kv_local, kv_local, kv_start),
             ],
-            "gate_up_proj": [("gate_proj", 0, inter), ("up_proj", inter, inter)],
+            "gate_up_proj": [
+                ("gate_proj", 0, inter, inter_start),
+                ("up_proj", inter, inter, inter_start),
+            ],
         }
+        row_parallel = {"o_proj": (q_start, q_local), "down_proj": (inter_start, inter)}
         sources: dict[str, list[Source]] = {}
         for name, _ in self.named_parameters(remove_duplicate=True):
             module_path, _, leaf = name.rpartition(".")
             prefix, _, module = module_path.rpartition(".")
-            if module in fused:
+            if module in column_parallel:
                 sources[name] = [
-                    Source(f"{prefix}.{part}.{leaf}", offset, rows)
-                    for part, offset, rows in fused[module]
+                    Source(f"{prefix}.{part}.{leaf}", offset, rows, 0, first, first + rows)
+                    for part, offset, rows, first in column_parallel[module]
                 ]
+            elif module in row_parallel and leaf == "weight":
+                first, size = row_parallel[module]
+                sources[name] = [Source(name, dim=1, start=first, stop=first + size)]
+            elif module in row_parallel:  # a bias: added once, after the all-reduce
+                sources[name] = [Source(name, zero=not tp.is_first)]
+            elif module_path in ("model.embed_tokens", "lm_head"):
+                rows = vocab_stop - vocab_start  # the last rank's padding rows stay zeros
+                sources[name] = [Source(name, 0, rows, 0, vocab_start, vocab_stop)]
             else:
                 sources[name] = [Source(name)]
         return sources

@@ -1,0 +1,208 @@
+"""The batcher's side of tensor parallelism: `ShardedRunner` starts `--num-shard` rank
+processes (`python -m gpu_worker.rank`) and drives them as one `StepRunner`. Torch-free: the
+ranks hold the model; this process keeps scheduling.
+
+Start-up: every rank loads its slice of the model and reports how many KV blocks fit in its
+memory; all of them allocate the minimum. Each step, the plan is encoded once (JSON, see
+`gpu_worker.rank_protocol`) and written to every rank's pipe; every rank answers, rank 0 with
+the sampled tokens. A rank that exits, or that does not answer within `step_timeout_s`, is a
+`WorkerLostError`: the batcher hands its requests back to the queue and exits non-zero, and the
+remaining ranks are killed (they would block in their next collective). The ranks exit by
+themselves when the batcher dies (their pipe closes; on Linux the kernel kills them too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_worker import rank_protocol as protocol
+from gpu_worker.plan import StepPlan, StepResult, to_wire
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2  # how often a wait checks that every rank is still alive
+
+
+class WorkerLostError(RuntimeError):
+    """A rank process died, hung or failed: the model can no longer run here."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardConfig:
+    model_id: str
+    num_shard: int
+    device: str = "cpu"
+    dtype: str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None  # None: what fits on every rank
+    kv_cache_bytes: int | None = None  # per rank
+    threads_per_rank: int | None = None  # CPU: torch threads of each rank
+    start_timeout_s: float = 600.0  # loading the model
+    step_timeout_s: float = 120.0  # one step (longer than the ranks' collective timeout)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: subprocess.Popen[bytes]
+    to_rank: int  # our end of its input pipe
+    from_rank: int  # our end of its output pipe
+
+
+class ShardedRunner:
+    def __init__(self, config: ShardConfig) -> None:
+        if config.num_shard < 2:
+            raise ValueError("a sharded runner needs --num-shard >= 2")
+        self.config = config
+        self._ranks: list[_Rank] = []
+        self.plan_encode_s = 0.0  # time spent encoding and sending plans (the TP overhead)
+        self.num_steps = 0
+        try:
+            self._start()
+            capacities = [
+                self._expect(rank, "ready", config.start_timeout_s) for rank in self._ranks
+            ]
+            self._num_blocks = config.num_blocks or min(m["num_blocks"] for m in capacities)
+            log.info("ranks' KV capacities %s: allocating %d blocks each",
+                     [m["num_blocks"] for m in capacities], self._num_blocks)  # fmt: skip
+            self._send_all(protocol.encode({"type": "allocate", "num_blocks": self._num_blocks}))
+            for rank in self._ranks:
+                self._expect(rank, "allocated", config.start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def pids(self) -> list[int]:
+        return [rank.process.pid for rank in self._ranks]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        self._send_all(protocol.encode({"type": "step", "plan": to_wire(plan)}))
+        self.plan_encode_s += time.perf_counter() - started
+        self.num_steps += 1
+        replies = [self._answer(rank) for rank in self._ranks]
+        errors = [reply["message"] for reply in replies if reply["type"] == "error"]
+        if errors:
+            raise ValueError("; ".join(errors))  # a bad plan: every rank refused it alike
+        return protocol.result_from_wire(replies[0]["sampled"])
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Closes the pipes (the ranks exit), then kills what is left after `timeout_s`."""
+        for rank in self._ranks:
+            for fd in (rank.to_rank, rank.from_rank):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        deadline = time.monotonic() + timeout_s
+        for rank in self._ranks:
+            try:
+                rank.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rank.process.kill()
+                rank.process.wait()
+        self._ranks = []
+
+    def kill(self) -> None:
+        """After a lost rank: the others would block in their next collective."""
+        for rank in self._ranks:
+            if rank.process.poll() is None:
+                rank.process.kill()
+        self.close(timeout_s=5.0)
+
+    # --- processes and pipes -------------------------------------------------------------------
+
+    def _start(self) -> None:
+        config = self.config
+        port = _free_port()
+        for index in range(config.num_shard):
+            plan_read, plan_write = os.pipe()
+            answer_read, answer_write = os.pipe()
+            command = [
+                sys.executable, "-m", "gpu_worker.rank", "--model-id", config.model_id,
+                "--device", config.device, "--block-size", str(config.block_size),
+                "--fd-in", str(plan_read), "--fd-out", str(answer_write),
+            ]  # fmt: skip
+            for flag, value in (
+                ("--dtype", config.dtype),
+                ("--num-blocks", config.num_blocks),
+                ("--kv-cache-bytes", config.kv_cache_bytes),
+                ("--threads", config.threads_per_rank),
+            ):
+                if value is not None:
+                    command += [flag, str(value)]
+            env = {
+                **os.environ,
+                "RANK": str(index),
+                "LOCAL_RANK": str(index),
+                "WORLD_SIZE": str(config.num_shard),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            if config.threads_per_rank is not None:
+                env["OMP_NUM_THREADS"] = str(config.threads_per_rank)
+            process = subprocess.Popen(command, env=env, pass_fds=(plan_read, answer_write))
+            os.close(plan_read)
+            os.close(answer_write)
+            self._ranks.append(_Rank(index, process, plan_write, answer_read))
+
+    def _send_all(self, frame: bytes) -> None:
+        for rank in self._ranks:
+            try:
+                protocol.write(rank.to_rank, frame)
+            except OSError as error:  # its end closed: it died
+                raise WorkerLostError(f"rank {rank.rank} is gone ({error})") from error
+
+    def _expect(self, rank: _Rank, kind: str, timeout_s: float) -> dict[str, Any]:
+        message = self._answer(rank, timeout_s)
+        if message["type"] != kind:
+            raise WorkerLostError(f"rank {rank.rank} answered {message!r}, not {kind!r}")
+        return message
+
+    def _answer(self, rank: _Rank, timeout_s: float | None = None) -> dict[str, Any]:
+        """The rank's next message, checking every `POLL_S` that no rank died meanwhile."""
+        timeout_s = timeout_s or self.config.step_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                message = protocol.read(rank.from_rank, POLL_S)
+            except protocol.PipeClosedError as error:
+                raise WorkerLostError(self._describe_loss(rank)) from error
+            if message is not None:
+                return message
+            self._check_alive()
+        raise WorkerLostError(f"rank {rank.rank} did not answer within {timeout_s} s (hung)")
+
+    def _check_alive(self) -> None:
+        for rank in self._ranks:
+            code = rank.process.poll()
+            if code is not None:
+                raise WorkerLostError(f"rank {rank.rank} exited with code {code}")
+
+    def _describe_loss(self, rank: _Rank) -> str:
+        try:
+            code = rank.process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return f"rank {rank.rank} closed its pipe"
+        return f"rank {rank.rank} exited with code {code}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port

@@ -1,0 +1,109 @@
+"""`python -m gpu_worker.rank`: one tensor-parallel rank, started by the batcher (never by hand).
+
+It joins the group of the torch.distributed contract (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT; LOCAL_RANK picks the GPU), loads its slice of the model, reports how many KV
+blocks fit in its memory, allocates what the batcher decides (the minimum over the ranks), then
+executes every step plan it receives (`gpu_worker.rank_protocol`). It exits when the batcher
+closes its pipe, and with the batcher: the kernel kills it when its parent dies (Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+
+from gpu_worker import rank_protocol as protocol
+from gpu_worker.kv_cache import num_blocks_for_budget
+from gpu_worker.loader import LoadedModel, load_model
+from gpu_worker.parallel import TensorParallel
+from gpu_worker.plan import plan_from_wire
+from gpu_worker.runner import ModelRunner, RunnerConfig, kv_budget
+
+log = logging.getLogger("gpu_worker.rank")
+PR_SET_PDEATHSIG = 1
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker.rank", description=__doc__)
+    parser.add_argument("--model-id", required=True)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU per LOCAL_RANK)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    parser.add_argument("--fd-in", type=int, required=True, help="the batcher's plans")
+    parser.add_argument("--fd-out", type=int, required=True, help="this rank's answers")
+    return parser.parse_args(argv)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the batcher dies, even mid-collective (Linux only)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the batcher died before the request took effect
+            os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(message)s")
+    args = parse_args(argv)
+    die_with_parent()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        torch.cuda.set_device(device)
+    tp = TensorParallel.from_env(device)
+    loaded = load_model(args.model_id, device=device, dtype=args.dtype, tp=tp)
+    config = RunnerConfig(
+        args.model_id, dtype=args.dtype, device=str(device), block_size=args.block_size,
+        num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+    )  # fmt: skip
+    capacity = args.num_blocks or num_blocks_for_budget(
+        loaded.local_config, args.block_size, loaded.dtype, kv_budget(config, device)
+    )
+    protocol.write(args.fd_out, protocol.encode({"type": "ready", "num_blocks": capacity}))
+    try:
+        serve(args, config, loaded, tp)
+    except protocol.PipeClosedError:
+        log.info("rank %d: the batcher closed its pipe; exiting", tp.rank)
+
+
+def serve(
+    args: argparse.Namespace, config: RunnerConfig, loaded: LoadedModel, tp: TensorParallel
+) -> None:
+    allocate = protocol.read(args.fd_in)
+    assert allocate is not None and allocate["type"] == "allocate", allocate
+    runner = ModelRunner(dataclasses.replace(config, num_blocks=allocate["num_blocks"]), loaded)
+    protocol.write(args.fd_out, protocol.encode({"type": "allocated"}))
+    while True:
+        message = protocol.read(args.fd_in)
+        assert message is not None and message["type"] == "step", message
+        reply: dict[str, Any]
+        try:
+            result = runner.execute(plan_from_wire(message["plan"]))
+        except Exception as error:  # the batcher decides (a bad plan fails on every rank)
+            log.exception("rank %d: step failed", tp.rank)
+            reply = {"type": "error", "message": f"rank {tp.rank}: {error!r}"}
+        else:
+            reply = (
+                {"type": "result", "sampled": protocol.result_to_wire(result)}
+                if tp.is_first
+                else {"type": "done"}
+            )
+        protocol.write(args.fd_out, protocol.encode(reply))
+
+
+if __name__ == "__main__":
+    main()
