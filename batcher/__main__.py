@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
@@ -18,13 +19,15 @@ import redis
 
 from batcher.config import SchedulerConfig
 from batcher.detokenize import HFTokenDecoder
-from batcher.engine import LLMEngine
+from batcher.engine import LLMEngine, StepRunner
+from batcher.ranks import ShardConfig, ShardedRunner, WorkerLostError
 from batcher.service import BatcherService, ServiceConfig
 from batcher.transport.base import TransportConfig
 from batcher.transport.redis import RedisTransport
 from gpu_worker.config import model_eos_token_ids
 
 log = logging.getLogger("batcher")
+EXIT_RANK_LOST = 3  # a tensor-parallel rank died or hung: the supervisor restarts the batcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,6 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix", default="tgq", help="Redis key prefix")
     parser.add_argument("--batcher-id", default=socket.gethostname())
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--num-shard",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (TGI's flag): >1 starts that many gpu_worker.rank processes",
+    )
+    parser.add_argument("--threads-per-rank", type=int, default=None, help="CPU torch threads")
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batch-size", type=int, default=256)
@@ -45,10 +55,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+def build_runner(args: argparse.Namespace) -> StepRunner:
+    """The model in this process (`--num-shard 1`), or sharded over rank processes."""
+    if args.num_shard > 1:
+        config = ShardConfig(
+            args.model_id, args.num_shard, device=args.device, block_size=args.block_size,
+            num_blocks=args.num_blocks, threads_per_rank=args.threads_per_rank,
+        )  # fmt: skip
+        return ShardedRunner(config)
     from gpu_worker.runner import ModelRunner, RunnerConfig  # torch, at start-up only
 
-    runner = ModelRunner(
+    return ModelRunner(
         RunnerConfig(
             args.model_id,
             device=args.device,
@@ -56,6 +73,9 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
             num_blocks=args.num_blocks,
         )
     )
+
+
+def build_engine(args: argparse.Namespace, runner: StepRunner) -> LLMEngine:
     tokenizer = Path(args.model_id) / "tokenizer.json"
     decoder = HFTokenDecoder.from_file(str(tokenizer)) if tokenizer.exists() else None
     config = SchedulerConfig(
@@ -80,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         max_attempts=args.max_attempts, lease_s=args.lease_s, heartbeat_ttl_s=args.heartbeat_ttl_s
     )
     transport = RedisTransport.from_url(args.redis_url, args.prefix, transport_config)
-    engine = build_engine(args)
+    runner = build_runner(args)
+    engine = build_engine(args, runner)
     heartbeat_interval_s = args.heartbeat_ttl_s / 4
     service_config = ServiceConfig(
         args.batcher_id,
@@ -92,7 +113,15 @@ def main(argv: list[str] | None = None) -> None:
     transient_errors = (redis.ConnectionError, redis.TimeoutError)
     service = BatcherService(engine, transport, service_config, transient_errors=transient_errors)
     log.info("batcher %s serving %s", args.batcher_id, args.model_id)
-    service.run(stop)
+    try:
+        service.run(stop)
+    except WorkerLostError as error:  # its requests are back in the queue: rerun elsewhere
+        log.error("batcher %s lost a rank: %s; exiting", args.batcher_id, error)
+        if isinstance(runner, ShardedRunner):
+            runner.kill()
+        sys.exit(EXIT_RANK_LOST)
+    if isinstance(runner, ShardedRunner):
+        runner.close()
     log.info("batcher %s drained", args.batcher_id)
 
 

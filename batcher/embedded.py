@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from batcher.__main__ import build_engine, parse_args
+from batcher.__main__ import build_engine, build_runner, parse_args
 from batcher.service import BatcherService, ServiceConfig
 from batcher.transport.memory import MemoryTransport
 
@@ -19,7 +19,7 @@ class EmbeddedBatcher:
         args = parse_args(["--model-id", model_dir, "--batcher-id", "embedded", *options])
         self.transport = transport
         self.service = BatcherService(
-            build_engine(args),
+            build_engine(args, build_runner(args)),
             transport,
             ServiceConfig(args.batcher_id, idle_block_ms=200, drain_timeout_s=args.drain_timeout_s),
         )

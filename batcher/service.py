@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from batcher.engine import LLMEngine, RequestOutput
 from batcher.messages import FinalResult, Heartbeat, TokenEvent
+from batcher.ranks import WorkerLostError
 from batcher.request import Priority, Request
 from batcher.transport.base import BatcherTransport, Delivery
 
@@ -96,6 +97,10 @@ class BatcherService:
 
         while self._has_work and not is_drain_over():
             self._run_once_or_back_off(is_pulling=False, until=is_drain_over)
+        self._hand_back()
+
+    def _hand_back(self) -> None:
+        """Every request it holds back to the queue, same attempt (others will run them)."""
         try:
             for active in self.active.values():
                 self.transport.release(self.batcher_id, active.delivery)
@@ -224,6 +229,10 @@ class BatcherService:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerLostError:  # the model is gone, not the requests' fault: they rerun
+            self._flush_events_best_effort()
+            self._hand_back()
+            raise
         except Exception as error:
             self._fail_all(f"engine error: {error!r}")
             raise
@@ -233,6 +242,12 @@ class BatcherService:
             active = self.active.get(output.request_id)
             if active is not None and output.is_finished:
                 self._finish_output(active, output)
+
+    def _flush_events_best_effort(self) -> None:
+        try:
+            self._flush()
+        except self.transient_errors as error:
+            log.warning("could not publish before handing back (%r)", error)
 
     def _flush(self) -> None:
         if self._outbox_events:

@@ -1,0 +1,108 @@
+"""A batcher with `--num-shard 2` losing a rank, or dying itself: `kill -9` of a rank mid-
+generation makes the batcher hand its requests back and exit non-zero (3), and another batcher
+completes them with the offline engine's greedy tokens; `kill -9` of the batcher takes its ranks
+down with it within 10 s (no orphan holds the model's memory)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from batcher.transport.redis import RedisTransport
+from tests.batcher.test_batcher_failover import (
+    FAST_FAILOVER,
+    STOPPING,
+    _holds_requests,
+    check_results,
+    drain,
+    processes,
+    submit_all,
+    wait_for,
+)
+from tests.batcher.test_batcher_process import (
+    REDIS_URL,
+    make_prompts,
+    offline_tokens,
+    start_batcher,
+)
+
+__all__ = ["processes"]  # the fixture
+SHARDED = ("--num-shard", "2", "--threads-per-rank", "1")
+EXIT_RANK_LOST = 3
+
+
+def ranks_of(process: subprocess.Popen[bytes]) -> list[int]:
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.timeout(240)
+def test_kill_9_of_a_rank_hands_the_work_to_another_batcher(
+    model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]]
+) -> None:
+    model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(24)
+    prefix = f"test-{uuid.uuid4().hex}"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        transport = RedisTransport(client, prefix)
+        processes.append(start_batcher(model_dir, prefix, "b0", *FAST_FAILOVER, *SHARDED))
+        expected = offline_tokens(model_dir, prompts, STOPPING)
+        wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
+        ranks = ranks_of(processes[0])
+        assert len(ranks) == 2
+        submit_all(transport, prompts)
+        wait_for(lambda: _holds_requests(transport, "b0"), poll_s=0.002)
+        subprocess.run(["kill", "-9", str(ranks[1])], check=True)  # mid-generation
+        killed_at = time.monotonic()
+        code = processes[0].wait(30)
+        noticed_s = time.monotonic() - killed_at
+        assert code == EXIT_RANK_LOST, processes[0].stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+        assert noticed_s < 10
+        wait_for(lambda: not any(is_running(pid) for pid in ranks), 10)  # rank 0 went too
+        processes.append(start_batcher(model_dir, prefix, "b1", *FAST_FAILOVER))
+        results = check_results(transport, expected)
+        assert any(r.batcher_id == "b1" for r in results)
+        drain(processes[1])
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_of_the_batcher_takes_its_ranks_down(
+    model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]]
+) -> None:
+    prefix = f"test-{uuid.uuid4().hex}"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        transport = RedisTransport(client, prefix)
+        processes.append(start_batcher(model_dirs["llama3-gqa"], prefix, "b0", *SHARDED))
+        wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
+        ranks = ranks_of(processes[0])
+        assert len(ranks) == 2 and all(is_running(pid) for pid in ranks)
+        processes[0].kill()
+        processes[0].wait()
+        killed_at = time.monotonic()
+        wait_for(lambda: not any(is_running(pid) for pid in ranks), 10, what=ranks)
+        print(f"ranks gone {time.monotonic() - killed_at:.2f} s after the batcher")
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
