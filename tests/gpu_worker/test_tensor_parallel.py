@@ -6,6 +6,9 @@ vocabulary that does not split evenly and tied embeddings."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from gpu_worker.runner import ModelRunner, RunnerConfig
 from tests.gpu_worker.test_parity import prompts
 
 pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 96
 BLOCK_SIZE = 8
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -86,3 +90,25 @@ def test_a_rank_holds_its_slice_of_every_weight(tmp_path: Path) -> None:
     num_half = sum(p.numel() for p in half.parameters())
     num_whole = sum(p.numel() for p in whole.parameters())
     assert num_half < 0.52 * num_whole  # only the norms are replicated
+
+
+def test_a_rank_loading_holds_about_its_slice(tmp_path: Path) -> None:
+    """Peak private memory while loading: one rank of two stays near half of what one process
+    loading the whole model takes (only its slices are read and allocated)."""
+    config = make_config("LlamaForCausalLM", "medium", num_hidden_layers=4, dtype="bfloat16")
+    model_dir = write_model(tmp_path / "m", config, dtype=torch.bfloat16)
+
+    def load(rank: int, world_size: int) -> dict[str, int]:
+        command = [sys.executable, "-m", "tests.gpu_worker.rank_memory", str(model_dir)]
+        done = subprocess.run(
+            [*command, str(rank), str(world_size)], cwd=ROOT, capture_output=True, check=True
+        )
+        measured: dict[str, int] = json.loads(done.stdout)
+        return measured
+
+    whole, half = load(0, 1), load(1, 2)
+    print(f"peak private MB while loading: whole {whole['peak_anon_bytes'] / 2**20:.0f},"
+          f" rank 1 of 2 {half['peak_anon_bytes'] / 2**20:.0f}")  # fmt: skip
+    assert whole["peak_anon_bytes"] > 0.9 * whole["param_bytes"]  # the measure sees a load
+    assert half["param_bytes"] < 0.51 * whole["param_bytes"]
+    assert half["peak_anon_bytes"] < 0.6 * whole["peak_anon_bytes"]
