@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test lint bench-http bench-batch bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
+.PHONY: run generate test lint bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,9 @@ bench-http: $(STAMP)
 
 bench-batch: $(STAMP)
 	$(PY) -m bench.bench_batch
+
+bench-tp: $(STAMP)
+	$(PY) -m bench.bench_tp
 
 bench-scheduler: $(STAMP)
 	$(PY) -m bench.bench_scheduler

@@ -5,7 +5,10 @@
    a cached prefix), a decode step, and a mixed step; prints the max abs error.
 2. Model parity: greedy tokens of the runner on CUDA (auto backend) equal the CPU fp32 runner's
    for a tiny random model (fp32 on GPU).
-3. Decode step time of the medium model (bf16) at batch 1 and 64.
+3. Tensor parallelism on NCCL: with two or more GPUs, greedy tokens of `--num-shard 2`
+   (two `gpu_worker.rank` processes, one GPU each) equal the CPU fp32 runner's; with one GPU
+   this says it could not run (NCCL needs a GPU per rank; TP=1 on the GPU is check 2).
+4. Decode step time of the medium model (bf16) at batch 1 and 64.
 
 Prints one line per check and exits non-zero if a parity check fails.
 """
@@ -20,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+from batcher.engine import LLMEngine
+from batcher.ranks import ShardConfig, ShardedRunner
+from batcher.request import StoppingParams
 from devtools.random_model import make_config, write_model
 from gpu_worker.offline import OfflineEngine
 from gpu_worker.runner import ModelRunner, RunnerConfig
@@ -80,9 +86,12 @@ def kernel_parity(device: torch.device) -> bool:
     return ok
 
 
+PARITY_PROMPTS = [[random.Random(i).randrange(3, 512) for _ in range(20 + 7 * i)] for i in range(4)]
+
+
 def model_parity(device: torch.device, tmp: Path) -> bool:
     model_dir = write_model(tmp / "tiny", make_config("LlamaForCausalLM"))
-    prompts = [[random.Random(i).randrange(3, 512) for _ in range(20 + 7 * i)] for i in range(4)]
+    prompts = PARITY_PROMPTS
     results = {}
     for dev in ("cpu", device.type):
         runner = ModelRunner(
@@ -95,6 +104,32 @@ def model_parity(device: torch.device, tmp: Path) -> bool:
         ]
     same = results["cpu"] == results[device.type]
     print(f"model parity cuda vs cpu (fp32, {runner.backend.name}): {'ok' if same else 'DIFF'}")
+    return same
+
+
+def tensor_parallel_parity(tmp: Path) -> bool:
+    num_gpus = torch.cuda.device_count()
+    if num_gpus < 2:
+        print(f"tensor parallel (NCCL): not run, {num_gpus} GPU here (needs one per rank)")
+        return True
+    model_dir = tmp / "tiny"  # written by model_parity
+    cpu = ModelRunner(
+        RunnerConfig(str(model_dir), num_blocks=64, block_size=BLOCK_SIZE, dtype="float32")
+    )
+    sharded = ShardedRunner(
+        ShardConfig(
+            str(model_dir), 2, device="cuda", dtype="float32", block_size=BLOCK_SIZE,
+            num_blocks=64,
+        )
+    )  # fmt: skip
+    try:
+        stopping = StoppingParams(max_new_tokens=16, ignore_eos=True)
+        expected = [g.token_ids for g in LLMEngine(cpu).generate(PARITY_PROMPTS, stopping=stopping)]
+        got = [g.token_ids for g in LLMEngine(sharded).generate(PARITY_PROMPTS, stopping=stopping)]
+    finally:
+        sharded.close()
+    same = got == expected
+    print(f"tensor parallel TP=2 on 2 GPUs (NCCL) vs cpu fp32: {'ok' if same else 'DIFF'}")
     return same
 
 
@@ -134,6 +169,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         ok = kernel_parity(device) & model_parity(device, Path(tmp))
+        ok &= tensor_parallel_parity(Path(tmp))
         decode_timing(device, Path(tmp))
     sys.exit(0 if ok else 1)
 
