@@ -5,10 +5,11 @@ ranks hold the model; this process keeps scheduling.
 Start-up: every rank loads its slice of the model and reports how many KV blocks fit in its
 memory; all of them allocate the minimum. Each step, the plan is encoded once (JSON, see
 `gpu_worker.rank_protocol`) and written to every rank's pipe; every rank answers, rank 0 with
-the sampled tokens. A rank that exits, or that does not answer within `step_timeout_s`, is a
-`WorkerLostError`: the batcher hands its requests back to the queue and exits non-zero, and the
-remaining ranks are killed (they would block in their next collective). The ranks exit by
-themselves when the batcher dies (their pipe closes; on Linux the kernel kills them too).
+the sampled tokens. A rank that exits, whose heartbeat stops for `hang_timeout_s` (stopped or
+wedged), or that does not answer within `step_timeout_s`, is a `WorkerLostError`: the batcher
+hands its requests back to the queue and exits non-zero, and the remaining ranks are killed
+(they would block in their next collective). The ranks exit by themselves when the batcher dies
+(their pipe closes; on Linux the kernel kills them too).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class ShardConfig:
     threads_per_rank: int | None = None  # CPU: torch threads of each rank
     start_timeout_s: float = 600.0  # loading the model
     step_timeout_s: float = 120.0  # one step (longer than the ranks' collective timeout)
+    hang_timeout_s: float = 5.0  # a rank without a heartbeat this long is hung
 
 
 @dataclass
@@ -54,6 +56,8 @@ class _Rank:
     process: subprocess.Popen[bytes]
     to_rank: int  # our end of its input pipe
     from_rank: int  # our end of its output pipe
+    beats: int  # our end of its heartbeat pipe
+    last_beat: float = 0.0  # monotonic
 
 
 class ShardedRunner:
@@ -105,7 +109,7 @@ class ShardedRunner:
     def close(self, timeout_s: float = 10.0) -> None:
         """Closes the pipes (the ranks exit), then kills what is left after `timeout_s`."""
         for rank in self._ranks:
-            for fd in (rank.to_rank, rank.from_rank):
+            for fd in (rank.to_rank, rank.from_rank, rank.beats):
                 with contextlib.suppress(OSError):
                     os.close(fd)
         deadline = time.monotonic() + timeout_s
@@ -132,10 +136,12 @@ class ShardedRunner:
         for index in range(config.num_shard):
             plan_read, plan_write = os.pipe()
             answer_read, answer_write = os.pipe()
+            beat_read, beat_write = os.pipe()
             command = [
                 sys.executable, "-m", "gpu_worker.rank", "--model-id", config.model_id,
                 "--device", config.device, "--block-size", str(config.block_size),
                 "--fd-in", str(plan_read), "--fd-out", str(answer_write),
+                "--fd-beat", str(beat_write),
             ]  # fmt: skip
             for flag, value in (
                 ("--dtype", config.dtype),
@@ -155,10 +161,13 @@ class ShardedRunner:
             }
             if config.threads_per_rank is not None:
                 env["OMP_NUM_THREADS"] = str(config.threads_per_rank)
-            process = subprocess.Popen(command, env=env, pass_fds=(plan_read, answer_write))
-            os.close(plan_read)
-            os.close(answer_write)
-            self._ranks.append(_Rank(index, process, plan_write, answer_read))
+            child_fds = (plan_read, answer_write, beat_write)
+            process = subprocess.Popen(command, env=env, pass_fds=child_fds)
+            for fd in child_fds:
+                os.close(fd)
+            os.set_blocking(beat_read, False)
+            rank = _Rank(index, process, plan_write, answer_read, beat_read, time.monotonic())
+            self._ranks.append(rank)
 
     def _send_all(self, frame: bytes) -> None:
         for rank in self._ranks:
@@ -188,10 +197,19 @@ class ShardedRunner:
         raise WorkerLostError(f"rank {rank.rank} did not answer within {timeout_s} s (hung)")
 
     def _check_alive(self) -> None:
+        now = time.monotonic()
         for rank in self._ranks:
             code = rank.process.poll()
             if code is not None:
                 raise WorkerLostError(f"rank {rank.rank} exited with code {code}")
+            try:
+                if os.read(rank.beats, 4096):
+                    rank.last_beat = now
+            except BlockingIOError:
+                pass
+            silent_s = now - rank.last_beat
+            if silent_s > self.config.hang_timeout_s:
+                raise WorkerLostError(f"rank {rank.rank} hung: no heartbeat for {silent_s:.1f} s")
 
     def _describe_loss(self, rank: _Rank) -> str:
         try:

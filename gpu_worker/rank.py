@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     parser.add_argument("--fd-in", type=int, required=True, help="the batcher's plans")
     parser.add_argument("--fd-out", type=int, required=True, help="this rank's answers")
+    parser.add_argument("--fd-beat", type=int, required=True, help="this rank's heartbeats")
     return parser.parse_args(argv)
 
 
@@ -54,10 +56,24 @@ def die_with_parent() -> None:
             os._exit(1)
 
 
+def beat(fd: int, stop: threading.Event) -> None:
+    """A byte every `HEARTBEAT_S` while the process runs (torch ops release the GIL, so a long
+    step still beats; a stopped or wedged process does not). A full pipe drops the byte."""
+    os.set_blocking(fd, False)
+    while not stop.wait(protocol.HEARTBEAT_S):
+        try:
+            os.write(fd, b".")
+        except BlockingIOError:
+            pass
+        except OSError:  # the batcher is gone
+            return
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(message)s")
     args = parse_args(argv)
     die_with_parent()
+    threading.Thread(target=beat, args=(args.fd_beat, threading.Event()), daemon=True).start()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -9,6 +9,7 @@ object with a `type`. Nothing is pickled.
     rank -> batcher   {"type": "result", "sampled": [...]}     rank 0 (the others: "done")
     rank -> batcher   {"type": "error", "message": "..."}      the step failed on that rank
 
+A third pipe carries a rank's heartbeat: a byte every `HEARTBEAT_S`, from a thread of its own.
 A rank exits when its pipe from the batcher closes (the batcher stopped or died).
 """
 
@@ -24,6 +25,7 @@ from gpu_worker.plan import SampledToken, StepResult, TokenLogprob
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 1 << 30
+HEARTBEAT_S = 0.5
 
 
 class PipeClosedError(EOFError):

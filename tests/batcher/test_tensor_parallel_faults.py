@@ -1,7 +1,8 @@
 """A batcher with `--num-shard 2` losing a rank, or dying itself: `kill -9` of a rank mid-
-generation makes the batcher hand its requests back and exit non-zero (3), and another batcher
-completes them with the offline engine's greedy tokens; `kill -9` of the batcher takes its ranks
-down with it within 10 s (no orphan holds the model's memory)."""
+generation, or a rank that hangs (SIGSTOP), makes the batcher hand its requests back and exit
+non-zero (3), and another batcher completes them with the offline engine's greedy tokens;
+`kill -9` of the batcher takes its ranks down with it within 10 s (no orphan holds the model's
+memory)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,41 @@ def test_kill_9_of_a_rank_hands_the_work_to_another_batcher(
         processes.append(start_batcher(model_dir, prefix, "b1", *FAST_FAILOVER))
         results = check_results(transport, expected)
         assert any(r.batcher_id == "b1" for r in results)
+        drain(processes[1])
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_rank_is_noticed_within_seconds(
+    model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """SIGSTOP (the rank neither exits nor answers): its heartbeat stops, and within the hang
+    timeout (5 s) the batcher hands its requests back and exits 3."""
+    model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(24)
+    prefix = f"test-{uuid.uuid4().hex}"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        transport = RedisTransport(client, prefix)
+        processes.append(start_batcher(model_dir, prefix, "b0", *FAST_FAILOVER, *SHARDED))
+        expected = offline_tokens(model_dir, prompts, STOPPING)
+        wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
+        ranks = ranks_of(processes[0])
+        submit_all(transport, prompts)
+        wait_for(lambda: _holds_requests(transport, "b0"), poll_s=0.002)
+        subprocess.run(["kill", "-STOP", str(ranks[0])], check=True)
+        stopped_at = time.monotonic()
+        code = processes[0].wait(60)
+        noticed_s = time.monotonic() - stopped_at
+        print(f"hung rank noticed after {noticed_s:.1f} s")
+        assert code == EXIT_RANK_LOST, processes[0].stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+        assert noticed_s < 10
+        subprocess.run(["kill", "-9", str(ranks[0])], check=False)  # a stopped one ignores TERM
+        processes.append(start_batcher(model_dir, prefix, "b1", *FAST_FAILOVER))
+        check_results(transport, expected)
         drain(processes[1])
     finally:
         keys = list(client.scan_iter(match=f"{prefix}:*"))
