@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
-from cli import INTERRUPTED, CommandError, batch
+from cli import INTERRUPTED, CommandError, batch, download, serve, service
+from cli.service import BATCHER_FLAGS, SETTING_FLAGS, add_flags
 
 DEFAULT_URL = "http://127.0.0.1:3000"
 USAGE_ERROR = 2  # argparse's own exit code for bad arguments; tgq uses it for server errors too
@@ -67,7 +68,60 @@ def _add_batch(commands: Commands) -> None:
     status.set_defaults(handler=batch.status)
 
 
-COMMAND_GROUPS: tuple[Callable[[Commands], None], ...] = (_add_batch,)
+def _add_services(commands: Commands) -> None:
+    api = commands.add_parser("api", help="run the api (`python -m api`)")
+    add_flags(api, SETTING_FLAGS)
+    api.set_defaults(handler=service.api)
+
+    batcher = commands.add_parser("batcher", help="run one batcher (`python -m batcher`)")
+    add_flags(batcher, [SETTING_FLAGS[0], *BATCHER_FLAGS])
+    batcher.set_defaults(handler=service.batcher)
+
+    for role, handler in (("worker", service.worker), ("beat", service.beat)):
+        celery = commands.add_parser(role, help=f"run the Celery {role} of bulk work")
+        add_flags(celery, SETTING_FLAGS)
+        celery.add_argument(
+            "celery_args", nargs=argparse.REMAINDER, metavar="-- ...", help="passed to Celery"
+        )
+        celery.set_defaults(handler=handler)
+
+    everything = commands.add_parser(
+        "serve", help="the whole service: embedded, or api + batcher + worker with Redis"
+    )
+    add_flags(everything, [*SETTING_FLAGS, *BATCHER_FLAGS])
+    everything.set_defaults(handler=serve.serve)
+
+
+def _add_migrate(commands: Commands) -> None:
+    migrate = commands.add_parser("migrate", help="upgrade the database schema to this tgq's")
+    migrate.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL"),
+        help="env DATABASE_URL (default: the api's SQLite file)",
+    )
+    migrate.set_defaults(handler=service.migrate)
+
+
+def _add_download(commands: Commands) -> None:
+    fetch = commands.add_parser(
+        "download", help="fetch a model's safetensors, config and tokenizer from the hub"
+    )
+    fetch.add_argument("model_id", metavar="MODEL_ID", help="hub id (org/name) or local directory")
+    fetch.add_argument(
+        "--revision",
+        default=os.environ.get("REVISION"),
+        help="branch, tag or commit (env REVISION; default main)",
+    )
+    fetch.add_argument("--cache-dir", type=Path, help="default: the Hugging Face cache")
+    fetch.set_defaults(handler=download.download)
+
+
+COMMAND_GROUPS: tuple[Callable[[Commands], None], ...] = (
+    _add_batch,
+    _add_services,
+    _add_migrate,
+    _add_download,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,156 @@
+"""`tgq serve`: the whole service from one command.
+
+Without `DATABASE_URL` and `REDIS_URL` it is `make run`: the api alone (a child), embedded (SQLite,
+migrated at start, the batcher on a thread of the api). With both, it migrates the database, then
+supervises the api, one batcher and one Celery worker with beat as child processes: SIGTERM or
+SIGINT is forwarded to all of them as SIGTERM; when one exits on its own the others are stopped
+(as TGI's launcher does when a shard dies). It exits once all have, non-zero if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType
+
+from cli import CommandError
+from cli.service import (
+    BATCHER_FLAGS,
+    SETTING_FLAGS,
+    Environ,
+    batcher_argv,
+    celery_argv,
+    given,
+    settings_env,
+)
+
+EMBEDDED_DATABASE_URL = "sqlite+aiosqlite:///.cache/tgq.db"  # as `make run`
+BEAT_SCHEDULE = Path(".cache/celerybeat-schedule")
+WORKER_CONCURRENCY = 2  # Celery's default (one process per core) is too many beside a batcher
+STOP_TIMEOUT_S = 45.0  # past the api's and the batcher's 30 s drains; then SIGKILL
+POLL_S = 0.2
+PR_SET_PDEATHSIG = 1
+
+
+def serve(args: argparse.Namespace) -> int:
+    flags = given(args, (*SETTING_FLAGS, *BATCHER_FLAGS))
+    env = _with_model(flags, os.environ)
+    if not env.get("DATABASE_URL") and not env.get("REDIS_URL"):
+        return _embedded(flags, env)
+    if not env.get("DATABASE_URL") or not env.get("REDIS_URL"):
+        raise CommandError("set both DATABASE_URL and REDIS_URL (or neither: embedded mode)")
+    return _supervised(flags, env)
+
+
+def embedded_env(flags: Mapping[str, str], environ: Environ) -> dict[str, str]:
+    """The api's environment in embedded mode: `make run`'s defaults under what is set."""
+    defaults = {"DATABASE_URL": EMBEDDED_DATABASE_URL, "AUTO_MIGRATE": "true"}
+    return settings_env(flags, {**defaults, **environ})
+
+
+def _with_model(flags: Mapping[str, str], environ: Environ) -> dict[str, str]:
+    """`environ`, with the demo model as `MODEL_DIR` when no model is given at all."""
+    env = dict(environ)
+    if not (flags.get("MODEL_ID") or env.get("MODEL_ID") or env.get("MODEL_DIR")):
+        env["MODEL_DIR"] = _demo_model()
+    return env
+
+
+def _demo_model() -> str:
+    print("tgq: no --model-id (MODEL_ID) or MODEL_DIR: serving the demo model", file=sys.stderr)
+    command = [sys.executable, "-m", "devtools.demo"]  # torch: in the child, not here
+    done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _embedded(flags: Mapping[str, str], environ: Environ) -> int:
+    Path(".cache").mkdir(exist_ok=True)  # the SQLite file's and the uploads' folder
+    return Supervisor({"api": [sys.executable, "-m", "api"]}, embedded_env(flags, environ)).run()
+
+
+def _supervised(flags: Mapping[str, str], environ: Environ) -> int:
+    from api.db.migrate import current_revision, upgrade
+
+    env = settings_env(flags, environ)
+    upgrade(env["DATABASE_URL"])
+    print(f"tgq: database at revision {current_revision(env['DATABASE_URL'])}", file=sys.stderr)
+    BEAT_SCHEDULE.parent.mkdir(exist_ok=True)
+    worker_options = ["-B", "-s", str(BEAT_SCHEDULE), "-c", str(WORKER_CONCURRENCY)]
+    commands = {
+        "api": [sys.executable, "-m", "api"],
+        "batcher": [sys.executable, "-m", "batcher", *batcher_argv(flags, env)],
+        "worker": celery_argv("worker", worker_options),
+    }
+    return Supervisor(commands, env).run()
+
+
+class Supervisor:
+    """Child processes started together and stopped together."""
+
+    def __init__(self, commands: Mapping[str, list[str]], env: Mapping[str, str]) -> None:
+        self.commands = commands
+        self.env = dict(env)
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.signum: int | None = None
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        try:
+            for name, argv in self.commands.items():
+                self.processes[name] = self._start(argv)
+            while self.signum is None and self._all_running():
+                time.sleep(POLL_S)
+        finally:
+            self._stop_all()
+        return self._exit_code()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+
+    def _start(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        # Its own process group, so a terminal's Ctrl-C reaches the children once (from here).
+        return subprocess.Popen(
+            argv, env=self.env, stdin=subprocess.DEVNULL, process_group=0,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 (the supervisor runs no threads)
+        )  # fmt: skip
+
+    def _all_running(self) -> bool:
+        exited = [name for name, p in self.processes.items() if p.poll() is not None]
+        for name in exited:
+            code = self.processes[name].returncode
+            print(f"tgq: {name} exited with {code}: stopping the others", file=sys.stderr)
+        return not exited
+
+    def _stop_all(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes.values():
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def _exit_code(self) -> int:
+        # uvicorn re-raises the SIGTERM it handled: -SIGTERM is a clean stop too.
+        clean = (0, -signal.SIGTERM)
+        failed = [p.returncode for p in self.processes.values() if p.returncode not in clean]
+        if failed:
+            return 1
+        return 0 if self.signum is not None else 1  # a service that quit unasked did not finish
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when `tgq serve` dies, even by SIGKILL (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,208 @@
+"""`tgq api/batcher/serve/migrate/download`: the flag-to-environment mapping, and the commands
+run for real (Postgres, a hub-style cache offline, `tgq serve` as a child process)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from api.db.migrate import head_revision
+from api.settings import Settings
+from cli import CommandError
+from cli.main import build_parser, main
+from cli.serve import embedded_env
+from cli.service import (
+    BATCHER_FLAGS,
+    SETTING_FLAGS,
+    batcher_argv,
+    celery_argv,
+    given,
+    settings_env,
+)
+from tests.api.conftest import _create_database, _drop_database
+from tests.api.stack import free_port
+from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def test_every_setting_flag_is_a_settings_field() -> None:
+    fields = {name.upper() for name in Settings.model_fields}
+    assert {flag.env for flag in SETTING_FLAGS} <= fields
+    assert not {flag.env for flag in BATCHER_FLAGS} & fields  # those are the batcher's own
+
+
+def test_flags_become_the_childs_environment() -> None:
+    args = build_parser().parse_args(
+        ["api", "--model-id", "/m", "--port", "8080", "--max-total-tokens", "2048"]
+    )
+    flags = given(args, SETTING_FLAGS)
+    assert flags == {"MODEL_ID": "/m", "PORT": "8080", "MAX_TOTAL_TOKENS": "2048"}
+    env = settings_env(flags, {"PORT": "3000", "API_KEY": "k"})
+    assert env == {**flags, "API_KEY": "k"}  # a flag beats its variable; the rest falls back
+
+
+def test_the_servers_api_key_is_not_the_clients() -> None:
+    args = build_parser().parse_args(["--api-key", "client", "api", "--api-key", "server"])
+    assert args.api_key == "client"
+    assert given(args, SETTING_FLAGS) == {"API_KEY": "server"}
+
+
+def test_batcher_flags_fall_back_to_the_environment() -> None:
+    args = build_parser().parse_args(["batcher", "--max-batch-size", "8"])
+    flags = given(args, [SETTING_FLAGS[0], *BATCHER_FLAGS])
+    environ = {"MODEL_DIR": "/d", "MODEL_ID": "x", "NUM_SHARD": "2", "REDIS_PREFIX": "p"}
+    assert batcher_argv(flags, environ) == [
+        "--model-id", "/d", "--prefix", "p", "--num-shard", "2", "--max-batch-size", "8",
+    ]  # fmt: skip
+    assert batcher_argv({"MODEL_ID": "/flag"}, environ)[:2] == ["--model-id", "/flag"]
+    with pytest.raises(CommandError, match="needs a model directory"):
+        batcher_argv({}, {})
+
+
+def test_celery_options_follow_a_double_dash() -> None:
+    args = build_parser().parse_args(["worker", "--port", "1", "--", "-c", "2"])
+    assert celery_argv("worker", args.celery_args)[-4:] == ["-l", "INFO", "-c", "2"]
+    assert given(args, SETTING_FLAGS) == {"PORT": "1"}
+
+
+def test_embedded_defaults_are_make_runs() -> None:
+    env = embedded_env({"PORT": "1"}, {"AUTO_MIGRATE": "false"})
+    assert env == {
+        "DATABASE_URL": "sqlite+aiosqlite:///.cache/tgq.db", "AUTO_MIGRATE": "false", "PORT": "1",
+    }  # fmt: skip
+
+
+def test_migrate_a_fresh_database(capsys: pytest.CaptureFixture[str]) -> None:
+    url = _create_database()
+    try:
+        assert main(["migrate", "--database-url", url]) == 0
+        assert capsys.readouterr().out.endswith(f": revision none -> {head_revision()}\n")
+        assert main(["migrate", "--database-url", url]) == 0
+        assert f"revision {head_revision()} -> {head_revision()}" in capsys.readouterr().out
+    finally:
+        _drop_database(url)
+
+
+def test_download_from_a_local_cache_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    files = {"config.json": b"{}", "model.safetensors": safetensors_bytes(tmp_path)}
+    snapshot = make_hub_cache(tmp_path / "cache", "org/tiny", files)
+    assert main(["download", "org/tiny", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert capsys.readouterr().out == f"{snapshot}\n"
+
+
+def test_download_refuses_pickle_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    make_hub_cache(tmp_path, "org/old", {"config.json": b"{}", "pytorch_model.bin": b"\0" * 8})
+    assert main(["download", "org/old", "--cache-dir", str(tmp_path)]) == 2
+    assert "never unpickles" in capsys.readouterr().err
+
+
+def _serve(cwd: Path, env: dict[str, str], *flags: str) -> subprocess.Popen[bytes]:
+    inherited = ("HOSTNAME", "PORT", "REDIS_URL", "DATABASE_URL", "MODEL_ID", "MODEL_DIR")
+    base = {k: v for k, v in os.environ.items() if k not in inherited}
+    command = [sys.executable, "-m", "cli", "serve", *flags]
+    log = open(cwd / "serve.log", "wb")  # noqa: SIM115
+    full_env = {**base, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen(command, cwd=cwd, env=full_env, stdout=log, stderr=log)
+
+
+def _answers(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """`/health` says 200 within a minute, then `/generate` answers."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text(errors="replace")[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    else:
+        raise TimeoutError(log.read_text(errors="replace")[-3000:])
+    body = {"inputs": "def main():", "parameters": {"max_new_tokens": 4}}
+    response = httpx.post(f"{url}/generate", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert isinstance(response.json()["generated_text"], str)
+
+
+def _children(pid: int) -> list[int]:
+    """The live descendants of `pid`, from /proc (Linux)."""
+    parent_of: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parent_of[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [child for child, parent in parent_of.items() if parent in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _stops_cleanly(process: subprocess.Popen[bytes], log: Path) -> list[int]:
+    """SIGTERM: `tgq serve` exits 0 and leaves no process behind; its descendants before."""
+    descendants = _children(process.pid)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0, log.read_text(errors="replace")[-3000:]
+    deadline = time.monotonic() + 5
+    while any(map(_is_alive, descendants)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in descendants if _is_alive(pid)] == []
+    return descendants
+
+
+def test_serve_embedded(text_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    process = _serve(tmp_path, {}, "--model-id", str(text_model_dir), "--port", str(port))
+    log = tmp_path / "serve.log"
+    try:
+        _answers(process, f"http://127.0.0.1:{port}", log)
+        assert (tmp_path / ".cache" / "tgq.db").is_file()  # SQLite, migrated at start
+        _stops_cleanly(process, log)
+    finally:
+        process.kill()
+
+
+def test_serve_with_postgres_and_redis(text_model_dir: Path, tmp_path: Path) -> None:
+    url, prefix, port = _create_database(), f"tgq-test-{secrets.token_hex(4)}", free_port()
+    env = {"DATABASE_URL": url, "REDIS_URL": REDIS_URL, "REDIS_PREFIX": prefix}
+    process = _serve(tmp_path, env, "--model-id", str(text_model_dir), "--port", str(port))
+    log = tmp_path / "serve.log"
+    try:
+        _answers(process, f"http://127.0.0.1:{port}", log)
+        assert len(_stops_cleanly(process, log)) >= 3  # api, batcher, worker (and its pool)
+    finally:
+        process.kill()
+        _drop_database(url)
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
