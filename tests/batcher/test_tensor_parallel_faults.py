@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,94 +52,66 @@ def is_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-@pytest.mark.timeout(240)
-def test_kill_9_of_a_rank_hands_the_work_to_another_batcher(
-    model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]]
-) -> None:
-    model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(24)
+@pytest.fixture
+def transport() -> Iterator[RedisTransport]:
+    """A transport on a prefix of its own, whose keys are deleted afterwards."""
     prefix = f"test-{uuid.uuid4().hex}"
     client = redis.Redis.from_url(REDIS_URL)
-    try:
-        transport = RedisTransport(client, prefix)
-        processes.append(start_batcher(model_dir, prefix, "b0", *FAST_FAILOVER, *SHARDED))
-        expected = offline_tokens(model_dir, prompts, STOPPING)
-        wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
-        ranks = ranks_of(processes[0])
-        assert len(ranks) == 2
-        submit_all(transport, prompts)
-        wait_for(lambda: _holds_requests(transport, "b0"), poll_s=0.002)
-        subprocess.run(["kill", "-9", str(ranks[1])], check=True)  # mid-generation
-        killed_at = time.monotonic()
-        code = processes[0].wait(30)
-        noticed_s = time.monotonic() - killed_at
-        assert code == EXIT_RANK_LOST, processes[0].stderr.read().decode()[-3000:]  # type: ignore[union-attr]
-        assert noticed_s < 10
-        wait_for(lambda: not any(is_running(pid) for pid in ranks), 10)  # rank 0 went too
-        processes.append(start_batcher(model_dir, prefix, "b1", *FAST_FAILOVER))
-        results = check_results(transport, expected)
-        assert any(r.batcher_id == "b1" for r in results)
-        drain(processes[1])
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    yield RedisTransport(client, prefix)
+    keys = list(client.scan_iter(match=f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
 
 
 @pytest.mark.timeout(240)
-def test_a_hung_rank_is_noticed_within_seconds(
-    model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]]
+@pytest.mark.parametrize(
+    ("signal_name", "rank"),
+    [("KILL", 1), ("STOP", 0)],  # a rank that dies; one that hangs (no exit, no heartbeat)
+)
+def test_a_lost_rank_hands_the_work_to_another_batcher(
+    signal_name: str,
+    rank: int,
+    model_dirs: dict[str, Path],
+    processes: list[subprocess.Popen[bytes]],
+    transport: RedisTransport,
 ) -> None:
-    """SIGSTOP (the rank neither exits nor answers): its heartbeat stops, and within the hang
-    timeout (5 s) the batcher hands its requests back and exits 3."""
     model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(24)
-    prefix = f"test-{uuid.uuid4().hex}"
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        transport = RedisTransport(client, prefix)
-        processes.append(start_batcher(model_dir, prefix, "b0", *FAST_FAILOVER, *SHARDED))
-        expected = offline_tokens(model_dir, prompts, STOPPING)
-        wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
-        ranks = ranks_of(processes[0])
-        submit_all(transport, prompts)
-        wait_for(lambda: _holds_requests(transport, "b0"), poll_s=0.002)
-        subprocess.run(["kill", "-STOP", str(ranks[0])], check=True)
-        stopped_at = time.monotonic()
-        code = processes[0].wait(60)
-        noticed_s = time.monotonic() - stopped_at
-        print(f"hung rank noticed after {noticed_s:.1f} s")
-        assert code == EXIT_RANK_LOST, processes[0].stderr.read().decode()[-3000:]  # type: ignore[union-attr]
-        assert noticed_s < 10
-        subprocess.run(["kill", "-9", str(ranks[0])], check=False)  # a stopped one ignores TERM
-        processes.append(start_batcher(model_dir, prefix, "b1", *FAST_FAILOVER))
-        check_results(transport, expected)
-        drain(processes[1])
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    prefix = transport.keys.prefix
+    processes.append(start_batcher(model_dir, prefix, "b0", *FAST_FAILOVER, *SHARDED))
+    expected = offline_tokens(model_dir, prompts, STOPPING)
+    wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
+    ranks = ranks_of(processes[0])
+    assert len(ranks) == 2
+    submit_all(transport, prompts)
+    wait_for(lambda: _holds_requests(transport, "b0"), poll_s=0.002)
+    subprocess.run(["kill", f"-{signal_name}", str(ranks[rank])], check=True)  # mid-generation
+    lost_at = time.monotonic()
+    code = processes[0].wait(60)
+    noticed_s = time.monotonic() - lost_at
+    print(f"rank {rank} SIG{signal_name}: the batcher exited {code} after {noticed_s:.1f} s")
+    assert code == EXIT_RANK_LOST, processes[0].stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+    assert noticed_s < 10  # a hang: the 5 s heartbeat timeout
+    wait_for(lambda: not any(is_running(pid) for pid in ranks), 10)  # the batcher killed them
+    processes.append(start_batcher(model_dir, prefix, "b1", *FAST_FAILOVER))
+    results = check_results(transport, expected)
+    assert any(r.batcher_id == "b1" for r in results)
+    drain(processes[1])
 
 
 @pytest.mark.timeout(120)
 def test_kill_9_of_the_batcher_takes_its_ranks_down(
-    model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]]
+    model_dirs: dict[str, Path],
+    processes: list[subprocess.Popen[bytes]],
+    transport: RedisTransport,
 ) -> None:
-    prefix = f"test-{uuid.uuid4().hex}"
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        transport = RedisTransport(client, prefix)
-        processes.append(start_batcher(model_dirs["llama3-gqa"], prefix, "b0", *SHARDED))
-        wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
-        ranks = ranks_of(processes[0])
-        assert len(ranks) == 2 and all(is_running(pid) for pid in ranks)
-        processes[0].kill()
-        processes[0].wait()
-        killed_at = time.monotonic()
-        wait_for(lambda: not any(is_running(pid) for pid in ranks), 10, what=ranks)
-        print(f"ranks gone {time.monotonic() - killed_at:.2f} s after the batcher")
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    model_dir = model_dirs["llama3-gqa"]
+    processes.append(start_batcher(model_dir, transport.keys.prefix, "b0", *SHARDED))
+    wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
+    ranks = ranks_of(processes[0])
+    assert len(ranks) == 2 and all(is_running(pid) for pid in ranks)
+    processes[0].kill()
+    processes[0].wait()
+    killed_at = time.monotonic()
+    wait_for(lambda: not any(is_running(pid) for pid in ranks), 10, what=ranks)
+    print(f"ranks gone {time.monotonic() - killed_at:.2f} s after the batcher")
