@@ -90,8 +90,10 @@ async def get(ctx: BatchContext, batch_id: str) -> db_batches.BatchRecord:
     return batch
 
 
-async def finish_every_item(ctx: BatchContext, job_id: str) -> None:
-    """What the persister would record, had a batcher run the items."""
+async def finish_every_item(ctx: BatchContext, batch_id: str) -> None:
+    """What the persister would record, had a batcher run the batch's items."""
+    job_id = (await get(ctx, batch_id)).job_id
+    assert job_id is not None
     async with ctx.engine.begin() as conn:
         items = await store.get_items(conn, job_id=job_id)
         await store.record_results(
@@ -128,7 +130,7 @@ def test_one_runner_drives_a_batch_and_a_second_leaves_it_alone(context: BatchCo
             assert await db_batches.lapsed_batches(conn, grace_s=5) == []
         batch = await get(context, batch_id)
         assert batch.runner_id == context.runner_id and batch.job_id is not None
-        await finish_every_item(context, batch.job_id)
+        await finish_every_item(context, batch_id)
         assert await asyncio.wait_for(first, 10) == "completed"
         done = await get(context, batch_id)
         assert (done.runner_id, done.lease_until) == (None, None)
@@ -147,9 +149,7 @@ def test_a_stopped_runner_lets_the_next_one_take_over_at_once(context: BatchCont
             await first
         async with context.engine.begin() as conn:  # released: the reconciler sees it now
             assert await db_batches.lapsed_batches(conn, grace_s=5) == [batch_id]
-        job_id = (await get(context, batch_id)).job_id
-        assert job_id is not None
-        await finish_every_item(context, job_id)
+        await finish_every_item(context, batch_id)
         other = replace(context, runner_id="runner-other")
         assert await run_batch(other, batch_id) == "completed"
 
@@ -174,9 +174,7 @@ def test_a_dead_runners_lease_runs_out_before_another_takes_the_batch(
             assert await db_batches.lapsed_batches(conn, grace_s=0) == [batch_id]
         runner = asyncio.create_task(run_batch(context, batch_id))
         await wait_for(lambda: _status_is(context, batch_id, "in_progress"))
-        job_id = (await get(context, batch_id)).job_id
-        assert job_id is not None
-        await finish_every_item(context, job_id)
+        await finish_every_item(context, batch_id)
         assert await asyncio.wait_for(runner, 10) == "completed"
 
     asyncio.run(main())
@@ -208,7 +206,7 @@ def test_validation_resumes_after_the_last_committed_chunk(
         assert [line.custom_id for line in lines] == [f"line-{i}" for i in range(10)]
         assert [line.item_index for line in lines] == list(range(10))
         assert job is not None and job.num_items == 10 and batch.num_total == 10
-        await finish_every_item(context, job.id)
+        await finish_every_item(context, batch_id)
         assert await asyncio.wait_for(resumed, 10) == "completed"
 
     asyncio.run(main())
@@ -219,9 +217,7 @@ def test_finalizing_redone_writes_the_same_files(context: BatchContext) -> None:
         batch_id = await new_batch(context, 3)
         runner = asyncio.create_task(run_batch(context, batch_id))
         await wait_for(lambda: _status_is(context, batch_id, "in_progress"))
-        job_id = (await get(context, batch_id)).job_id
-        assert job_id is not None
-        await finish_every_item(context, job_id)
+        await finish_every_item(context, batch_id)
         assert await asyncio.wait_for(runner, 10) == "completed"
         done = await get(context, batch_id)
         first = b"".join([c async for c in context.storage.read(done.output_file_id or "")])
