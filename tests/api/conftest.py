@@ -9,6 +9,7 @@ Set `TGQ_TEST_POSTGRES` to the admin URL of another server (default: root on 127
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 from collections.abc import Iterator
@@ -104,16 +105,27 @@ def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_text_model(tmp_path_factory.mktemp("text-model"))
 
 
-@pytest.fixture(scope="module")
-def stack(text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Postgres (a database of its own), Redis, one batcher process and the api process."""
+@contextlib.contextmanager
+def running_stack(
+    model_dir: Path, log_dir: Path, *, celery_worker: bool = False
+) -> Iterator[Stack]:
+    """Postgres (a database of its own), Redis, one batcher process, optionally a Celery
+    worker (it runs the batches), and the api process."""
     url = _create_database()
     upgrade(url)
-    running = Stack(text_model_dir, url, tmp_path_factory.mktemp("logs"))
+    running = Stack(model_dir, url, log_dir)
     try:
         running.start_batcher()
+        if celery_worker:
+            running.start_worker()
         running.start_api()
         yield running
     finally:
         running.stop()
         _drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def stack(text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with running_stack(text_model_dir, tmp_path_factory.mktemp("logs")) as running:
+        yield running

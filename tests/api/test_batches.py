@@ -17,8 +17,7 @@ import pytest
 from sqlalchemy import text
 
 from api.db import create_engine
-from api.db.migrate import upgrade
-from tests.api.conftest import _create_database, _drop_database
+from tests.api.conftest import running_stack
 from tests.api.stack import Stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,17 +27,9 @@ CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def stack(text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The stack with a Celery worker: batches run on it (`BATCH_RUNNER=auto` with Redis)."""
-    url = _create_database()
-    upgrade(url)
-    running = Stack(text_model_dir, url, tmp_path_factory.mktemp("logs"))
-    try:
-        running.start_batcher()
-        running.start_worker()
-        running.start_api()
+    log_dir = tmp_path_factory.mktemp("logs")
+    with running_stack(text_model_dir, log_dir, celery_worker=True) as running:
         yield running
-    finally:
-        running.stop()
-        _drop_database(url)
 
 
 def line(custom_id: str, url: str = CHAT, **body: Any) -> str:
