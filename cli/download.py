@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+from huggingface_hub.utils import enable_progress_bars
+
 from cli import CommandError
+from gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
 
 
 def download(args: argparse.Namespace) -> int:
-    from huggingface_hub.utils import enable_progress_bars
-
-    # The one torch import of the CLI, paid by this command only: the hub logic (patterns, the
-    # pickle refusal) lives with the weight loader.
-    from gpu_worker.weights import ModelNotFoundError, PickleWeightsError, resolve_model_dir
-
     enable_progress_bars()  # a no-op warning when HF_HUB_DISABLE_PROGRESS_BARS is set
     try:
         path = resolve_model_dir(args.model_id, revision=args.revision, cache_dir=args.cache_dir)

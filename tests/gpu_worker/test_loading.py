@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from devtools.random_model import make_config, write_model
+from gpu_worker.hub import PickleWeightsError
 from gpu_worker.loader import load_model
 from gpu_worker.offline import OfflineEngine
 from gpu_worker.runner import ModelRunner, RunnerConfig
-from gpu_worker.weights import PickleWeightsError
 
 CPU = torch.device("cpu")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
