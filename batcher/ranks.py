@@ -91,10 +91,6 @@ class ShardedRunner:
     def block_size(self) -> int:
         return self.config.block_size
 
-    @property
-    def pids(self) -> list[int]:
-        return [rank.process.pid for rank in self._ranks]
-
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         self._send_all(protocol.encode({"type": "step", "plan": to_wire(plan)}))

@@ -134,11 +134,6 @@ async def list_batches(
     return as_records(BatchRecord, await conn.execute(query))
 
 
-async def unfinished_batches(conn: AsyncConnection) -> list[BatchRecord]:
-    query = select(*_BATCH).where(db.batches.c.status.not_in(TERMINAL))
-    return as_records(BatchRecord, await conn.execute(query.order_by(db.batches.c.created_at)))
-
-
 async def claim(conn: AsyncConnection, *, batch_id: str, runner_id: str, lease_s: float) -> bool:
     """Take (or renew) the batch's lease for `runner_id`: it succeeds when the batch is
     unfinished and its lease is this runner's, nobody's, or has run out."""
