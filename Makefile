@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test lint bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
 	# torch first, from the local CPU build: any other torch would download gigabytes
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench,otel]'
 	# TGI's own client pins an old huggingface_hub: it goes in without its dependencies
 	$(PY) -m pip install --quiet --no-deps text-generation==0.7.0
 	touch $(STAMP)
@@ -28,6 +28,10 @@ generate: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The opt-in reliability rounds (pytest's `slow` marker): long fault-injection runs.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -64,7 +68,7 @@ clean:
 lock:
 	rm -rf /tmp/tgq-lock && $(PYTHON) -m venv /tmp/tgq-lock
 	/tmp/tgq-lock/bin/pip install --quiet torch==2.13.0
-	/tmp/tgq-lock/bin/pip install --quiet -e '.[dev,bench]'
+	/tmp/tgq-lock/bin/pip install --quiet -e '.[dev,bench,otel]'
 	/tmp/tgq-lock/bin/pip freeze --exclude-editable | grep -v '^torch==' > constraints.body
 	{ head -2 constraints.txt; cat constraints.body; echo torch==2.13.0; } > constraints.new
 	mv constraints.new constraints.txt && rm constraints.body

@@ -3,24 +3,42 @@
 
 from __future__ import annotations
 
-import logging
+import sys
 
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from api.app import create_app
+from api.drain import GRACEFUL_CLOSE_S, DrainingServer
 from api.settings import Settings
+from batcher.logs import configure_logging
+from batcher.tracing import TracingUnavailableError
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = Settings()
-    uvicorn.run(
-        create_app(settings),
+    configure_logging(json_output=settings.json_output)
+    try:
+        app = create_app(settings)
+    except TracingUnavailableError as error:
+        sys.exit(f"api: {error}")
+    # On SIGTERM sse_starlette would end every open stream at once; in-flight streams are to
+    # finish during the drain instead (api/drain.py).
+    AppStatus.enable_automatic_graceful_drain = False
+    config = uvicorn.Config(
+        app,
         host=settings.hostname,
         port=settings.port,
         log_level="info",
-        timeout_graceful_shutdown=30,
+        log_config=None,  # uvicorn's loggers go through `configure_logging`'s handler
+        timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
     )
+
+    def in_flight() -> int:
+        state = getattr(app.state, "tgq", None)
+        return 0 if state is None else state.generation.admission.num_in_flight
+
+    DrainingServer(config, app.state.drain, in_flight, settings.drain_timeout_s).run()
 
 
 if __name__ == "__main__":

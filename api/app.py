@@ -28,15 +28,24 @@ from api.admission import Admission, Limits
 from api.batches.runner import BatchContext, run_batch
 from api.db import api_keys, create_engine
 from api.db.migrate import check_schema, upgrade
-from api.errors import UnavailableError, error_response, flavour_for_path, install_error_handlers
+from api.drain import Drain, DrainMiddleware
+from api.errors import (
+    UnavailableError,
+    ValidationError,
+    error_response,
+    flavour_for_path,
+    install_error_handlers,
+)
 from api.files.storage import FileStorage, LocalFileStorage
 from api.generation import Persister, Recorder, Running
 from api.metrics import Metrics
+from api.observability import install_observability
 from api.reconciler import reconcile_once, resume_batches
 from api.security import install_security
 from api.service import Generation
 from api.settings import Settings
 from api.tokenizer import ModelTokenizer
+from batcher import tracing
 from batcher.messages import FinalResult
 from batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport, ThreadedApiTransport
 from batcher.transport.base import StoredFinal
@@ -45,6 +54,7 @@ log = logging.getLogger("api")
 VERSION = "0.1.0"
 MONITOR_INTERVAL_S = 0.25
 BATCHERS_INTERVAL_S = 1.0
+DATA_EXCEPTION_CLASS = "22"  # SQLSTATE class of values the database cannot take
 
 
 @dataclass(slots=True)
@@ -128,6 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await _stop(app.state.tgq)
+            tracing.shutdown_tracing()
 
     app = FastAPI(
         title="tgq",
@@ -149,7 +160,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ) from error
         return None if record is None else record.id
 
+    app.state.drain = Drain()
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     install_security(app, settings, verify_key if settings.require_api_keys else None)
+    install_observability(app, settings)
     from api.routes import batches, files, job_events, jobs, openai, tgi  # they import `state_of`
 
     app.include_router(tgi.router)
@@ -162,10 +176,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 async def _on_dependency_down(request: Request, exc: Exception) -> Response:
-    """The database or Redis is unreachable: 503 (worth retrying), never a 500."""
+    """The database or Redis is unreachable: 503 (worth retrying), never a 500. A value that
+    Postgres refuses (SQLSTATE class 22, e.g. a NUL character in a text) came from the client,
+    and retrying will not help: 422."""
+    flavour = flavour_for_path(request.url.path)
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate.startswith(DATA_EXCEPTION_CLASS):
+        message = f"The request has a value the database cannot store (SQLSTATE {sqlstate})"
+        return error_response(ValidationError(message), flavour=flavour)
     log.error("%s %s: %s", request.method, request.url.path, exc)
     error = UnavailableError(f"A dependency is unavailable ({type(exc).__name__}); retry later")
-    return error_response(error, flavour=flavour_for_path(request.url.path))
+    return error_response(error, flavour=flavour)
 
 
 def model_dir_of(settings: Settings) -> Path:
@@ -187,7 +208,12 @@ async def _start(settings: Settings) -> AppState:
         await asyncio.to_thread(upgrade, settings.database_url)
     await check_schema(engine)
     model_dir = model_dir_of(settings)
-    tokenizer = ModelTokenizer.from_model_dir(model_dir, max_workers=settings.validation_workers)
+    metrics = Metrics(
+        max_input_tokens=settings.max_input_tokens, max_total_tokens=settings.max_total_tokens
+    )
+    tokenizer = ModelTokenizer.from_model_dir(
+        model_dir, max_workers=settings.validation_workers, on_call=metrics.on_tokenizer_call
+    )
     embedded = None
     transport: AsyncApiTransport
     if settings.redis_url:
@@ -203,9 +229,6 @@ async def _start(settings: Settings) -> AppState:
         embedded = await asyncio.to_thread(EmbeddedBatcher, str(model_dir), memory)
         embedded.start()
         transport = ThreadedApiTransport(memory, max_workers=settings.max_concurrent_requests + 8)
-    metrics = Metrics(
-        max_input_tokens=settings.max_input_tokens, max_total_tokens=settings.max_total_tokens
-    )
     limits = Limits(
         max_concurrent_requests=settings.max_concurrent_requests,
         max_queued_requests=settings.max_queued_requests,
@@ -264,8 +287,7 @@ async def _monitor(state: AppState) -> None:
                 next_batchers = time.monotonic() + BATCHERS_INTERVAL_S
                 beats = await state.transport.live_batchers()
                 state.health.num_batchers = len(beats)
-                state.metrics.set_batchers_alive(len(beats))
-                state.metrics.set_batch_current_size(sum(b.num_running for b in beats))
+                state.metrics.set_batchers(beats)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # Redis away: health says so, admission keeps its last view

@@ -21,6 +21,14 @@ class Settings(BaseSettings):
     redis_prefix: str = "tgq"
     hostname: str = "127.0.0.1"
     port: int = 3000
+    drain_timeout_s: float = Field(30.0, ge=0)  # on SIGTERM: in-flight requests finish within
+    compute_type: str = "gpu+optimized"  # TGI's `x-compute-type` header: a deployment label
+
+    # Observability, as TGI's launcher: JSON log lines; OpenTelemetry traces exported over
+    # OTLP/HTTP to `otlp_endpoint` (the collector's base URL; needs the `otel` extra).
+    json_output: bool = False
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "tgq"
 
     # TGI's limits, same names and defaults.
     max_concurrent_requests: int = Field(128, ge=1)

@@ -4,16 +4,20 @@ Redis is the broker (`REDIS_URL`, keys under `REDIS_PREFIX:celery:`), JSON is th
 serializer a worker accepts, tasks are acknowledged late (after they ran) and handed back when
 their worker dies, one task at a time per worker process. Tasks take ids and plain data; their
 bodies are functions tested on their own (`bulk.tasks`). Beat runs the reconciler every
-`RECONCILE_INTERVAL_S` and retention every `RETENTION_INTERVAL_S`.
+`RECONCILE_INTERVAL_S` and retention every `RETENTION_INTERVAL_S`. With `JSON_OUTPUT`, their
+log lines are tgq's JSON lines (`batcher.logs`) instead of Celery's own format.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import cache
+from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 
 from api.settings import Settings
+from batcher.logs import configure_logging
 
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 
@@ -41,7 +45,13 @@ def make_app(settings: Settings | None = None) -> Celery:
     if settings.reconcile_interval_s > 0:
         schedule["reconcile"] = {"task": "tgq.reconcile", "schedule": settings.reconcile_interval_s}
     app.conf.beat_schedule = schedule
+    if settings.json_output:  # a receiver of `setup_logging` replaces Celery's logging set-up
+        signals.setup_logging.connect(_json_logging, weak=False, dispatch_uid="tgq-json")
     return app
+
+
+def _json_logging(loglevel: int | str | None = None, **_: Any) -> None:
+    configure_logging(json_output=True, level=loglevel or logging.INFO)
 
 
 @cache

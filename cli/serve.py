@@ -5,12 +5,14 @@ migrated at start, the batcher on a thread of the api). With both, it migrates t
 supervises the api, one batcher and one Celery worker with beat as child processes: SIGTERM or
 SIGINT is forwarded to all of them as SIGTERM; when one exits on its own the others are stopped
 (as TGI's launcher does when a shard dies). It exits once all have, non-zero if any failed.
+Its own lines are logged as the services' (JSON with `--json-output`).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -20,14 +22,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
+from batcher.logs import configure_logging
 from cli import CommandError
 from cli.service import (
     BATCHER_FLAGS,
+    LOG_FLAGS,
     SETTING_FLAGS,
     Environ,
     batcher_argv,
     celery_argv,
     given,
+    is_on,
     settings_env,
 )
 
@@ -37,10 +42,12 @@ WORKER_CONCURRENCY = 2  # Celery's default (one process per core) is too many be
 STOP_TIMEOUT_S = 45.0  # past the api's and the batcher's 30 s drains; then SIGKILL
 POLL_S = 0.2
 PR_SET_PDEATHSIG = 1
+log = logging.getLogger("tgq")
 
 
 def serve(args: argparse.Namespace) -> int:
-    flags = given(args, (*SETTING_FLAGS, *BATCHER_FLAGS))
+    flags = given(args, (*SETTING_FLAGS, *BATCHER_FLAGS, *LOG_FLAGS))
+    configure_logging(json_output=is_on(settings_env(flags, os.environ).get("JSON_OUTPUT", "")))
     env = _with_model(flags, os.environ)
     if not env.get("DATABASE_URL") and not env.get("REDIS_URL"):
         return _embedded(flags, env)
@@ -64,7 +71,7 @@ def _with_model(flags: Mapping[str, str], environ: Environ) -> dict[str, str]:
 
 
 def _demo_model() -> str:
-    print("tgq: no --model-id (MODEL_ID) or MODEL_DIR: serving the demo model", file=sys.stderr)
+    log.info("no --model-id (MODEL_ID) or MODEL_DIR: serving the demo model")
     command = [sys.executable, "-m", "devtools.demo"]  # torch: in the child, not here
     done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
     return done.stdout.strip().splitlines()[-1]
@@ -80,7 +87,7 @@ def _supervised(flags: Mapping[str, str], environ: Environ) -> int:
 
     env = settings_env(flags, environ)
     upgrade(env["DATABASE_URL"])
-    print(f"tgq: database at revision {current_revision(env['DATABASE_URL'])}", file=sys.stderr)
+    log.info("database at revision %s", current_revision(env["DATABASE_URL"]))
     BEAT_SCHEDULE.parent.mkdir(exist_ok=True)
     worker_options = ["-B", "-s", str(BEAT_SCHEDULE), "-c", str(WORKER_CONCURRENCY)]
     commands = {
@@ -126,7 +133,7 @@ class Supervisor:
         exited = [name for name, p in self.processes.items() if p.poll() is not None]
         for name in exited:
             code = self.processes[name].returncode
-            print(f"tgq: {name} exited with {code}: stopping the others", file=sys.stderr)
+            log.warning("%s exited with %s: stopping the others", name, code)
         return not exited
 
     def _stop_all(self) -> None:

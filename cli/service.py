@@ -29,6 +29,7 @@ class Flag:
     name: str  # "--model-id"
     help: str
     type: type = str
+    is_switch: bool = False  # takes no value: given means "true"
 
     @property
     def env(self) -> str:
@@ -57,17 +58,25 @@ BATCHER_FLAGS = (
     Flag("--device", "torch device of the batcher (default cpu)"),
 )
 BATCHER_ENV_FLAGS = {"REDIS_URL": "--redis-url", "REDIS_PREFIX": "--prefix"}
+# Logs and traces, as TGI's launcher: api settings and batcher flags both, for every service.
+LOG_FLAGS = (
+    Flag("--json-output", "log one JSON object per line", is_switch=True),
+    Flag("--otlp-endpoint", "export OpenTelemetry traces to this OTLP/HTTP collector URL"),
+    Flag("--otlp-service-name", "service name of the exported traces (default tgq)"),
+)
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
     for flag in flags:
-        parser.add_argument(
-            flag.name,
-            dest=flag.dest,
-            type=flag.type,
-            metavar=flag.env,
-            help=f"{flag.help} (env {flag.env})",
-        )
+        described = f"{flag.help} (env {flag.env})"
+        if flag.is_switch:
+            parser.add_argument(
+                flag.name, dest=flag.dest, action="store_const", const="true", help=described
+            )
+        else:
+            parser.add_argument(
+                flag.name, dest=flag.dest, type=flag.type, metavar=flag.env, help=described
+            )
 
 
 def given(args: argparse.Namespace, flags: Sequence[Flag]) -> dict[str, str]:
@@ -93,7 +102,18 @@ def batcher_argv(flags: Mapping[str, str], environ: Environ) -> list[str]:
         argv += [option, env[name]] if env.get(name) else []
     for flag in BATCHER_FLAGS:
         argv += [flag.name, env[flag.env]] if env.get(flag.env) else []
+    for flag in LOG_FLAGS:
+        value = env.get(flag.env, "")
+        if flag.is_switch:
+            argv += [flag.name] if is_on(value) else []
+        else:
+            argv += [flag.name, value] if value else []
     return argv
+
+
+def is_on(value: str) -> bool:
+    """A switch's environment value, read as pydantic reads the api's `Settings`."""
+    return value.lower() in ("1", "true", "yes", "on", "t", "y")
 
 
 def celery_argv(role: str, extra: Sequence[str] = ()) -> list[str]:
@@ -103,22 +123,22 @@ def celery_argv(role: str, extra: Sequence[str] = ()) -> list[str]:
 
 
 def api(args: argparse.Namespace) -> int:
-    env = settings_env(given(args, SETTING_FLAGS), os.environ)
+    env = settings_env(given(args, (*SETTING_FLAGS, *LOG_FLAGS)), os.environ)
     replace_process([sys.executable, "-m", "api"], env)
 
 
 def batcher(args: argparse.Namespace) -> int:
-    argv = batcher_argv(given(args, (*SETTING_FLAGS, *BATCHER_FLAGS)), os.environ)
+    argv = batcher_argv(given(args, (*SETTING_FLAGS, *BATCHER_FLAGS, *LOG_FLAGS)), os.environ)
     replace_process([sys.executable, "-m", "batcher", *argv], dict(os.environ))
 
 
 def worker(args: argparse.Namespace) -> int:
-    env = settings_env(given(args, SETTING_FLAGS), os.environ)
+    env = settings_env(given(args, (*SETTING_FLAGS, *LOG_FLAGS)), os.environ)
     replace_process(celery_argv("worker", args.celery_args), env)
 
 
 def beat(args: argparse.Namespace) -> int:
-    env = settings_env(given(args, SETTING_FLAGS), os.environ)
+    env = settings_env(given(args, (*SETTING_FLAGS, *LOG_FLAGS)), os.environ)
     replace_process(celery_argv("beat", args.celery_args), env)
 
 
