@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import ClassVar
 
+from batcher.messages import Heartbeat
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
@@ -23,6 +25,7 @@ NUM_TOKEN_BUCKETS = 10
 FAILURE_ERRS = ("validation", "overloaded", "generation", "incomplete", "template", "dropped")
 REJECT_REASONS = ("concurrency", "queue_requests", "queue_tokens")
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+BATCH_COUNTS = ("total", "completed", "failed")
 
 
 def token_buckets(max_tokens: int) -> tuple[float, ...]:
@@ -84,6 +87,11 @@ class _Scalar(_Metric):
             labels = [(self.label, label_value)] if self.label else []
             yield _sample(self.name, labels, value)
 
+    def replace(self, values: dict[str, float]) -> None:
+        """Every labelled value at once, as read from elsewhere (the batchers' heartbeats): a
+        label absent now (a batcher gone) disappears."""
+        self._values = dict(values)
+
 
 class _Counter(_Scalar):
     kind = "counter"
@@ -123,6 +131,12 @@ class _Histogram(_Metric):
         yield _sample(f"{self.name}_bucket", [("le", "+Inf")], self._count)
         yield _sample(f"{self.name}_sum", [], self._sum)
         yield _sample(f"{self.name}_count", [], self._count)
+
+
+def kv_usage(beat: Heartbeat) -> float:
+    """Fraction of a batcher's usable KV blocks held by requests (cached, unheld blocks count
+    as free: an allocation may evict them)."""
+    return 1.0 - beat.num_free_blocks / beat.num_usable_blocks
 
 
 def _seconds(name: str, help_text: str) -> _Histogram:
@@ -165,8 +179,26 @@ class Metrics:
             "tgq_requests_rejected", "Requests refused by admission", "reason", REJECT_REASONS
         )
         self._in_flight = _Gauge("tgq_requests_in_flight", "Requests this replica is serving")
+        self._tokenizer_calls = _Counter(
+            "tgq_tokenizer_calls", "Calls to the tokenizer pool (encodes, chat-template renders)"
+        )
         self._batchers_alive = _Gauge("tgq_batchers_alive", "Batchers with a live heartbeat")
         self._jobs = _Gauge("tgq_jobs", "Batch jobs by status", "status", JOB_STATUSES)
+        self._kv_usage = _Gauge(
+            "tgq_kv_cache_usage_ratio", "KV-cache blocks held by requests / usable", "batcher"
+        )
+        self._prefix_queries = _Counter(
+            "tgq_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "batcher"
+        )
+        self._prefix_hits = _Counter(
+            "tgq_prefix_cache_hits", "Prompt tokens found in the prefix cache", "batcher"
+        )
+        self._batch_requests = _Gauge(
+            "tgq_batch_request_counts",
+            "Requests of the batches in progress (validating, in_progress, finalizing)",
+            "status",
+            BATCH_COUNTS,
+        )
         self._all: tuple[_Metric, ...] = tuple(
             value for value in vars(self).values() if isinstance(value, _Metric)
         )
@@ -206,9 +238,6 @@ class Metrics:
     def set_queue_size(self, n: int) -> None:
         self._set(self._queue_size, n)
 
-    def set_batch_current_size(self, n: int) -> None:
-        self._set(self._batch_size, n)
-
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
             self._ttft.observe(seconds)
@@ -221,11 +250,29 @@ class Metrics:
         with self._lock:
             self._rejected.inc(reason)
 
+    def on_tokenizer_call(self) -> None:
+        with self._lock:
+            self._tokenizer_calls.inc()
+
     def set_in_flight(self, n: int) -> None:
         self._set(self._in_flight, n)
 
-    def set_batchers_alive(self, n: int) -> None:
-        self._set(self._batchers_alive, n)
+    def set_batchers(self, beats: Sequence[Heartbeat]) -> None:
+        """What the live batchers' heartbeats say: running sequences, KV usage, prefix cache
+        (each batcher's counters since it started; a restart resets them, as Prometheus expects
+        of a counter)."""
+        with self._lock:
+            self._batchers_alive.set(len(beats))
+            self._batch_size.set(sum(beat.num_running for beat in beats))
+            known = [b for b in beats if b.num_usable_blocks]  # older batchers do not say
+            self._kv_usage.replace({b.batcher_id: kv_usage(b) for b in known})
+            self._prefix_queries.replace({b.batcher_id: b.num_prefix_query_tokens for b in known})
+            self._prefix_hits.replace({b.batcher_id: b.num_prefix_hit_tokens for b in known})
+
+    def set_batch_request_counts(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            for status in BATCH_COUNTS:
+                self._batch_requests.set(counts.get(status, 0), status)
 
     def set_job_counts(self, counts: dict[str, int]) -> None:
         """All five statuses every time (absent ones are 0), plus any other status given."""

@@ -28,8 +28,10 @@ class ModelTokenizer:
         eos_token_ids: frozenset[int] = frozenset(),
         chat_template: ChatTemplate | None = None,
         max_workers: int = 2,
+        on_call: Callable[[], None] = lambda: None,  # counts the calls (a metric)
     ) -> None:
         self._tokenizer = tokenizer
+        self._on_call = on_call
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         added = tokenizer.get_added_tokens_decoder()
@@ -37,7 +39,9 @@ class ModelTokenizer:
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="tokenizer")
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, *, max_workers: int = 2) -> ModelTokenizer:
+    def from_model_dir(
+        cls, path: str | Path, *, max_workers: int = 2, on_call: Callable[[], None] = lambda: None
+    ) -> ModelTokenizer:
         model_dir = Path(path)
         tokenizer_path = model_dir / TOKENIZER_FILE
         if not tokenizer_path.is_file():
@@ -55,10 +59,12 @@ class ModelTokenizer:
             eos_token_ids=eos,
             chat_template=chat_template,
             max_workers=max_workers,
+            on_call=on_call,
         )
 
     async def run(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Runs `call` on the tokenizer pool (for CPU work such as rendering a chat template)."""
+        self._on_call()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(call, *args, **kwargs))
 

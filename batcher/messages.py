@@ -32,6 +32,11 @@ class SubmitRequest:
     priority: Priority = Priority.INTERACTIVE
     deadline: float | None = None  # unix time; past it the request finishes ("deadline")
     attempt: int = 1  # 1 on first delivery; a reclaim requeues it with attempt + 1
+    # The api's `x-request-id` of the HTTP request that submitted it, on the batcher's log lines
+    # about it, and the W3C `traceparent` of the api's enqueue span. "" when there is none (the
+    # reconciler's and batches' resubmissions, tracing off); optional on the wire.
+    http_request_id: str = ""
+    traceparent: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,11 @@ class Heartbeat:
     num_free_blocks: int
     max_batch_size: int
     time: float  # unix time it was sent
+    # Added later, so absent from older batchers' beats (0): usable KV blocks, and the prompt
+    # tokens looked up in / found in the prefix cache since the batcher started.
+    num_usable_blocks: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
 
 Message = SubmitRequest | AbortRequest | TokenEvent | FinalResult | Heartbeat
@@ -175,6 +185,8 @@ def _submit(body: dict[str, Any]) -> SubmitRequest:
         priority=Priority(_field(body, "priority", int)),
         deadline=_optional(body, "deadline", (int, float)),
         attempt=_field(body, "attempt", int),
+        http_request_id=_optional(body, "http_request_id", str) or "",
+        traceparent=_optional(body, "traceparent", str) or "",
     )
 
 
@@ -236,6 +248,9 @@ def _heartbeat(body: dict[str, Any]) -> Heartbeat:
         num_free_blocks=_field(body, "num_free_blocks", int),
         max_batch_size=_field(body, "max_batch_size", int),
         time=_field(body, "time", (int, float)),
+        num_usable_blocks=_optional(body, "num_usable_blocks", int) or 0,
+        num_prefix_query_tokens=_optional(body, "num_prefix_query_tokens", int) or 0,
+        num_prefix_hit_tokens=_optional(body, "num_prefix_hit_tokens", int) or 0,
     )
 
 

@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batcher import tracing
 from batcher.engine import LLMEngine, RequestOutput
-from batcher.messages import FinalResult, Heartbeat, TokenEvent
+from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from batcher.ranks import WorkerLostError
 from batcher.request import Priority, Request
 from batcher.transport.base import BatcherTransport, Delivery
@@ -76,6 +77,8 @@ class BatcherService:
         self._outbox_finals: list[tuple[FinalResult, list[Delivery]]] = []  # published, then acked
         self._next_heartbeat = 0.0
         self._next_reclaim = 0.0
+        tracer = tracing.tracer()
+        self.spans = None if tracer is None else tracing.RequestSpans(tracer)
         transport.poll_aborts(config.batcher_id)  # start the abort cursor before any pull
         num_recovered = transport.recover(config.batcher_id)
         if num_recovered:
@@ -101,9 +104,13 @@ class BatcherService:
 
     def _hand_back(self) -> None:
         """Every request it holds back to the queue, same attempt (others will run them)."""
+        if self.spans is not None:
+            self.spans.hand_back()
         try:
             for active in self.active.values():
+                submit = active.delivery.request
                 self.transport.release(self.batcher_id, active.delivery)
+                log.info("request %s handed back", submit.request_id, extra=log_fields(submit))
                 for duplicate in active.duplicates:  # one copy back in the queue is enough
                     self.transport.ack(self.batcher_id, duplicate)
         except self.transient_errors as error:  # still pending to us: reclaimed when we are gone
@@ -149,14 +156,17 @@ class BatcherService:
                 log.warning("requeued %d requests of dead batchers", num_reclaimed)
 
     def heartbeat(self) -> Heartbeat:
-        scheduler = self.engine.scheduler
+        scheduler, kv = self.engine.scheduler, self.engine.scheduler.kv
         return Heartbeat(
             self.batcher_id,
             len(scheduler.running),
             len(scheduler.waiting),
-            scheduler.kv.num_free_blocks,
+            kv.num_free_blocks,
             scheduler.config.max_batch_size,
             self.clock(),
+            num_usable_blocks=kv.num_usable_blocks,
+            num_prefix_query_tokens=kv.num_prefix_query_tokens,
+            num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
         )
 
     def _pull(self) -> None:
@@ -195,6 +205,13 @@ class BatcherService:
             if delivery.entry_id != running.delivery.entry_id:
                 running.duplicates.append(delivery)
             return
+        log.info(
+            "request %s pulled (attempt %d, %d prompt tokens)",
+            submit.request_id, submit.attempt, len(submit.prompt_token_ids),
+            extra=log_fields(submit),
+        )  # fmt: skip
+        if self.spans is not None:
+            self.spans.start(submit, log_fields(submit))
         if delivery.is_aborted:
             self._finish(_Active(delivery, None), "abort", "aborted before it started")
             return
@@ -217,16 +234,25 @@ class BatcherService:
 
     def _apply_aborts_and_deadlines(self) -> None:
         for request_id in self.transport.poll_aborts(self.batcher_id):
-            if request_id in self.active:
+            if (aborted := self.active.get(request_id)) is not None:
+                log.info(
+                    "request %s: aborting", request_id, extra=log_fields(aborted.delivery.request)
+                )
                 self.engine.abort(request_id)
         now = self.clock()
         for request_id, active in self.active.items():
             deadline = active.delivery.request.deadline
             if deadline is not None and deadline <= now and not active.deadline_passed:
                 active.deadline_passed = True
+                log.info(
+                    "request %s: deadline passed; aborting",
+                    request_id,
+                    extra=log_fields(active.delivery.request),
+                )
                 self.engine.abort(request_id)
 
     def _step(self) -> None:
+        started_ns = time.time_ns()
         try:
             outputs = self.engine.step()
         except WorkerLostError:  # the model is gone, not the requests' fault: they rerun
@@ -236,6 +262,8 @@ class BatcherService:
         except Exception as error:
             self._fail_all(f"engine error: {error!r}")
             raise
+        if self.spans is not None:
+            self.spans.observe_step(started_ns, outputs, self.engine.scheduler.requests)
         events = [self._event(output) for output in outputs if output.request_id in self.active]
         self._outbox_events += [e for e in events if e is not None]
         for output in outputs:
@@ -308,8 +336,36 @@ class BatcherService:
         )
         self._outbox_finals.append((result, [active.delivery, *active.duplicates]))
         self.active.pop(submit.request_id, None)
+        _log_finish(submit, result)
+        if self.spans is not None:
+            self.spans.finish(result)
 
     def _fail_all(self, detail: str) -> None:
         for active in list(self.active.values()):
             self._finish(active, "failed", detail)
         self._flush()
+
+
+def log_fields(submit: SubmitRequest) -> dict[str, str]:
+    """What a log line about the request carries: the engine's id (`job_….N`, the item), and
+    the api's request id (`x-request-id`) when the api sent one."""
+    fields = {"item_id": submit.request_id}
+    if submit.http_request_id:
+        fields["request_id"] = submit.http_request_id
+    return fields
+
+
+def _log_finish(submit: SubmitRequest, result: FinalResult) -> None:
+    reason, detail = result.finish_reason, result.finish_detail
+    level = {"failed": logging.ERROR, "rejected": logging.WARNING}.get(reason, logging.INFO)
+    log.log(
+        level,
+        "request %s finished: %s%s (%d prompt, %d generated tokens)",
+        submit.request_id, reason, f", {detail}" if detail else "",
+        result.num_prompt_tokens, result.num_output_tokens,
+        extra={
+            **log_fields(submit), "finish_reason": reason,
+            "prompt_tokens": result.num_prompt_tokens,
+            "generated_tokens": result.num_output_tokens,
+        },
+    )  # fmt: skip

@@ -27,15 +27,6 @@ DASHBOARD = ROOT / "docker" / "grafana" / "dashboards" / "tgq.json"
 TGQ_SERVICES = ("migrate", "api", "batcher", "worker", "beat")
 # Read by code outside Settings: the hub cache (huggingface_hub) and hub offline mode.
 OTHER_ENV = frozenset({"HF_HOME", "HF_HUB_OFFLINE"})
-# Queried by the dashboard, not exported by api/metrics.py yet: the panels are ready for them.
-PROPOSED_METRICS = frozenset(
-    {
-        "tgq_kv_cache_usage_ratio",  # gauge{batcher}: used KV blocks / total blocks
-        "tgq_prefix_cache_queries",  # counter: prompt tokens looked up in the prefix cache
-        "tgq_prefix_cache_hits",  # counter: of those, tokens found in cached blocks
-        "tgq_batch_request_counts",  # gauge{status=total|completed|failed}: batches in progress
-    }
-)
 _INTERPOLATION = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 _METRIC = re.compile(r"\b(tg[iq]_\w+)")
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -139,13 +130,10 @@ def _family(name: str) -> str:
     return name
 
 
-def test_dashboard_queries_exported_or_proposed_metrics() -> None:
+def test_dashboard_queries_only_exported_metrics() -> None:
     source = (ROOT / "api" / "metrics.py").read_text()
     exported = set(re.findall(r'"(tg[iq]_\w+)"', source))
-    queried = dashboard_metrics()
-    assert queried - exported - PROPOSED_METRICS == set()
-    assert PROPOSED_METRICS & exported == set(), "exported now: drop it from PROPOSED_METRICS"
-    assert queried >= PROPOSED_METRICS
+    assert dashboard_metrics() - exported == set()
 
 
 def test_grafana_provisioning_points_at_the_dashboards(services: dict[str, Any]) -> None:

@@ -283,3 +283,15 @@ async def open_items(conn: AsyncConnection, *, job_id: str, limit: int) -> list[
         .limit(limit)
     )
     return as_records(ItemRecord, await conn.execute(query))
+
+
+async def request_counts_in_progress(conn: AsyncConnection) -> dict[str, int]:
+    """Requests of the batches not yet finished, summed (the metrics' batch progress)."""
+    batch = db.batches.c
+    query = select(
+        func.coalesce(func.sum(batch.num_total), 0),
+        func.coalesce(func.sum(batch.num_completed), 0),
+        func.coalesce(func.sum(batch.num_failed), 0),
+    ).where(batch.status.not_in(TERMINAL))
+    total, completed, failed = (await conn.execute(query)).one()
+    return {"total": int(total), "completed": int(completed), "failed": int(failed)}

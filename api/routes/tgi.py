@@ -8,16 +8,16 @@ stream has no `[DONE]`.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
 
 from api.app import VERSION, AppState, state_of
-from api.db import store
+from api.db import batches, store
 from api.errors import ApiError, GenerationError, error_body
 from api.metrics import CONTENT_TYPE
 from api.schemas.tgi import (
@@ -34,12 +34,11 @@ from api.schemas.tgi import (
     Token,
 )
 from api.service import Run, check_failed
-from api.sse import data_event, dump_json, sse_response
+from api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
 from api.validation import check_inputs, tgi_params
 from batcher.messages import FinalResult, TokenEvent
 
 router = APIRouter(tags=["Text Generation Inference"])
-COMPUTE_TYPE = os.environ.get("COMPUTE_TYPE", "gpu+optimized")  # as TGI: a deployment label
 
 
 def finish_reason(final: FinalResult) -> str:
@@ -119,14 +118,14 @@ def generate_response(state: AppState, run: Run) -> GenerateResponse:
     return GenerateResponse(generated_text=text, details=details)
 
 
-def timing_headers(run: Run, finals: list[FinalResult]) -> dict[str, str]:
+def timing_headers(run: Run, finals: list[FinalResult], compute_type: str) -> dict[str, str]:
     """TGI's `x-*` headers: times in milliseconds (`x-compute-time` in seconds)."""
     now = time.time()
     first = run.first_token_at or now
     generated = sum(final.num_output_tokens for final in finals)
     inference_s = now - first
     return {
-        "x-compute-type": COMPUTE_TYPE,
+        "x-compute-type": compute_type,
         "x-compute-time": f"{now - run.started_at:.6f}",
         "x-compute-characters": str(sum(len(p.prompt) for p in run.prompts)),
         "x-total-time": str(round((now - run.started_at) * 1000)),
@@ -185,7 +184,7 @@ async def generate_once(request: Request, body: GenerateRequest, *, route: str) 
     if answer["details"] is None:  # TGI leaves it out
         del answer["details"]
     content = [answer] if route == "/" else answer
-    return JSONResponse(content, headers=timing_headers(run, finals))
+    return JSONResponse(content, headers=timing_headers(run, finals, state.settings.compute_type))
 
 
 async def stream_events(state: AppState, run: Run) -> AsyncIterator[bytes]:
@@ -266,7 +265,7 @@ async def generate_stream_response(request: Request, body: GenerateRequest, rout
         request, body, is_stream=True, route=route, return_full_text_default=default_full_text
     )
     headers = {
-        "x-compute-type": COMPUTE_TYPE,
+        "x-compute-type": state.settings.compute_type,
         "x-compute-characters": str(len(body.inputs)),
     }
     return sse_response(stream_events(state, run), headers)
@@ -278,13 +277,13 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     return await generate_once(request, body, route="/generate")
 
 
-@router.post("/generate_stream", response_model=StreamResponse)
+@router.post("/generate_stream", response_class=EventSourceResponse, responses=STREAM_RESPONSES)
 async def generate_stream(body: GenerateRequest, request: Request) -> Response:
     """Generate a stream of tokens using Server-Sent Events."""
     return await generate_stream_response(request, body, "/generate_stream")
 
 
-@router.post("/", response_model=list[GenerateResponse])
+@router.post("/", response_model=list[GenerateResponse], responses=STREAM_RESPONSES)
 async def compat_generate(body: CompatGenerateRequest, request: Request) -> Response:
     """TGI's compatibility route: `stream` picks the streaming or the plain answer."""
     if body.stream:
@@ -323,7 +322,7 @@ async def info(request: Request) -> Info:
     )
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response)
 @router.get("/ping", include_in_schema=False)
 @router.get("/", include_in_schema=False)
 async def health(request: Request) -> Response:
@@ -342,6 +341,7 @@ async def metrics(request: Request) -> Response:
     try:
         async with state.engine.connect() as conn:
             state.metrics.set_job_counts(await store.count_jobs_by_status(conn))
+            state.metrics.set_batch_request_counts(await batches.request_counts_in_progress(conn))
     except Exception:  # the database may be down; the rest of the metrics still matter
         pass
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -196,6 +196,32 @@ def test_tokenize_info_health_metrics_docs(client: httpx.Client, stack: Stack) -
     }
 
 
+def test_metrics_carry_the_batchers_kv_and_prefix_cache(client: httpx.Client) -> None:
+    """The batcher's heartbeat feeds KV usage and prefix-cache counters; a repeated prompt hits."""
+    prompt = " ".join(["The Python language has lists, tuples and dictionaries."] * 8)
+    for _ in range(2):
+        answer = client.post("/generate", json={"inputs": prompt, "parameters": GREEDY})
+        assert answer.status_code == 200, answer.text
+    batcher = 'batcher="b0"'
+
+    def samples() -> dict[str, float]:
+        lines = client.get("/metrics").text.splitlines()
+        pairs = (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))
+        return {name: float(value) for name, value in pairs}
+
+    deadline = time.monotonic() + 10  # a heartbeat (1 s here) then the api's monitor (1 s)
+    while samples().get(f"tgq_prefix_cache_hits{{{batcher}}}", 0) == 0:
+        assert time.monotonic() < deadline, "no prefix-cache hit reached /metrics"
+        time.sleep(0.2)
+    found = samples()
+    assert (
+        found[f"tgq_prefix_cache_queries{{{batcher}}}"]
+        >= found[f"tgq_prefix_cache_hits{{{batcher}}}"]
+    )
+    assert 0.0 <= found[f"tgq_kv_cache_usage_ratio{{{batcher}}}"] < 1.0
+    assert found['tgq_batch_request_counts{status="total"}'] >= 0
+
+
 def chat(content: str, **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 8, **extra}
 

@@ -7,6 +7,7 @@ import threading
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.metrics import JOB_STATUSES, LATENCY_BUCKETS_S, Metrics
+from batcher.messages import Heartbeat
 
 TGI_TYPES = {
     "tgi_request_count": "counter",
@@ -28,8 +29,13 @@ TGQ_TYPES = {
     "tgq_inter_token_latency_seconds": "histogram",
     "tgq_requests_rejected": "counter",
     "tgq_requests_in_flight": "gauge",
+    "tgq_tokenizer_calls": "counter",
     "tgq_batchers_alive": "gauge",
     "tgq_jobs": "gauge",
+    "tgq_kv_cache_usage_ratio": "gauge",
+    "tgq_prefix_cache_queries": "counter",
+    "tgq_prefix_cache_hits": "counter",
+    "tgq_batch_request_counts": "gauge",
 }
 
 
@@ -102,14 +108,43 @@ def test_gauges_hold_the_last_value() -> None:
     metrics = new_metrics()
     metrics.set_queue_size(7)
     metrics.set_queue_size(4)
-    metrics.set_batch_current_size(12)
     metrics.set_in_flight(3)
-    metrics.set_batchers_alive(2)
     _, samples = parse(metrics)
     assert samples["tgi_queue_size"] == 4
-    assert samples["tgi_batch_current_size"] == 12
     assert samples["tgq_requests_in_flight"] == 3
+
+
+def beat(batcher_id: str, num_running: int, num_free: int, queries: int, hits: int) -> Heartbeat:
+    return Heartbeat(
+        batcher_id, num_running, 0, num_free, 64, 0.0,
+        num_usable_blocks=100, num_prefix_query_tokens=queries, num_prefix_hit_tokens=hits,
+    )  # fmt: skip
+
+
+def test_batcher_gauges_follow_the_live_heartbeats() -> None:
+    metrics = new_metrics()
+    metrics.set_batchers([beat("b0", 5, 75, 1000, 640), beat("b1", 7, 100, 32, 0)])
+    _, samples = parse(metrics)
     assert samples["tgq_batchers_alive"] == 2
+    assert samples["tgi_batch_current_size"] == 12
+    assert samples['tgq_kv_cache_usage_ratio{batcher="b0"}'] == 0.25
+    assert samples['tgq_kv_cache_usage_ratio{batcher="b1"}'] == 0.0
+    assert samples['tgq_prefix_cache_queries{batcher="b0"}'] == 1000
+    assert samples['tgq_prefix_cache_hits{batcher="b0"}'] == 640
+    metrics.set_batchers([beat("b1", 1, 50, 64, 16)])  # b0's heartbeat expired
+    _, samples = parse(metrics)
+    assert samples["tgq_batchers_alive"] == 1
+    assert 'tgq_kv_cache_usage_ratio{batcher="b0"}' not in samples
+    assert samples['tgq_prefix_cache_hits{batcher="b1"}'] == 16
+
+
+def test_batch_request_counts() -> None:
+    metrics = new_metrics()
+    _, samples = parse(metrics)
+    assert samples['tgq_batch_request_counts{status="total"}'] == 0
+    metrics.set_batch_request_counts({"total": 40, "completed": 12, "failed": 1})
+    _, samples = parse(metrics)
+    assert samples['tgq_batch_request_counts{status="completed"}'] == 12
 
 
 def test_success_feeds_every_request_histogram() -> None:
