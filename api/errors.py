@@ -12,18 +12,22 @@ Every error has two renderings, picked by the route's flavour:
 Errors after a stream has started cannot change the HTTP status any more; `stream_error_event`
 renders them as one SSE event in the same two shapes (OpenAI routes then send `data: [DONE]`).
 Malformed bodies (not JSON, wrong types, missing fields) come from FastAPI as
-`RequestValidationError` and are rendered as a `ValidationError` naming the field.
+`RequestValidationError` and are rendered as a `ValidationError` naming the field; the errors
+Starlette raises itself (unknown path, wrong method, a body its parser gave up on) keep their
+status and get the same two shapes (`HttpError`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.schemas.openai import OpenAIError, OpenAIErrorBody
 from api.schemas.tgi import ErrorResponse
@@ -139,6 +143,22 @@ class UnauthorizedError(ApiError):
         return {"WWW-Authenticate": "Bearer"}
 
 
+class HttpError(ApiError):
+    """An error that Starlette or FastAPI raised themselves: 404 for an unknown path, 405, or
+    400 for a body that could not be parsed at all (JSON nested too deep for the parser)."""
+
+    openai_type = "invalid_request_error"
+
+    def __init__(self, exc: StarletteHTTPException) -> None:
+        super().__init__(str(exc.detail))
+        self.status_code = exc.status_code
+        self.error_type = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
+        self._headers = dict(exc.headers or {})
+
+    def headers(self) -> dict[str, str]:
+        return self._headers
+
+
 def flavour_for_path(path: str) -> Flavour:
     """`/v1/...` routes speak OpenAI (chat, completions, models, jobs, files, batches)."""
     return "openai" if path.startswith("/v1/") else "tgi"
@@ -180,6 +200,7 @@ def from_request_validation(exc: RequestValidationError) -> ValidationError:
 def install_error_handlers(app: FastAPI) -> None:
     app.exception_handler(ApiError)(_on_api_error)
     app.exception_handler(RequestValidationError)(_on_request_validation_error)
+    app.exception_handler(StarletteHTTPException)(_on_http_exception)
 
 
 async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -191,6 +212,10 @@ async def _on_request_validation_error(
 ) -> JSONResponse:
     error = from_request_validation(exc)
     return error_response(error, flavour=flavour_for_path(request.url.path))
+
+
+async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(HttpError(exc), flavour=flavour_for_path(request.url.path))
 
 
 def _describe(param: str | None, reasons: list[str]) -> str:

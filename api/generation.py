@@ -5,6 +5,8 @@ the database by the persister, whoever waits for it.
 - `Recorder`: group commit. Concurrent submissions are gathered (up to `max_group` per round),
   written in one transaction, then enqueued in one transport round trip. Nothing is enqueued
   without its commit; a failed commit fails the whole group with 503 and enqueues nothing.
+  Each submission is an `enqueue` span (tracing on); its requests carry the HTTP request's id
+  and that span's trace context to the batcher.
 - `Persister`: pulls durable final results from the transport, records them idempotently (unique
   per job item), and acks them only after the commit.
 - `follow`: a request's token events in order, then its final result.
@@ -29,6 +31,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.db import store
 from api.errors import UnavailableError
+from batcher import tracing
+from batcher.logs import current_request_id
 from batcher.messages import FinalResult, SubmitRequest, TokenEvent
 from batcher.transport.aio import AsyncApiTransport
 from batcher.transport.base import StoredFinal
@@ -94,23 +98,29 @@ class Recorder(_Loop):
 
     async def submit(self, job: store.NewJob, requests: list[SubmitRequest]) -> store.JobRecord:
         """Returns the job's row once it is committed and its requests are enqueued."""
-        pending = _Pending(job, requests)
-        self._queue.put_nowait(pending)
-        return await asyncio.shield(pending.done)
+        with tracing.span("enqueue", job_id=job.job_id, num_requests=len(requests)):
+            pending = _Pending(job, stamped(requests))
+            self._queue.put_nowait(pending)
+            record = await asyncio.shield(pending.done)
+        _log_queued(job, len(requests))
+        return record
 
     async def submit_idempotent(
         self, job: store.NewJob, requests: list[SubmitRequest]
     ) -> tuple[store.JobRecord, bool]:
         """A job with an idempotency key, in its own transaction: (the job, created). A repeat of
         the key returns the first job and enqueues nothing."""
-        try:
-            async with self.engine.begin() as conn:
-                fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
-                record, created = await store.create_job(conn, **fields)
-        except SQLAlchemyError as error:
-            raise _unavailable(error) from error
+        with tracing.span("enqueue", job_id=job.job_id, num_requests=len(requests)):
+            try:
+                async with self.engine.begin() as conn:
+                    fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
+                    record, created = await store.create_job(conn, **fields)
+            except SQLAlchemyError as error:
+                raise _unavailable(error) from error
+            if created:
+                await self._enqueue(stamped(requests))
         if created:
-            await self._enqueue(requests)
+            _log_queued(job, len(requests))
         return record, created
 
     async def _run(self) -> None:
@@ -148,9 +158,29 @@ class Recorder(_Loop):
             ) from error
 
 
+def stamped(requests: list[SubmitRequest]) -> list[SubmitRequest]:
+    """The requests with the HTTP request's id and the current span's `traceparent`, so the
+    batcher's log lines and spans about them join the api's."""
+    request_id, parent = current_request_id.get(), tracing.traceparent()
+    if not request_id and not parent:
+        return requests
+    return [
+        dataclasses.replace(r, http_request_id=request_id, traceparent=parent) for r in requests
+    ]
+
+
+def _log_queued(job: store.NewJob, num_requests: int) -> None:
+    """Relates the job (and its items, `job_id.N` in the batcher's lines) to the request id."""
+    message = "job %s: %d requests queued"
+    log.info(message, job.job_id, num_requests, extra={"job_id": job.job_id, "job_kind": job.kind})
+
+
 def _unavailable(error: Exception) -> UnavailableError:
     log.error("database unavailable: %s", error)
     return UnavailableError("The database is unavailable; nothing was queued. Retry later")
+
+
+STOP_GRACE_S = 10.0  # the persister's last round at shut-down, before it is cancelled
 
 
 class Persister(_Loop):
@@ -173,10 +203,15 @@ class Persister(_Loop):
         self.max_count = max_count
         self.block_ms = block_ms
         self.num_written = 0
+        self._is_stopping = False
+        # Pulled but not yet written and acked (the database was away): retried before anything
+        # new. They stay pending to this consumer, so without this they would wait for the
+        # lease (`lease_s`) to lapse before being claimed again.
+        self._unwritten: list[StoredFinal] = []
 
     async def _run(self) -> None:
         backoff_s = 0.1
-        while True:
+        while not self._is_stopping:
             try:
                 await self.persist_once()
                 backoff_s = 0.1
@@ -187,10 +222,29 @@ class Persister(_Loop):
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 5.0)
 
-    async def persist_once(self) -> int:
-        finals = await self.transport.pull_finals(self.consumer, self.max_count, self.block_ms)
+    async def stop(self) -> None:
+        """Lets the round in progress finish, then persists what is already stored without
+        waiting for more: a replica that shuts down cleanly leaves no finished job `running`
+        until another replica claims its results after the lease."""
+        self._is_stopping = True
+        if self._task is not None:  # a round cut short would leave its results pending to us
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), STOP_GRACE_S)
+        await super().stop()
+        try:
+            while await self.persist_once(block_ms=0):
+                pass
+        except Exception as error:  # database or Redis away: the results wait for the next one
+            log.warning("persister: results left for another replica: %s", error)
+
+    async def persist_once(self, *, block_ms: int | None = None) -> int:
+        wait_ms = self.block_ms if block_ms is None else block_ms
+        finals = self._unwritten or await self.transport.pull_finals(
+            self.consumer, self.max_count, wait_ms
+        )
         if not finals:
             return 0
+        self._unwritten = finals
         results = []
         for stored in finals:
             new = new_result(stored.result)
@@ -206,6 +260,7 @@ class Persister(_Loop):
         except Exception:  # a result the database refuses, or the database away: one by one
             written = [await self._record_alone(result) for result in results]
         await self.transport.ack_finals([stored.entry_id for stored in finals])
+        self._unwritten = []
         self.num_written += sum(written)
         self.on_results(finals)
         return len(finals)

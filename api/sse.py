@@ -11,6 +11,15 @@ from fastapi import Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 KEEP_ALIVE_S = 15
+EVENT_STREAM = "text/event-stream"
+# The OpenAPI answer of a route that streams when the body asks for it (`stream: true`).
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {
+            EVENT_STREAM: {"schema": {"description": "each event's `data`: one JSON value"}}
+        }
+    }
+}
 
 
 def data_event(data: str) -> bytes:

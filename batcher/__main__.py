@@ -20,11 +20,15 @@ import redis
 from batcher.config import SchedulerConfig
 from batcher.detokenize import HFTokenDecoder
 from batcher.engine import LLMEngine, StepRunner
+from batcher.faults import inject_fault
+from batcher.logs import configure_logging
 from batcher.ranks import ShardConfig, ShardedRunner, WorkerLostError
 from batcher.service import BatcherService, ServiceConfig
+from batcher.tracing import TracingUnavailableError, configure_tracing, shutdown_tracing
 from batcher.transport.base import TransportConfig
 from batcher.transport.redis import RedisTransport
 from gpu_worker.config import model_eos_token_ids
+from gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
 
 log = logging.getLogger("batcher")
 EXIT_RANK_LOST = 3  # a tensor-parallel rank died or hung: the supervisor restarts the batcher
@@ -32,7 +36,10 @@ EXIT_RANK_LOST = 3  # a tensor-parallel rank died or hung: the supervisor restar
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m batcher", description=__doc__)
-    parser.add_argument("--model-id", required=True, help="local model directory")
+    parser.add_argument(
+        "--model-id", required=True, help="local model directory or hub id (safetensors only)"
+    )
+    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--prefix", default="tgq", help="Redis key prefix")
     parser.add_argument("--batcher-id", default=socket.gethostname())
@@ -52,6 +59,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--max-attempts", type=int, default=3)
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
+    parser.add_argument("--json-output", action="store_true", help="log JSON lines (TGI's flag)")
+    parser.add_argument("--otlp-endpoint", help="export traces to this OTLP/HTTP collector")
+    parser.add_argument("--otlp-service-name", default="tgq", help="service name of the traces")
+    parser.add_argument(
+        "--inject-fault",
+        default=None,
+        metavar="engine_step:N",
+        help="fault injection for reliability tests: the Nth engine step raises",
+    )
     return parser.parse_args(argv)
 
 
@@ -86,8 +102,13 @@ def build_engine(args: argparse.Namespace, runner: StepRunner) -> LLMEngine:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
+    configure_logging(json_output=args.json_output)
+    if args.otlp_endpoint:
+        try:
+            configure_tracing(args.otlp_endpoint, args.otlp_service_name, scope="batcher")
+        except TracingUnavailableError as error:
+            sys.exit(f"batcher: {error}")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -100,8 +121,14 @@ def main(argv: list[str] | None = None) -> None:
         max_attempts=args.max_attempts, lease_s=args.lease_s, heartbeat_ttl_s=args.heartbeat_ttl_s
     )
     transport = RedisTransport.from_url(args.redis_url, args.prefix, transport_config)
+    # A hub id becomes its snapshot directory once, here: the ranks, the tokenizer and the
+    # generation config then all read the same files.
+    try:
+        args.model_id = str(resolve_model_dir(args.model_id, revision=args.revision))
+    except (ModelNotFoundError, PickleWeightsError) as error:
+        sys.exit(f"batcher: {error}")
     runner = build_runner(args)
-    engine = build_engine(args, runner)
+    engine = build_engine(args, inject_fault(runner, args.inject_fault))
     heartbeat_interval_s = args.heartbeat_ttl_s / 4
     service_config = ServiceConfig(
         args.batcher_id,
@@ -119,10 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         log.error("batcher %s lost a rank: %s; exiting", args.batcher_id, error)
         if isinstance(runner, ShardedRunner):
             runner.kill()
+        shutdown_tracing()
         sys.exit(EXIT_RANK_LOST)
     if isinstance(runner, ShardedRunner):
         runner.close()
     log.info("batcher %s drained", args.batcher_id)
+    shutdown_tracing()
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Header, Request, Response
-from sse_starlette import ServerSentEvent
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.app import AppState, state_of
 from api.db import store
 from api.errors import ApiError, NotFoundError, ValidationError
 from api.generation import request_id_of
 from api.routes.jobs import JobItemResult, get_visible_job, item_result, view
-from api.sse import dump_json, sse_response
+from api.sse import STREAM_RESPONSES, dump_json, sse_response
 from batcher.messages import FinalResult
 
 router = APIRouter(tags=["Jobs"])
@@ -45,7 +45,9 @@ def parse_last_event_id(value: str | None) -> tuple[int, int]:
     return (int(item) + 1, 0) if seq == "r" else (int(item), int(seq) + 1)
 
 
-@router.get("/v1/jobs/{job_id}/events")
+@router.get(
+    "/v1/jobs/{job_id}/events", response_class=EventSourceResponse, responses=STREAM_RESPONSES
+)
 async def job_events(
     job_id: str,
     request: Request,

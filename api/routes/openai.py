@@ -39,7 +39,7 @@ from api.schemas.openai import (
     Usage,
 )
 from api.service import Run, check_failed
-from api.sse import data_event, dump_json, sse_response
+from api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
 from api.validated import GenerationParams
 from api.validation import chat_params, completion_params, completion_prompts
 from batcher.messages import FinalResult, TokenEvent
@@ -130,7 +130,7 @@ async def _render_chat(state: AppState, body: ChatCompletionRequest) -> str:
 # --- chat --------------------------------------------------------------------------------------
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion)
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=STREAM_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """OpenAI chat completions; `stream: true` for Server-Sent Events."""
     state = state_of(request)
@@ -239,7 +239,7 @@ def _content_chunk(
 # --- completions -------------------------------------------------------------------------------
 
 
-@router.post("/v1/completions", response_model=Completion)
+@router.post("/v1/completions", response_model=Completion, responses=STREAM_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """OpenAI (legacy) completions: one prompt or a list of them."""
     state = state_of(request)
