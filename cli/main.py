@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
-from cli import INTERRUPTED, CommandError, batch, download, serve, service
-from cli.service import BATCHER_FLAGS, SETTING_FLAGS, add_flags
+from cli import INTERRUPTED, CommandError, batch, bench, download, serve, service
+from cli.service import BATCHER_FLAGS, LOG_FLAGS, SETTING_FLAGS, add_flags
 
 DEFAULT_URL = "http://127.0.0.1:3000"
 USAGE_ERROR = 2  # argparse's own exit code for bad arguments; tgq uses it for server errors too
@@ -70,16 +70,16 @@ def _add_batch(commands: Commands) -> None:
 
 def _add_services(commands: Commands) -> None:
     api = commands.add_parser("api", help="run the api (`python -m api`)")
-    add_flags(api, SETTING_FLAGS)
+    add_flags(api, [*SETTING_FLAGS, *LOG_FLAGS])
     api.set_defaults(handler=service.api)
 
     batcher = commands.add_parser("batcher", help="run one batcher (`python -m batcher`)")
-    add_flags(batcher, [SETTING_FLAGS[0], *BATCHER_FLAGS])
+    add_flags(batcher, [SETTING_FLAGS[0], *BATCHER_FLAGS, *LOG_FLAGS])
     batcher.set_defaults(handler=service.batcher)
 
     for role, handler in (("worker", service.worker), ("beat", service.beat)):
         celery = commands.add_parser(role, help=f"run the Celery {role} of bulk work")
-        add_flags(celery, SETTING_FLAGS)
+        add_flags(celery, [*SETTING_FLAGS, *LOG_FLAGS])
         celery.add_argument(
             "celery_args", nargs=argparse.REMAINDER, metavar="-- ...", help="passed to Celery"
         )
@@ -88,7 +88,7 @@ def _add_services(commands: Commands) -> None:
     everything = commands.add_parser(
         "serve", help="the whole service: embedded, or api + batcher + worker with Redis"
     )
-    add_flags(everything, [*SETTING_FLAGS, *BATCHER_FLAGS])
+    add_flags(everything, [*SETTING_FLAGS, *BATCHER_FLAGS, *LOG_FLAGS])
     everything.set_defaults(handler=serve.serve)
 
 
@@ -116,11 +116,20 @@ def _add_download(commands: Commands) -> None:
     fetch.set_defaults(handler=download.download)
 
 
+def _add_bench(commands: Commands) -> None:
+    load = commands.add_parser(
+        "bench", help="load-test an OpenAI-compatible or TGI endpoint (tgq's or a peer's)"
+    )
+    bench.add_arguments(load)
+    load.set_defaults(handler=bench.bench)
+
+
 COMMAND_GROUPS: tuple[Callable[[Commands], None], ...] = (
     _add_batch,
     _add_services,
     _add_migrate,
     _add_download,
+    _add_bench,
 )
 
 
