@@ -1,16 +1,23 @@
-"""The demo model: a tiny random-weight Llama with a tokenizer trained on Python's bundled docs
-and a chat template, built once under `.cache/demo/tiny-llama` (no hub needed). Its output is
-not language yet (random weights). `python -m devtools.demo` builds it and prints its path."""
+"""The demo model: a small Llama trained on Python's bundled documentation (`devtools.train_demo`,
+minutes on the CPU), with a chat template, built once under `.cache/demo/tiny-llama` (no hub
+needed). `python -m devtools.demo` builds it if needed and prints only its path on stdout.
+
+A version stamp file marks a finished build of the current recipe: a dir without it (an older
+random-weight demo, or a build that was interrupted) is rebuilt from scratch."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from devtools.random_model import make_config, write_model
-from devtools.tokenizer import train_tokenizer
+if TYPE_CHECKING:
+    from devtools.train_demo import TrainConfig
 
 DEMO_DIR = Path(".cache/demo/tiny-llama")
+DEMO_VERSION = "trained-1"  # bump when the corpus, tokenizer or training recipe changes
+VERSION_FILE = "tgq-demo-version"
 # ChatML-style, with the tokenizer's own special tokens.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"
@@ -25,12 +32,19 @@ def add_chat_template(model_dir: Path, template: str = CHAT_TEMPLATE) -> None:
     config_path.write_text(json.dumps(config), encoding="utf-8")
 
 
-def demo_model(path: Path = DEMO_DIR) -> Path:
-    if not (path / "model.safetensors").is_file():
-        train_tokenizer(path)
-        write_model(path, make_config("LlamaForCausalLM"))
-    if "chat_template" not in (path / "tokenizer_config.json").read_text(encoding="utf-8"):
-        add_chat_template(path)  # also for a demo built before it had one
+def is_current(path: Path) -> bool:
+    stamp = path / VERSION_FILE
+    return stamp.is_file() and stamp.read_text(encoding="utf-8").strip() == DEMO_VERSION
+
+
+def demo_model(path: Path = DEMO_DIR, config: TrainConfig | None = None) -> Path:
+    """`path`, trained first unless it holds the current version (`config`: for tests)."""
+    if not is_current(path):
+        from devtools.train_demo import TrainConfig, build
+
+        shutil.rmtree(path, ignore_errors=True)
+        build(path, config or TrainConfig())
+        (path / VERSION_FILE).write_text(DEMO_VERSION, encoding="utf-8")
     return path
 
 

@@ -4,6 +4,7 @@ examples have a real `tokenizer.json` without any hub."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -17,7 +18,10 @@ def bundled_text() -> list[str]:
     return list(topics.values())
 
 
-def train_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
+def train_tokenizer(
+    out_dir: str | Path, vocab_size: int = 512, texts: Iterable[str] | None = None
+) -> Path:
+    """On `texts` (default: the pydoc topics)."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -27,7 +31,7 @@ def train_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(bundled_text(), trainer=trainer)
+    tokenizer.train_from_iterator(bundled_text() if texts is None else texts, trainer=trainer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))

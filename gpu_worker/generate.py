@@ -1,8 +1,7 @@
 """Offline generation from the command line: `python -m gpu_worker.generate --model-id DIR`.
 
-`--demo` builds (once, under .cache/demo) a tiny random-weight Llama with a tokenizer trained on
-Python's bundled documentation, so the example runs with no hub; its output is not language yet
-(random weights).
+`--demo` uses the demo model: a tiny Llama trained (once, under .cache/demo, a few minutes) on
+Python's bundled documentation, so the example runs with no hub.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from gpu_worker.runner import ModelRunner, RunnerConfig
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-id", help="local directory or hub id (safetensors only)")
-    parser.add_argument("--demo", action="store_true", help="use the built-in random tiny model")
+    parser.add_argument("--demo", action="store_true", help="use the demo model")
     parser.add_argument("--revision")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prompt", action="append", required=True)
