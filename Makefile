@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-serve bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_engine
+
+bench-serve: $(STAMP)
+	$(PY) -m bench.bench_serve
 
 bench-http: $(STAMP)
 	$(PY) -m bench.bench_http

@@ -73,10 +73,13 @@ class Admission:
     def queue_depth(self) -> int:
         return self._queue_depth
 
+    def is_at_capacity(self) -> bool:
+        """Whether the next request would be refused for concurrency."""
+        return self.num_in_flight >= self.limits.max_concurrent_requests
+
     def admit(self, *, num_requests: int = 1) -> Ticket:
         """A ticket for one interactive request (of `num_requests` engine requests), or 429."""
-        limits = self.limits
-        if self.num_in_flight >= limits.max_concurrent_requests:
+        if self.is_at_capacity():
             self._reject("concurrency", "Model is overloaded")
         self.check_queue(num_requests)
         self.num_in_flight += 1

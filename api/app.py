@@ -44,6 +44,7 @@ from api.reconciler import reconcile_once, resume_batches
 from api.security import install_security
 from api.service import Generation
 from api.settings import Settings
+from api.shedding import ShedOverload
 from api.tokenizer import ModelTokenizer
 from batcher import tracing
 from batcher.messages import FinalResult
@@ -160,6 +161,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ) from error
         return None if record is None else record.id
 
+    app.add_middleware(ShedOverload, state=lambda: getattr(app.state, "tgq", None))
     app.state.drain = Drain()
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
     install_security(app, settings, verify_key if settings.require_api_keys else None)

@@ -184,12 +184,16 @@ class AsyncRedisApiTransport:
         return [decode_event(f) for entry_id, f in entries if entry_id_str(entry_id) != END_ID]
 
     async def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
-        key = self.keys.final(request_id)
+        key, deadline = self.keys.final(request_id), time.monotonic() + timeout_s
         data: Any = await self.client.get(key)
-        if data is None and timeout_s > 0:
+        while data is None and (left_s := deadline - time.monotonic()) > 0:  # as RedisTransport
             tokens = self.keys.tokens(request_id)
-            await self.client.xread({tokens: AFTER_EVENTS_ID}, block=self._block(timeout_s))
+            ended: Any = await self.client.xread(
+                {tokens: AFTER_EVENTS_ID}, block=max(1, self._block(left_s))
+            )
             data = await self.client.get(key)
+            if ended and data is None:  # the end marker without a final: none will come
+                break
         return None if data is None else decode_final(data)
 
     async def live_batchers(self) -> list[Heartbeat]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, TypeVar
 
 import redis
@@ -132,12 +133,18 @@ class RedisTransport:
         ]
 
     def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
-        key = self.keys.final(request_id)
+        """The final result, waiting up to `timeout_s` for it: in blocking reads of at most
+        the client's cap, so a long wait is not cut to one cap."""
+        key, deadline = self.keys.final(request_id), time.monotonic() + timeout_s
         data: Any = self.client.get(key)
-        if data is None and timeout_s > 0:
+        while data is None and (left_s := deadline - time.monotonic()) > 0:
             tokens = self.keys.tokens(request_id)
-            self.client.xread({tokens: AFTER_EVENTS_ID}, block=self._block(timeout_s))
+            ended: Any = self.client.xread(
+                {tokens: AFTER_EVENTS_ID}, block=max(1, self._block(left_s))
+            )
             data = self.client.get(key)
+            if ended and data is None:  # the end marker without a final: none will come
+                break
         return None if data is None else decode_final(data)
 
     def live_batchers(self) -> list[Heartbeat]:

@@ -184,8 +184,8 @@ def test_burst_past_the_cap(burst_past_the_cap: Burst) -> None:
 
 
 @pytest.mark.xfail(
-    reason="one api process answers a request in ~0.4-0.5 ms (a 404 costs as much as a 429), so "
-    "92 rejections in one burst take 50-130 ms on the shared 2-core machine",
+    reason="p99 measured 44-74 ms on the quiet 2-core machine with the rejections shed before "
+    "the body is read (api/shedding.py; 70-203 ms before): the target is met only some runs",
     strict=False,
 )
 def test_rejections_are_fast(burst_past_the_cap: Burst) -> None:

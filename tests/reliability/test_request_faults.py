@@ -41,6 +41,7 @@ from batcher.transport.redis import decode_final, decode_heartbeat
 from batcher.transport.redis_keys import RedisKeys
 from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import NUM_BLOCKS, REDIS_URL, Stack, write_text_model
+from tests.api.test_http_limits import paused
 from tests.batcher.test_batcher_failover import wait_for
 
 FAST_BEATS = ("--heartbeat-ttl-s", "1")  # a heartbeat every 0.25 s: KV state seen promptly
@@ -196,6 +197,7 @@ def check_stack_idle(stack: Stack, since: float) -> None:
 
 NUM_CANCELS = 100
 CANCEL_TOKENS = 64
+NUM_FROZEN = 5  # more cancels, certainly while queued (see cancel_while_frozen)
 # Each job's cancel moment, drawn with a seed: ("queued", seconds after its 202) for jobs sent
 # once the batch is full, ("running", after that many token events) or ("finishing", two
 # events before the last).
@@ -322,11 +324,46 @@ async def cancel_all(stack: Stack, moments: list[Moment]) -> list[dict[str, Any]
         await r.aclose()
 
 
+async def cancel_while_frozen(stack: Stack, num_jobs: int) -> list[dict[str, Any]]:
+    """`num_jobs` jobs accepted and cancelled while the batcher is frozen (SIGSTOP), so they are
+    certainly still queued when their cancel is acknowledged: the tiny model may finish the
+    random "queued" ones of `cancel_all` before their DELETE."""
+    r = aioredis.Redis.from_url(REDIS_URL)
+    watcher = Watcher(r, RedisKeys(stack.prefix))
+    polling = asyncio.create_task(watcher.run())
+    body = {"parameters": {"max_new_tokens": CANCEL_TOKENS, "ignore_eos": True}}
+    outcomes = []
+    try:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            with paused(stack.batchers[0]):
+                cancels = []
+                for _ in range(num_jobs):
+                    job = (await client.post("/v1/jobs", json={**body, "prompt": "held"})).json()
+                    answer = (await client.delete(f"/v1/jobs/{job['id']}")).json()["status"]
+                    cancels.append((job, answer, time.time()))
+            for job, answer, acked_at in cancels:
+                (request_id,) = job["request_ids"]
+                final, seen_at = await asyncio.wait_for(watcher.final(request_id), 10)
+                seen = (await client.get(f"/v1/jobs/{job['id']}")).json()["status"]
+                outcomes.append({
+                    "id": job["id"], "moment": "frozen", "acked_at": acked_at, "answer": answer,
+                    "seen": seen, "left_batch_s": max(seen_at - acked_at, 0.0),
+                    "final": (final.finish_reason, final.num_output_tokens),
+                })  # fmt: skip
+    finally:
+        polling.cancel()
+        await r.aclose()
+    return outcomes
+
+
 @pytest.mark.timeout(180)
 def test_a_hundred_cancels_at_random_moments(shared: Stack) -> None:
     moments = cancel_moments(random.Random(20240610))
     started = time.time()
     outcomes = asyncio.run(cancel_all(shared, moments))
+    outcomes += asyncio.run(cancel_while_frozen(shared, NUM_FROZEN))
+    frozen = [o for o in outcomes if o["moment"] == "frozen"]
+    assert all(o["answer"] == "cancelled" and o["final"] == ("abort", 0) for o in frozen), frozen
     for outcome in outcomes:
         assert outcome["final"] is not None, f"the batcher never let go of {outcome}"
         if outcome["answer"] == "cancelled":
