@@ -9,6 +9,7 @@ returns False and the reason is logged once and kept in `unavailable_reason()`.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import platform
@@ -75,15 +76,22 @@ def _build() -> Any:
 
     cache = Path(os.environ.get("TGQ_KERNEL_CACHE", Path.home() / ".cache" / "tgq" / "kernels"))
     cache.mkdir(parents=True, exist_ok=True)
-    load(
-        name="tgq_cpu_ops",
-        sources=[str(source) for source in _SOURCES],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(cache),
-        is_python_module=False,
-        verbose=False,
-    )
+    # torch marks a build in progress with a `lock` file and waits, forever, while it exists:
+    # a process killed mid-build (kill -9, OOM) would hang every later start on this cache.
+    # An flock is released by the kernel when its holder dies; whoever holds it is the only
+    # builder, so a `lock` file found then is stale.
+    with (cache / "tgq-build.flock").open("w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (cache / "lock").unlink(missing_ok=True)
+        load(
+            name="tgq_cpu_ops",
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(cache),
+            is_python_module=False,
+            verbose=False,
+        )
     return torch.ops.tgq_cpu_ops
 
 

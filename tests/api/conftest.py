@@ -46,15 +46,22 @@ def _drop_database(url: str) -> None:
     asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)'))
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    """A migrated Postgres database for the whole session, dropped at the end."""
+@contextlib.contextmanager
+def migrated_database() -> Iterator[str]:
+    """A migrated Postgres database of its own, dropped after the block."""
     url = _create_database()
     try:
         upgrade(url)
         yield url
     finally:
         _drop_database(url)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A migrated Postgres database for the whole session, dropped at the end."""
+    with migrated_database() as url:
+        yield url
 
 
 @pytest.fixture

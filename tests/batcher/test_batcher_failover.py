@@ -121,11 +121,14 @@ def free_port() -> int:
         return port
 
 
-def start_redis(port: int, data_dir: Path) -> subprocess.Popen[bytes]:
-    command = [
-        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-        "--appendonly", "yes", "--appendfsync", "always", "--dir", str(data_dir),
-    ]  # fmt: skip
+def start_redis(port: int, data_dir: Path | None) -> subprocess.Popen[bytes]:
+    """A private redis-server: with an append-only file in `data_dir`, or (None) without
+    persistence, so a restart loses every key."""
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    if data_dir is None:
+        command += ["--appendonly", "no"]
+    else:
+        command += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(data_dir)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     client = redis.Redis(port=port)
     wait_for(lambda: _pings(client), 10)

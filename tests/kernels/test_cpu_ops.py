@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +19,28 @@ from tests.kernels.markers import requires_kernels
 @requires_kernels
 def test_kernels_build_on_a_cpu_that_supports_them() -> None:
     assert cpu_ops.is_available(), cpu_ops.unavailable_reason()
+
+
+@requires_kernels
+def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path: Path) -> None:
+    """torch leaves its `lock` file behind when a build is killed, and waits for it forever;
+    the next start must clear it (here: a copy of this session's build, with such a file)."""
+    assert cpu_ops.is_available(), cpu_ops.unavailable_reason()
+    default = Path.home() / ".cache" / "tgq" / "kernels"
+    cache = tmp_path / "kernels"
+    shutil.copytree(os.environ.get("TGQ_KERNEL_CACHE", default), cache)
+    (cache / "lock").touch()
+    code = "from kernels import cpu_ops; print(cpu_ops.is_available())"
+    env = {**os.environ, "TGQ_KERNEL_CACHE": str(cache)}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

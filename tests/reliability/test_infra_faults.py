@@ -32,29 +32,17 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from api.db import create_engine
-from api.db.migrate import upgrade
 from batcher.request import Priority
 from batcher.transport.redis_keys import GROUP, RedisKeys
-from tests.api.conftest import _create_database, _drop_database
+from tests.api.conftest import migrated_database
 from tests.api.stack import REDIS_URL, Stack
-from tests.batcher.test_batcher_failover import free_port, wait_for
+from tests.batcher.test_batcher_failover import free_port, start_redis, wait_for
 from tests.reliability.tcp_proxy import TcpProxy
 
 NUM_JOBS = 1000
 SHORT = {"max_new_tokens": 4, "ignore_eos": True}  # 1,000 jobs in well under a minute
 FAST_RECONCILE = {"RECONCILE_INTERVAL_S": "0.5", "RECONCILE_GRACE_S": "0.5"}
 NUM_KILL_ROUNDS = 5
-
-
-@contextlib.contextmanager
-def database() -> Iterator[str]:
-    """A migrated Postgres database of its own, dropped after the block."""
-    url = _create_database()
-    try:
-        upgrade(url)
-        yield url
-    finally:
-        _drop_database(url)
 
 
 @contextlib.contextmanager
@@ -213,7 +201,7 @@ def holds_requests(client: redis.Redis, streams: list[str]) -> bool:
 
 def run_with_kill(model_dir: Path, log_dir: Path, kill_at: int) -> dict[str, Any]:
     """1,000 jobs, submitted while the batcher is killed at job `kill_at` and restarted."""
-    with database() as url, running(Stack(model_dir, url, log_dir)) as stack:
+    with migrated_database() as url, running(Stack(model_dir, url, log_dir)) as stack:
         started_at = time.monotonic()
         job_ids: list[str] = []
         submitter = threading.Thread(
@@ -266,31 +254,11 @@ NUM_REDIS_JOBS = 40
 REDIS_PARAMS = {"max_new_tokens": 32, "ignore_eos": True}
 
 
-def start_redis(port: int) -> subprocess.Popen[bytes]:
-    """A redis-server without persistence: a restart loses every key."""
-    command = [
-        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-        "--appendonly", "no",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    wait_for(lambda: _pings(client), 10)
-    client.close()
-    return process
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
-
-
 @contextlib.contextmanager
 def private_redis() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
     """A redis-server of this test: its port, and its process (appended to on a restart)."""
     port = free_port()
-    processes = [start_redis(port)]
+    processes = [start_redis(port, None)]
     try:
         yield port, processes
     finally:
@@ -304,7 +272,7 @@ def private_redis() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
 def test_redis_losing_everything_mid_run_loses_no_accepted_job(
     text_model_dir: Path, tmp_path: Path, fault: str
 ) -> None:
-    with private_redis() as (port, processes), database() as url:
+    with private_redis() as (port, processes), migrated_database() as url:
         redis_url = f"redis://127.0.0.1:{port}/0"
         stack = Stack(
             text_model_dir,
@@ -323,7 +291,7 @@ def test_redis_losing_everything_mid_run_loses_no_accepted_job(
             if fault == "restart":
                 processes[-1].kill()
                 processes[-1].wait()
-                processes.append(start_redis(port))
+                processes.append(start_redis(port, None))
             else:
                 redis.Redis(port=port).flushall()
             done_at = wait_done(url, NUM_REDIS_JOBS, 180, log=stack.api_log)
@@ -385,7 +353,7 @@ def _ids_under(stack: Stack, marker: str) -> set[str]:
 
 
 def run_with_outage(model_dir: Path, log_dir: Path, seconds: float) -> dict[str, Any]:
-    with database() as url:
+    with migrated_database() as url:
         where = make_url(url)
         proxy = TcpProxy((where.host or "127.0.0.1", where.port or 5432))
         proxied = where.set(port=proxy.port).render_as_string(hide_password=False)

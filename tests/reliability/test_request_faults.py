@@ -33,13 +33,12 @@ from sqlalchemy import Row, text
 from sqlalchemy.pool import NullPool
 
 from api.db import create_engine
-from api.db.migrate import upgrade
 from batcher.faults import FailingRunner, InjectedFaultError, inject_fault, parse_fault
 from batcher.messages import FinalResult, Heartbeat
 from batcher.request import Priority
 from batcher.transport.redis import decode_final, decode_heartbeat
 from batcher.transport.redis_keys import RedisKeys
-from tests.api.conftest import _create_database, _drop_database
+from tests.api.conftest import migrated_database
 from tests.api.stack import NUM_BLOCKS, REDIS_URL, Stack, write_text_model
 from tests.api.test_http_limits import paused
 from tests.batcher.test_batcher_failover import wait_for
@@ -62,17 +61,17 @@ def fresh_stack(
     with_batcher: bool = True,
 ) -> Iterator[Stack]:
     """A stack on a database of its own; without a batcher the api starts unhealthy."""
-    url = _create_database()
-    upgrade(url)
-    stack = Stack(model_dir, url, log_dir, api_env=api_env or {}, batcher_options=batcher_options)
-    try:
-        if with_batcher:
-            stack.start_batcher()
-        stack.start_api(healthy=with_batcher)
-        yield stack
-    finally:
-        stack.stop()
-        _drop_database(url)
+    with migrated_database() as url:
+        stack = Stack(
+            model_dir, url, log_dir, api_env=api_env or {}, batcher_options=batcher_options
+        )
+        try:
+            if with_batcher:
+                stack.start_batcher()
+            stack.start_api(healthy=with_batcher)
+            yield stack
+        finally:
+            stack.stop()
 
 
 @pytest.fixture(scope="module")
