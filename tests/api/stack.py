@@ -47,7 +47,9 @@ def free_port() -> int:
 def _env(**extra: str) -> dict[str, str]:
     inherited = ("HOSTNAME", "PORT", "REDIS_URL", "DATABASE_URL")
     env = {k: v for k, v in os.environ.items() if k not in inherited}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    # A test's api that stops waits at most 5 s for requests still admitted (30 s by default).
+    quick = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DRAIN_TIMEOUT_S": "5"}
+    return {**env, **quick, **extra}
 
 
 @dataclass

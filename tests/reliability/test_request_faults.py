@@ -660,7 +660,7 @@ def _statuses(stack: Stack) -> set[str]:
 
 NUM_DRAINED = 16
 DRAIN_TOKENS = 300
-API_DRAIN_TIMEOUT_S = 30  # DRAIN_TIMEOUT_S's default (api/drain.py)
+API_DRAIN_TIMEOUT_S = 30  # past the stacks' DRAIN_TIMEOUT_S (5 s) and the persister's last round
 BATCHER_DRAIN_TIMEOUT_S = 20  # --drain-timeout-s
 
 
