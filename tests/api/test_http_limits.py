@@ -58,6 +58,20 @@ def stop_api(running: Stack) -> None:
         running.api.wait(30)
 
 
+@contextlib.contextmanager
+def sibling_api(stack: Stack, name: str, **env: str) -> Iterator[Stack]:
+    """One more api process on the stack's database and Redis prefix (its batcher)."""
+    api = Stack(
+        stack.model_dir, stack.database_url, stack.log_dir, prefix=stack.prefix, name=name,
+        api_env=env,
+    )  # fmt: skip
+    try:
+        api.start_api()
+        yield api
+    finally:
+        stop_api(api)
+
+
 @pytest.fixture(scope="module")
 def sibling(stack: Stack) -> Iterator[StartApi]:
     """Starts more api processes on the stack's database and Redis prefix (its batcher)."""

@@ -37,7 +37,7 @@ from tests.api.test_http_limits import (
     metric,
     openai_error,
     paused,
-    stop_api,
+    sibling_api,
     tgi_error,
 )
 
@@ -62,15 +62,8 @@ class Outcome:
 @pytest.fixture(scope="module")
 def capped(stack: Stack) -> Iterator[Stack]:
     """A second api on the stack's database and batcher, capped at `MAX_CONCURRENT`."""
-    api = Stack(
-        stack.model_dir, stack.database_url, stack.log_dir, prefix=stack.prefix,
-        name="api-capped", api_env={"MAX_CONCURRENT_REQUESTS": str(MAX_CONCURRENT)},
-    )  # fmt: skip
-    try:
-        api.start_api()
+    with sibling_api(stack, "api-capped", MAX_CONCURRENT_REQUESTS=str(MAX_CONCURRENT)) as api:
         yield api
-    finally:
-        stop_api(api)
 
 
 def p99(values: list[float]) -> float:

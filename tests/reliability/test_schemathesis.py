@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, settings
 from schemathesis import checks
 
 from tests.api.stack import Stack
-from tests.api.test_http_limits import stop_api
+from tests.api.test_http_limits import sibling_api
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,15 +33,8 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def small_api(stack: Stack) -> Iterator[Stack]:
-    api = Stack(
-        stack.model_dir, stack.database_url, stack.log_dir, prefix=stack.prefix,
-        name="api-schemathesis", api_env=SMALL_LIMITS,
-    )  # fmt: skip
-    try:
-        api.start_api()
+    with sibling_api(stack, "api-schemathesis", **SMALL_LIMITS) as api:
         yield api
-    finally:
-        stop_api(api)
 
 
 @pytest.fixture(scope="module")
