@@ -37,7 +37,7 @@ from api.errors import (
     install_error_handlers,
 )
 from api.files.storage import FileStorage, LocalFileStorage
-from api.generation import Persister, Recorder, Running
+from api.generation import Persister, Recorder, Running, cancel_and_wait
 from api.metrics import Metrics
 from api.observability import install_observability
 from api.reconciler import reconcile_once, resume_batches
@@ -322,11 +322,7 @@ async def _reconcile(state: AppState) -> None:
 
 async def _stop(state: AppState) -> None:
     running = [*state.tasks, *state.batch_tasks.values()]  # batches resume at the next start
-    for task in running:
-        task.cancel()
-    for task in running:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await asyncio.gather(*(cancel_and_wait(task) for task in running))
     await state.generation.recorder.stop()
     await state.running.stop()
     await state.generation.aclose()

@@ -24,6 +24,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
@@ -57,6 +58,23 @@ def parse_request_id(request_id: str) -> tuple[str, int] | None:
     return job_id, int(index)
 
 
+RECANCEL_S = 0.5  # how often `cancel_and_wait` repeats a cancellation the task has not taken
+
+
+async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancels `task` and waits until it has ended; an exception it ended with is logged.
+
+    A cancellation can get lost inside a library: the api's monitor loop once went back to
+    sleeping after a Redis pipeline swallowed its CancelledError, and the shut-down waited for
+    it forever. So the cancellation is repeated every `RECANCEL_S` until the task is done.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECANCEL_S)
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("task %s ended with %r", task.get_name(), error)
+
+
 class _Loop:
     """A background loop of the api: `start` runs `_run` on a task, `stop` cancels it."""
 
@@ -67,9 +85,7 @@ class _Loop:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         raise NotImplementedError

@@ -15,7 +15,15 @@ from api.admission import Admission, Limits
 from api.app import Health
 from api.db import create_engine, store
 from api.errors import OverloadedError, UnavailableError
-from api.generation import Persister, Recorder, new_job_id, parse_request_id, request_id_of
+from api.generation import (
+    RECANCEL_S,
+    Persister,
+    Recorder,
+    cancel_and_wait,
+    new_job_id,
+    parse_request_id,
+    request_id_of,
+)
 from batcher.messages import FinalResult, SubmitRequest
 from batcher.request import StoppingParams
 from batcher.transport.aio import ThreadedApiTransport
@@ -163,6 +171,46 @@ def test_persister_does_not_ack_what_it_could_not_commit() -> None:
     assert [s.result.request_id for s in memory.pull_finals("p1", 10, 0)] == [
         requests[0].request_id
     ]
+
+
+def test_cancel_and_wait_ends_a_task_that_swallowed_its_cancellation() -> None:
+    """The loop below drops its first cancellation and goes back to sleeping, as the api's
+    monitor once did inside a Redis call; a plain cancel-then-await would wait forever."""
+    swallowed = 0
+
+    async def stubborn_loop() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1
+
+    async def main() -> float:
+        task = asyncio.create_task(stubborn_loop())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        await asyncio.wait_for(cancel_and_wait(task), timeout=5)
+        assert task.cancelled()
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < RECANCEL_S + 0.4
+    assert swallowed == 1
+
+
+def test_cancel_and_wait_logs_how_a_task_failed(caplog: pytest.LogCaptureFixture) -> None:
+    async def failing() -> None:
+        raise RuntimeError("lost Redis")
+
+    async def main() -> None:
+        task = asyncio.create_task(failing(), name="monitor")
+        await asyncio.sleep(0)
+        await cancel_and_wait(task)
+
+    asyncio.run(main())
+    assert "task monitor ended with RuntimeError('lost Redis')" in caplog.text
 
 
 def test_admission_limits() -> None:
