@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from api.admission import Admission, Limits
 from api.batches.runner import BatchContext, run_batch
-from api.db import api_keys, create_engine
+from api.db import api_keys, create_engine, warm_up
 from api.db.migrate import check_schema, upgrade
 from api.drain import Drain, DrainMiddleware
 from api.errors import (
@@ -56,6 +56,7 @@ VERSION = "0.1.0"
 MONITOR_INTERVAL_S = 0.25
 BATCHERS_INTERVAL_S = 1.0
 DATA_EXCEPTION_CLASS = "22"  # SQLSTATE class of values the database cannot take
+MAX_WARM_CONNECTIONS = 16  # per pool (database, Redis) opened at start: up to the concurrency cap
 
 
 @dataclass(slots=True)
@@ -231,6 +232,10 @@ async def _start(settings: Settings) -> AppState:
         embedded = await asyncio.to_thread(EmbeddedBatcher, str(model_dir), memory)
         embedded.start()
         transport = ThreadedApiTransport(memory, max_workers=settings.max_concurrent_requests + 8)
+    # The connections a burst at the concurrency cap needs, opened before the first request:
+    # on Redis, one per waiting reader and a few for the api's own loops.
+    num_warm = min(settings.max_concurrent_requests, MAX_WARM_CONNECTIONS)
+    await asyncio.gather(warm_up(engine, num_warm), transport.warm_up(num_warm + 8))
     limits = Limits(
         max_concurrent_requests=settings.max_concurrent_requests,
         max_queued_requests=settings.max_queued_requests,

@@ -6,12 +6,14 @@ module builds the engine for either from one URL.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+POOL_SIZE = 20  # connections each engine keeps open (Postgres), with up to 10 more under load
 _ASYNC_DRIVERS = {
     "postgresql": "postgresql+asyncpg",
     "postgres": "postgresql+asyncpg",
@@ -34,8 +36,18 @@ def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
         engine = create_async_engine(url, **kwargs)
         _configure_sqlite(engine)
         return engine
-    pooling = {} if "poolclass" in kwargs else {"pool_size": 20, "max_overflow": 10}
+    pooling = {} if "poolclass" in kwargs else {"pool_size": POOL_SIZE, "max_overflow": 10}
     return create_async_engine(url, **pooling, **kwargs)
+
+
+async def warm_up(engine: AsyncEngine, num_connections: int) -> None:
+    """Opens `num_connections` (at most the pool's size) pooled connections now, so that the
+    first burst of requests does not wait for Postgres to start a backend for each."""
+    if engine.dialect.name == "sqlite":
+        return  # a file: nothing worth opening ahead
+    count = min(num_connections, POOL_SIZE)
+    connections = await asyncio.gather(*(engine.connect().start() for _ in range(count)))
+    await asyncio.gather(*(connection.close() for connection in connections))
 
 
 def _configure_sqlite(engine: AsyncEngine) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+from redis.driver_info import DriverInfo
 
 from batcher.messages import AbortRequest, FinalResult, Heartbeat, SubmitRequest, TokenEvent, encode
 from batcher.request import Priority
@@ -65,6 +66,10 @@ class AsyncApiTransport(Protocol):
     async def read_started(
         self, cursor: str | None, max_count: int, block_ms: int
     ) -> tuple[str, list[str]]: ...
+
+    async def warm_up(self, num_connections: int) -> None:
+        """Opens up to `num_connections` connections now, so that a burst does not pay for them."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -115,6 +120,9 @@ class ThreadedApiTransport:
     async def missing(self, request_ids: list[str]) -> list[str]:
         return self.transport.missing(request_ids)
 
+    async def warm_up(self, num_connections: int) -> None:
+        pass  # in process: nothing to connect
+
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -146,7 +154,13 @@ class AsyncRedisApiTransport:
         max_connections: int = 256,
     ) -> AsyncRedisApiTransport:
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=10, socket_timeout=5.0
+            url,
+            max_connections=max_connections,
+            timeout=10,
+            socket_timeout=5.0,
+            # One for the pool: by default each new connection reads redis-py's version from
+            # the installed package's metadata (files on disk).
+            driver_info=DriverInfo(),
         )
         return cls(aioredis.Redis(connection_pool=pool), prefix, config)
 
@@ -255,6 +269,14 @@ class AsyncRedisApiTransport:
         block = self._block(block_ms / 1000) if block_ms > 0 else None
         found: Any = await self.client.xread({stream: cursor}, count=max_count, block=block)
         return started_ids(cursor, found)
+
+    async def warm_up(self, num_connections: int) -> None:
+        pool = self.client.connection_pool
+        opened = await asyncio.gather(
+            *(pool.get_connection() for _ in range(num_connections))  # type: ignore[no-untyped-call]
+        )
+        for connection in opened:
+            await pool.release(connection)
 
     async def close(self) -> None:
         await self._hub.close()

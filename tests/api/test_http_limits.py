@@ -128,13 +128,19 @@ def expected_error(route: str, message: str, param: str | None) -> Any:
     return openai_error(message, param) if route.startswith("/v1/") else tgi_error(message)
 
 
-def metric(client: httpx.Client, sample: str) -> float:
-    """One sample of `/metrics`, e.g. `tgi_request_failure{err="overloaded"}`."""
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """Every sample of one `/metrics` scrape, by name with labels: one consistent snapshot."""
+    samples = {}
     for line in client.get("/metrics").text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name == sample:
-            return float(value)
-    raise KeyError(sample)
+        if name and not line.startswith("#"):
+            samples[name] = float(value)
+    return samples
+
+
+def metric(client: httpx.Client, sample: str) -> float:
+    """One sample of `/metrics`, e.g. `tgi_request_failure{err="overloaded"}`."""
+    return metrics(client)[sample]
 
 
 def chat(content: Any = "hi", **extra: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import NullPool
 
-from api.db import api_keys, create_engine, models, normalize_url, store
+from api.db import api_keys, create_engine, models, normalize_url, store, warm_up
 from api.db.migrate import (
     SchemaNotMigratedError,
     check_schema,
@@ -126,6 +126,20 @@ def test_check_schema_refuses_an_unmigrated_database(empty_pg_url: str) -> None:
     upgrade(empty_pg_url)
     asyncio.run(check_schema(engine))
     asyncio.run(engine.dispose())
+
+
+def test_warm_up_fills_the_pool(pg_url: str) -> None:
+    """The first burst of requests finds its connections open and idle in the pool."""
+    engine = create_engine(pg_url)
+
+    async def main() -> tuple[int, int]:
+        await warm_up(engine, 4)
+        return engine.pool.checkedin(), engine.pool.checkedout()  # type: ignore[attr-defined]
+
+    try:
+        assert asyncio.run(main()) == (4, 0)
+    finally:
+        asyncio.run(engine.dispose())
 
 
 def test_normalize_url() -> None:

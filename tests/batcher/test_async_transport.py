@@ -176,3 +176,17 @@ def test_a_reader_from_further_back_reads_the_stream_again(pair: Pair) -> None:
         assert [e.seq_index for e in await api.read_tokens("r0", 2, 1.0)] == [2]
 
     run(pair, body)
+
+
+def test_warm_up_opens_the_connections_ahead(pair: Pair) -> None:
+    """The Redis pool holds the warmed connections, connected and idle, for the first burst."""
+
+    async def body(api: AsyncApiTransport, _: Transport) -> None:
+        await api.warm_up(5)
+        if isinstance(api, AsyncRedisApiTransport):
+            pool = api.client.connection_pool
+            idle = pool._available_connections  # redis-py keeps no public count of them
+            assert len(idle) == 5 and all(c.is_connected for c in idle)
+        await api.submit([submit_request("r-warm")])  # and the transport works as before
+
+    run(pair, body)
