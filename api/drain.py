@@ -24,6 +24,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import UnavailableError, error_response, flavour_for_path
+from batcher.heap import freeze_startup_heap
 
 log = logging.getLogger("api")
 POLL_S = 0.05
@@ -76,6 +77,10 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)  # type: ignore[arg-type]
+
+    async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        await super().startup(sockets)  # type: ignore[arg-type]
+        freeze_startup_heap()  # the app's start-up (its lifespan) is done
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining or self._loop is None:  # a second signal, or not serving yet

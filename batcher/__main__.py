@@ -21,6 +21,7 @@ from batcher.config import SchedulerConfig
 from batcher.detokenize import HFTokenDecoder
 from batcher.engine import LLMEngine, StepRunner
 from batcher.faults import inject_fault
+from batcher.heap import freeze_startup_heap
 from batcher.logs import configure_logging
 from batcher.ranks import ShardConfig, ShardedRunner, WorkerLostError
 from batcher.service import BatcherService, ServiceConfig
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     transient_errors = (redis.ConnectionError, redis.TimeoutError)
     service = BatcherService(engine, transport, service_config, transient_errors=transient_errors)
+    freeze_startup_heap()
     log.info("batcher %s serving %s", args.batcher_id, args.model_id)
     try:
         service.run(stop)
