@@ -55,7 +55,11 @@ def stop_api(running: Stack) -> None:
     """Stops an api that shares another stack's prefix (`Stack.stop` would clear its keys)."""
     if running.api is not None:
         running.api.terminate()
-        running.api.wait(30)
+        try:
+            running.api.wait(30)
+        except subprocess.TimeoutExpired:
+            running.api.kill()  # the test fails, but leaves no process behind
+            raise
 
 
 @contextlib.contextmanager
