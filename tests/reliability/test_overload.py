@@ -11,6 +11,7 @@ nothing added to the batcher's Redis queue stream). Figures are printed; run wit
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import math
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.timeout(300)
 
 MAX_CONCURRENT = 8
 NUM_BURST = 100
+NUM_ROUNDS = 3
 MAX_P99_S = 0.050
 ACCEPT_S = 0.5
 NUM_GOOD = 31
@@ -120,6 +122,9 @@ def burst(port: int, resume: Callable[[], None]) -> list[Outcome]:
     selector = selectors.DefaultSelector()
     sent_at: dict[socket.socket, float] = {}
     outcomes: dict[socket.socket, Outcome] = {}
+    # This process's collector walks pytest's whole heap (~200 ms) when it runs: not while it
+    # times the api (seen as every answer after the first few of a burst "late" by 200 ms).
+    gc.disable()
     try:
         for sock in socks:
             sent_at[sock] = time.perf_counter()
@@ -138,6 +143,7 @@ def burst(port: int, resume: Callable[[], None]) -> list[Outcome]:
                 outcomes[sock] = read_outcome(sock, time.perf_counter() - sent_at[sock])
         return list(outcomes.values())
     finally:
+        gc.enable()
         selector.close()
         for sock in socks:
             sock.close()
@@ -154,37 +160,45 @@ class Burst:
 
 
 @pytest.fixture(scope="module")
-def burst_past_the_cap(stack: Stack, capped: Stack) -> Burst:
+def bursts_past_the_cap(stack: Stack, capped: Stack) -> list[Burst]:
+    """`NUM_ROUNDS` bursts, one after the other: each one's counters are checked on their own,
+    and the 429 latency is taken over all their rejections (so that the p99 of a few hundred is
+    not simply the slowest of one burst)."""
+    bursts = []
     with httpx.Client(base_url=capped.url, timeout=60) as client:
-        before = counters(client, stack)
         batcher = stack.batchers[0]
-        with paused(batcher):
-            outcomes = burst(capped.port, lambda: batcher.send_signal(signal.SIGCONT))
-        after = counters(client, stack)
-    return Burst(outcomes, {name: after[name] - before[name] for name in before})
+        for _ in range(NUM_ROUNDS):
+            before = counters(client, stack)
+            with paused(batcher):
+                outcomes = burst(capped.port, lambda: batcher.send_signal(signal.SIGCONT))
+            after = counters(client, stack)
+            bursts.append(Burst(outcomes, {name: after[name] - before[name] for name in before}))
+    return bursts
 
 
-def test_burst_past_the_cap(burst_past_the_cap: Burst) -> None:
-    rejected, num_rejected = burst_past_the_cap.rejected, NUM_BURST - MAX_CONCURRENT
-    completed = [o for o in burst_past_the_cap.outcomes if o.status == 200]
-    assert (len(completed), len(rejected)) == (MAX_CONCURRENT, num_rejected)
-    assert all(o.retry_after == "1" and o.body == OVERLOADED for o in rejected)
-    assert burst_past_the_cap.delta == {
-        "tgi_request_count": NUM_BURST,
-        "tgi_request_success": MAX_CONCURRENT,
-        'tgi_request_failure{err="overloaded"}': num_rejected,
-        REJECTED: num_rejected,
-        "tgq_tokenizer_calls": MAX_CONCURRENT,  # one encode per admitted request, none else
-        "jobs": MAX_CONCURRENT,  # a job row per admitted request
-        "queued": MAX_CONCURRENT,  # an engine submit per admitted request
-    }
+def test_burst_past_the_cap(bursts_past_the_cap: list[Burst]) -> None:
+    num_rejected = NUM_BURST - MAX_CONCURRENT
+    for each in bursts_past_the_cap:
+        completed = [o for o in each.outcomes if o.status == 200]
+        assert (len(completed), len(each.rejected)) == (MAX_CONCURRENT, num_rejected)
+        assert all(o.retry_after == "1" and o.body == OVERLOADED for o in each.rejected)
+        assert each.delta == {
+            "tgi_request_count": NUM_BURST,
+            "tgi_request_success": MAX_CONCURRENT,
+            'tgi_request_failure{err="overloaded"}': num_rejected,
+            REJECTED: num_rejected,
+            "tgq_tokenizer_calls": MAX_CONCURRENT,  # one encode per admitted request, none else
+            "jobs": MAX_CONCURRENT,  # a job row per admitted request
+            "queued": MAX_CONCURRENT,  # an engine submit per admitted request
+        }
 
 
-def test_rejections_are_fast(burst_past_the_cap: Burst) -> None:
-    latencies = sorted(o.latency_s for o in burst_past_the_cap.rejected)
+def test_rejections_are_fast(bursts_past_the_cap: list[Burst]) -> None:
+    latencies = sorted(o.latency_s for each in bursts_past_the_cap for o in each.rejected)
     print(
         f"\n429 latency over {len(latencies)} rejections: p50 "
-        f"{latencies[len(latencies) // 2] * 1000:.1f} ms, p99 {p99(latencies) * 1000:.1f} ms"
+        f"{latencies[len(latencies) // 2] * 1000:.1f} ms, p99 {p99(latencies) * 1000:.1f} ms, "
+        f"max {latencies[-1] * 1000:.1f} ms"
     )
     assert p99(latencies) < MAX_P99_S
 
