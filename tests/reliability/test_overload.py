@@ -2,8 +2,9 @@
 model): a burst past the concurrency cap, and one malformed request among good ones.
 
 The burst: an api capped at 8 concurrent requests gets 100 at once while the batcher is frozen
-(SIGSTOP), so the 8 admitted ones hold their slots. The other 92 must get 429 with `Retry-After`
-fast (p99 < 50 ms, measured by the client from send to response), and the counters must show
+(SIGSTOP), so the 8 admitted ones hold their slots; three such bursts in turn. The other 92 of
+each must get 429 with `Retry-After` fast (p99 < 50 ms over all three bursts' rejections,
+measured by the client from send to response), and each burst's counters must show
 that they were neither tokenized (`tgq_tokenizer_calls`) nor submitted (no job row: `tgq_jobs`;
 nothing added to the batcher's Redis queue stream). Figures are printed; run with `-s`.
 """
