@@ -3,7 +3,7 @@
 CPython's full (generation 2) collection walks every object it tracks. After start-up an api
 process holds ~140k of them (FastAPI and pydantic models, SQLAlchemy, the tokenizer, redis-py),
 and one full pass took ~90 ms on a 2-core machine: a pass that lands inside a burst of requests
-holds up every answer in it (the overload test's 429 p99 read 25-57 ms before the freeze and
+holds up every answer in it (the overload test's 429 p99 read 21-57 ms before the freeze and
 13-41 ms after, on the same machine). Nearly all of those objects live as long as the process,
 so once start-up is done they are collected once and moved out of the collector's view
 (`gc.freeze`): later passes walk only what has been allocated since.
