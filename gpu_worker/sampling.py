@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.plan import SamplingParams
+from kernels import cpu_ops
 
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
@@ -125,6 +126,13 @@ class Sampler:
         self._generator = torch.Generator(device)
         self._generator.seed()
         self._seeded_generator = torch.Generator(device)
+        # torch's CPU argmax is scalar: ~220 us over [16, 32000] logits, the kernel's ~15 us.
+        self._cpu_argmax = device.type == "cpu" and cpu_ops.is_available()
+
+    def _argmax(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu_argmax and x.dtype == torch.float32:
+            return cpu_ops.argmax(x)
+        return x.argmax(-1)
 
     def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         params = inputs.params
@@ -133,7 +141,7 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if greedy_rows:
-            token_ids[greedy_rows] = _take_rows(processed, greedy_rows).argmax(-1)
+            token_ids[greedy_rows] = self._argmax(_take_rows(processed, greedy_rows))
         if sampled_rows:
             token_ids[sampled_rows] = self._sample(
                 _take_rows(processed, sampled_rows),
@@ -156,7 +164,7 @@ class Sampler:
         if any(p.typical_p < 1.0 for p in params):
             logits = apply_typical_p(logits, _param([p.typical_p for p in params], logits))
         probs = logits.softmax(-1)
-        return (probs / self._exponentials(params, steps, probs)).argmax(-1)
+        return self._argmax(probs / self._exponentials(params, steps, probs))
 
     def _exponentials(
         self, params: list[SamplingParams], steps: list[int], probs: torch.Tensor

@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "add_rms_norm",
+    "argmax",
     "hardware_unsupported_reason",
     "has_avx512_bf16",
     "is_available",
@@ -41,6 +42,7 @@ _SOURCES = [
         "linear_avx512_bf16.cpp",
         "paged_attention.cpp",
         "cpu_fused.cpp",
+        "argmax.cpp",
     )
 ]
 _REQUIRED_FLAGS = frozenset({"avx2", "fma"})
@@ -215,3 +217,10 @@ def rotary_qk_(
 ) -> None:
     """Rotary embedding in place on the q and k heads of a fused qkv activation."""
     _ops().rotary_qk_(qkv, cos, sin, num_heads, head_dim)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [N, V] fp32 -> [N] int64
+    """`x.argmax(-1)` (the first of equal maxima; the first NaN, if any), vectorised: torch's
+    CPU argmax is scalar and slow over logits."""
+    out: torch.Tensor = _ops().argmax_rows(x)
+    return out

@@ -15,8 +15,13 @@ using tgq_cpu::kVec;
 
 inline float round_bf16(float v) { return static_cast<float>(BFloat16(v)); }
 
-// Rows per parallel task: below this, one thread (a decode step's rows are too few to split).
-constexpr int64_t kRowsPerTask = 16;
+// Values per parallel task: a batch-16 decode step's norms (16 x 768) split over two threads, a
+// batch-1 step's stay on one (waking a thread costs more than the row).
+constexpr int64_t kValuesPerTask = 4096;
+
+int64_t rows_per_task(int64_t values_per_row) {
+  return std::max<int64_t>(1, kValuesPerTask / std::max<int64_t>(1, values_per_row));
+}
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16, name,
@@ -30,16 +35,33 @@ void check_weight(const at::Tensor& weight, int64_t hidden) {
               "weight must be a contiguous bf16 CPU tensor of ", hidden, " values");
 }
 
-// out = w * bf16(x * rsqrt(mean(x^2) + eps)), the product rounded to bf16 as torch does.
+// out = w * bf16(x * rsqrt(mean(x^2) + eps)), the product rounded to bf16 as torch does. The sum
+// of squares runs in 8 lanes, as torch's vectorised reduction does (so differs from it, at most,
+// in its last bits' order of addition).
 void norm_row(const BFloat16* x, const BFloat16* w, int64_t hidden, float eps, BFloat16* out) {
-  float sum_sq = 0.f;
-  for (int64_t i = 0; i < hidden; ++i) {
-    float v = static_cast<float>(x[i]);
+  using tgq_cpu::load8;
+  const auto* xb = reinterpret_cast<const bf16_bits*>(x);
+  const auto* wb = reinterpret_cast<const bf16_bits*>(w);
+  auto* ob = reinterpret_cast<bf16_bits*>(out);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kVec <= hidden; i += kVec) {
+    const __m256 v = load8(xb + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float sum_sq = tgq_cpu::hsum(acc);
+  for (int64_t j = i; j < hidden; ++j) {
+    const float v = static_cast<float>(x[j]);
     sum_sq += v * v;
   }
-  float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
-  for (int64_t i = 0; i < hidden; ++i) {
-    float normed = round_bf16(static_cast<float>(x[i]) * inv);
+  const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (i = 0; i + kVec <= hidden; i += kVec) {
+    const __m256 normed = tgq_cpu::round8_bf16(_mm256_mul_ps(load8(xb + i), inv8));
+    tgq_cpu::store8_bf16(ob + i, _mm256_mul_ps(load8(wb + i), normed));
+  }
+  for (; i < hidden; ++i) {
+    const float normed = round_bf16(static_cast<float>(x[i]) * inv);
     out[i] = BFloat16(static_cast<float>(w[i]) * normed);
   }
 }
@@ -53,7 +75,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const auto* wp = weight.const_data_ptr<BFloat16>();
   auto* op = out.mutable_data_ptr<BFloat16>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       norm_row(xp + r * stride, wp, hidden, static_cast<float>(eps), op + r * hidden);
     }
@@ -76,11 +98,17 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor
   const auto* wp = weight.const_data_ptr<BFloat16>();
   auto* op = out.mutable_data_ptr<BFloat16>();
   const int64_t delta_stride = delta.stride(0);
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       BFloat16* row = xp + r * hidden;
       const BFloat16* d = dp + r * delta_stride;
-      for (int64_t i = 0; i < hidden; ++i) {
+      auto* rb = reinterpret_cast<bf16_bits*>(row);
+      const auto* db = reinterpret_cast<const bf16_bits*>(d);
+      int64_t i = 0;
+      for (; i + kVec <= hidden; i += kVec) {
+        tgq_cpu::store8_bf16(rb + i, _mm256_add_ps(tgq_cpu::load8(rb + i), tgq_cpu::load8(db + i)));
+      }
+      for (; i < hidden; ++i) {
         row[i] = BFloat16(static_cast<float>(row[i]) + static_cast<float>(d[i]));
       }
       norm_row(row, wp, hidden, static_cast<float>(eps), op + r * hidden);
@@ -122,7 +150,7 @@ void rotary_qk_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
   const auto* cp = cos.const_data_ptr<BFloat16>();
   const auto* sp = sin.const_data_ptr<BFloat16>();
   const int64_t stride = qkv.stride(0), cs_stride = cos.stride(0), sn_stride = sin.stride(0);
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(num_heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const BFloat16* c = cp + r * cs_stride;
       const BFloat16* s = sp + r * sn_stride;
@@ -165,7 +193,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const auto* gp = reinterpret_cast<const bf16_bits*>(gate_up.const_data_ptr<BFloat16>());
   auto* op = reinterpret_cast<bf16_bits*>(out.mutable_data_ptr<BFloat16>());
   const int64_t stride = gate_up.stride(0);
-  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const bf16_bits* g = gp + r * stride;
       const bf16_bits* u = g + inter;

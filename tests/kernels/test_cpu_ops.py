@@ -298,3 +298,35 @@ def test_wrappers_raise_the_reason_when_unavailable(monkeypatch: pytest.MonkeyPa
     assert cpu_ops.unavailable_reason() == "CPU lacks avx2"
     with pytest.raises(RuntimeError, match="unavailable: CPU lacks avx2"):
         cpu_ops.linear_bf16(torch.randn(1, 8), torch.randn(4, 8).bfloat16())
+
+
+@requires_kernels
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 32000), (16, 32000), (3, 13), (5, 1)])
+def test_argmax_matches_torch(rows: int, vocab: int) -> None:
+    torch.manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab)
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(-1))
+
+
+@requires_kernels
+def test_argmax_ties_infinities_and_nans_as_torch() -> None:
+    """Equal maxima: the first wins (in the vector body and in the scalar tail); a NaN counts as
+    the largest value, so the first NaN wins; an all -inf row picks index 0."""
+    x = torch.zeros(6, 21)
+    x[0, [3, 17]] = 5.0
+    x[1, [19, 20]] = 5.0
+    x[2, [4, 9]] = float("nan")
+    x[2, 2] = float("inf")
+    x[3] = float("-inf")
+    x[4, 20] = float("nan")
+    x[5, 10] = float("inf")
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(-1))
+    assert cpu_ops.argmax(x).tolist() == [3, 19, 4, 0, 20, 10]
+
+
+@requires_kernels
+def test_argmax_refuses_what_it_does_not_handle() -> None:
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be a 2-d fp32 CPU tensor"):
+        cpu_ops.argmax(torch.randn(2, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="argmax_rows: rows must not be empty"):
+        cpu_ops.argmax(torch.randn(2, 0))
