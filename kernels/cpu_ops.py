@@ -26,6 +26,8 @@ __all__ = [
     "has_avx512_bf16",
     "is_available",
     "linear_bf16",
+    "linear_bf16_packed",
+    "pack_weight_bf16",
     "paged_decode_attention",
     "rms_norm",
     "rotary_qk_",
@@ -156,10 +158,32 @@ def linear_bf16(
     widened to fp32, i.e. `linear_bf16(...).float()` in one pass where the kernel allows (logits).
 
     `path` picks the kernel; "auto" takes the fastest for this CPU and M (see linear_bf16.cpp):
-    "avx512" (AVX512_BF16 CPUs, bf16 x, small M), "native" (at::linear, oneDNN; bf16 x) or
-    "avx2" (any AVX2/FMA CPU). Tests name paths to check each one.
+    "native" (at::linear, oneDNN; bf16 x on AVX512_BF16 CPUs) or "avx2" (any AVX2/FMA CPU);
+    "avx512" (AVX512_BF16, bf16 x) packs `weight` for this call and runs `linear_bf16_packed`.
+    Tests name paths to check each one.
     """
     out: torch.Tensor = _ops().linear_bf16(x, weight, bias, path, out_fp32)
+    return out
+
+
+def pack_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> the layout `linear_bf16_packed` reads, [ceil(N/16), ceil(K/2), 16, 2]: tiles
+    of 16 output columns, each pair of K values of the 16 columns side by side (zeros past N, K)."""
+    packed: torch.Tensor = _ops().pack_weight_bf16(weight)
+    return packed
+
+
+def linear_bf16_packed(
+    x: torch.Tensor,  # [M, K] bf16
+    packed: torch.Tensor,  # pack_weight_bf16(weight [N, K])
+    out_features: int,  # N
+    bias: torch.Tensor | None = None,
+    *,
+    out_fp32: bool = False,
+) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
+    """`linear_bf16(x, weight, bias, "avx512", out_fp32=...)` over weights packed once: the
+    AVX-512 kernel, for any M (needs AVX512_BF16)."""
+    out: torch.Tensor = _ops().linear_bf16_packed(x, packed, out_features, bias, out_fp32)
     return out
 
 

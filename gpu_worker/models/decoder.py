@@ -229,17 +229,25 @@ class DecoderForCausalLM(nn.Module):
 
     def use_cpu_kernels(self) -> int:
         """bf16 on a CPU with the kernels: run matmuls, norms, rotary embeddings and the MLP's
-        activation there (kernels/cpu_ops.py picks per CPU and batch size between its own kernels
-        and torch's). Returns the modules switched."""
+        activation there. With AVX512_BF16 every linear's weights are packed once for the
+        AVX-512 kernel (a tied lm_head gets its own packed copy; the embedding keeps its rows);
+        otherwise kernels/cpu_ops.py picks per call. Returns the modules switched."""
         weight = self.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return 0
         if not cpu_ops.is_available():
             return 0
+        pack = cpu_ops.has_avx512_bf16()
         switched = 0
         for module in self.modules():
             if isinstance(module, Linear):
-                module.matmul = cpu_ops.linear_bf16
+                # Logits straight to fp32 (same values as .float() of the bf16 result, one pass
+                # less).
+                out_fp32 = module is self.lm_head
+                if pack:
+                    module.pack_for_cpu(out_fp32=out_fp32)
+                else:
+                    module.matmul = functools.partial(cpu_ops.linear_bf16, out_fp32=out_fp32)
             elif isinstance(module, RMSNorm | MLP):
                 module.use_cpu_kernel = True
             elif isinstance(module, Attention):
@@ -247,8 +255,6 @@ class DecoderForCausalLM(nn.Module):
             else:
                 continue
             switched += 1
-        # Logits straight to fp32 (same values as .float() of the bf16 result, one pass less).
-        self.lm_head.matmul = functools.partial(cpu_ops.linear_bf16, out_fp32=True)
         return switched
 
     def tie_weights(self) -> None:

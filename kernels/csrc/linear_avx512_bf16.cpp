@@ -1,10 +1,19 @@
-// linear_bf16 for few rows of x on CPUs with AVX512_BF16: y[M,N] = x[M,K] @ w[N,K]^T + b, x and w
-// in bf16, products exact and sums in fp32 (vdpbf16ps). Only this file is compiled for that ISA
-// (the target pragma below); linear_bf16.cpp calls it after checking the CPU at run time.
+// linear_bf16 on CPUs with AVX512_BF16, over weights packed once at load: y[M,N] = x[M,K] @ w^T + b,
+// x and w in bf16, each product exact and the sums in fp32 (vdpbf16ps). Only this file is compiled
+// for that ISA (the target pragma below); linear_bf16.cpp calls it after checking the CPU.
 //
-// Decode steps run a linear over M = 1..tens of rows: memory-bound at M = 1, compute-bound from
-// M of a few on this ISA. oneDNN's bf16 GEMM behind at::linear is excellent for large M but slow
-// here for small M (2-5x slower at M = 1..16 on a Zen 5 EPYC), so small M comes here.
+// The packed layout (pack_weight_bf16, linear_kernels.h) stores the weights as tiles of 16 output
+// columns: for each pair of K values, the 16 columns' two values side by side, one 64-byte line.
+// Two register forms use it, neither needing a horizontal sum:
+//  - few rows of x (M <= 8): 16 lanes = the tile's 16 columns. Each step loads one line of weights
+//    and multiplies it by each row's pair of x values, broadcast. The weights stream through once,
+//    in address order.
+//  - 9 to 16 rows: 16 lanes = 16 rows of x, x packed the same way (one line per pair: the 16 rows'
+//    two values). Each step loads one line of x and multiplies it by each column's weight pair,
+//    broadcast: 16 accumulators, one per column, transposed once at the end of the tile.
+// A decode step of the medium model at M = 16 spends ~0.77x the time of the earlier kernel over
+// the plain [N, K] layout, which needed a horizontal sum per output and reloaded every row of x for
+// each 3 weight rows (measured in turns on a Zen 4 EPYC, weights from DRAM); at M = 1 ~0.8-0.9x.
 #include "linear_kernels.h"
 
 namespace tgq_cpu {
@@ -25,147 +34,54 @@ bool cpu_has_avx512_bf16() {
 namespace tgq_cpu {
 namespace {
 
-constexpr int64_t kPairs = 32;  // bf16 values per __m512bh: 16 fp32 lanes, each a pair's sum
+constexpr int kLanes = 16;  // fp32 lanes of a __m512; also kPackColumns and the rows of an x line
+static_assert(kPackColumns == kLanes);
+constexpr int64_t kLine = 2 * kLanes;  // bf16 values in a packed line: 16 pairs
 
-inline __m512bh load(const bf16_bits* p) {
+inline __m512bh load_line(const bf16_bits* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
 }
 
-// The first `count` (< 32) values from p, zero-filled: the K tail adds nothing.
-inline __m512bh load_tail(const bf16_bits* p, int64_t count) {
-  const auto mask = static_cast<__mmask32>((1ULL << count) - 1);
-  return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
+// The pair of bf16 values at p in all 16 lanes.
+inline __m512bh broadcast_pair(const bf16_bits* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
 }
 
-// How far ahead of its loads a kernel prefetches the weights: the hardware prefetcher alone leaves
-// the loops waiting on DRAM (measured ~1.5x slower at M = 16 on a Zen 5 EPYC). Lines are fetched
-// in address order, into L2 (T1). Prefetching past the end of w is harmless (a hint never faults).
-//  - Tiles (M > kMaxStreamRows) read NT rows side by side, so they fetch kPrefetchTiles whole
-//    tiles ahead: on a Zen 4 EPYC, where a decode step's weights stream from DRAM, that took the
-//    linears of a medium-model step at M = 16 from 19.0 to 13.4 ms (16 rows ahead at the same K
-//    into L1, as before: 23.4 ms).
-//  - Row streams (M <= kMaxStreamRows) read one row after another, a single sequential stream,
-//    and fetch kPrefetchBytes ahead of it: 4 KiB beat 2 and 8 KiB and 1-2 tiles.
-constexpr int kPrefetchTiles = 2;
-constexpr int64_t kPrefetchBytes = 4096;
+// The weight stream is prefetched into L2 this far ahead: the hardware prefetcher alone leaves the
+// loops waiting on DRAM (a decode step's weights do not fit in any cache). A hint never faults, so
+// running past the end of the weights is harmless.
+constexpr int64_t kPrefetchValues = 4096 / sizeof(bf16_bits);
 
 inline void prefetch_l2(const bf16_bits* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 }
 
-// acc[m][n] += pairwise products of x row m and w row n over the 32 values from k; w[n] points at
-// row n, pf at this step's NT lines of the weights kPrefetchTiles tiles ahead.
-template <int MT, int NT, bool kTail>
-inline void dot_step(const bf16_bits* x, const bf16_bits* const (&w)[NT], int64_t K, int64_t k,
-                     const bf16_bits* pf, __m512 (&acc)[MT][NT]) {
-  const int64_t count = K - k;
-  __m512bh wv[NT];
-#pragma GCC unroll 8
-  for (int n = 0; n < NT; ++n) {
-    wv[n] = kTail ? load_tail(w[n] + k, count) : load(w[n] + k);
-    prefetch_l2(pf + n * kPairs);
+// r[i] lane j <-> r[j] lane i.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MT; ++m) {
-    const __m512bh xv = kTail ? load_tail(x + m * K + k, count) : load(x + m * K + k);
-#pragma GCC unroll 8
-    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+  for (int i = 0; i < 4; ++i) {
+    const __m512d p0 = _mm512_castps_pd(a[4 * i]), p1 = _mm512_castps_pd(a[4 * i + 1]);
+    const __m512d p2 = _mm512_castps_pd(a[4 * i + 2]), p3 = _mm512_castps_pd(a[4 * i + 3]);
+    b[4 * i + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));
+    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));
+    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));
+    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));
   }
-}
-
-// sums[m * NT + n] = dot(x row m, w row n) for an MT x NT tile. Each step along K loads NT weight
-// vectors once and reuses each across the MT rows of x. The tile's NT rows are contiguous, and so
-// are consecutive tiles: the prefetch walks the tile kPrefetchTiles ahead, NT lines a step, in
-// address order. (Row pointers and the prefetch pointer are kept, not recomputed from k: ~5%
-// faster in a standalone loop at K = 768, within noise inside torch.)
-template <int MT, int NT>
-void dot_tile(const bf16_bits* x, const bf16_bits* w, int64_t K, float* sums) {
-  __m512 acc[MT][NT];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-  const bf16_bits* rows[NT];
-  for (int n = 0; n < NT; ++n) rows[n] = w + n * K;
-  const bf16_bits* pf = w + kPrefetchTiles * NT * K;
-  int64_t k = 0;
-  for (; k + kPairs <= K; k += kPairs, pf += NT * kPairs) {
-    dot_step<MT, NT, false>(x, rows, K, k, pf, acc);
-  }
-  if (k < K) dot_step<MT, NT, true>(x, rows, K, k, pf, acc);
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) sums[m * NT + n] = _mm512_reduce_add_ps(acc[m][n]);
-}
-
-// sums[m] = dot(x row m, w row 0) for MT rows of x, KU partial sums per row so that enough FMA
-// chains are in flight. The weights are read as one sequential stream, every line prefetched.
-template <int MT, int KU>
-void dot_row(const bf16_bits* x, const bf16_bits* w, int64_t K, float* sums) {
-  constexpr int64_t kAhead = kPrefetchBytes / sizeof(bf16_bits);
-  __m512 acc[KU][MT];
-  for (auto& part : acc)
-    for (auto& a : part) a = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + KU * kPairs <= K; k += KU * kPairs) {
-#pragma GCC unroll 8
-    for (int u = 0; u < KU; ++u) {
-      const int64_t at = k + u * kPairs;
-      prefetch_l2(w + at + kAhead);
-      const __m512bh wv = load(w + at);
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) acc[u][m] = _mm512_dpbf16_ps(acc[u][m], load(x + m * K + at), wv);
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      a[8 * i + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0x88);
+      a[8 * i + 4 + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0xdd);
     }
   }
-  for (; k < K; k += kPairs) {
-    const int64_t count = std::min<int64_t>(kPairs, K - k);
-    const __m512bh wv = count == kPairs ? load(w + k) : load_tail(w + k, count);
-    for (int m = 0; m < MT; ++m) {
-      const __m512bh xv = count == kPairs ? load(x + m * K + k) : load_tail(x + m * K + k, count);
-      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], xv, wv);
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    for (int u = 1; u < KU; ++u) acc[0][m] = _mm512_add_ps(acc[0][m], acc[u][m]);
-    sums[m] = _mm512_reduce_add_ps(acc[0][m]);
-  }
-}
-
-using TileFn = void (*)(const bf16_bits*, const bf16_bits*, int64_t, float*);
-
-// Tiles of MT rows of x by NT rows of w, as wide as the 32 registers allow: MT * NT accumulators
-// + NT weight vectors + 1 x vector <= 32. Up to 8 rows of x share each weight vector load.
-constexpr int kMaxMT = 8;
-constexpr int kTileSums = 24;  // largest MT * NT
-constexpr int64_t kRowUnit = 24;  // weight rows per unit of work: a multiple of every NT
-
-int tile_rows(int mt) { return mt <= 2 ? 8 : mt <= 4 ? 6 : 3; }
-
-template <int NT>
-TileFn tile_for(int mt) {
-  switch (mt) {
-    case 1: return dot_tile<1, NT>;
-    case 2: return dot_tile<2, NT>;
-    case 3: return dot_tile<3, NT>;
-    case 4: return dot_tile<4, NT < 6 ? NT : 6>;
-    case 5: return dot_tile<5, NT < 3 ? NT : 3>;
-    case 6: return dot_tile<6, NT < 3 ? NT : 3>;
-    case 7: return dot_tile<7, NT < 3 ? NT : 3>;
-    default: return dot_tile<8, NT < 3 ? NT : 3>;
-  }
-}
-
-TileFn edge_tile(int mt) { return tile_for<1>(mt); }
-
-// Up to this many rows of x, each weight row is streamed on its own (dot_row): the step is
-// memory-bound, and one sequential stream per thread reads DRAM faster than NT rows side by side
-// (a medium-model step's linears on a Zen 4 EPYC, timed in turns with the tiles: 4-6% faster
-// at M = 1, 3% at M = 2..4).
-constexpr int64_t kMaxStreamRows = 4;
-
-TileFn stream_for(int mt) {
-  switch (mt) {
-    case 1: return dot_row<1, 4>;
-    case 2: return dot_row<2, 4>;
-    case 3: return dot_row<3, 2>;
-    default: return dot_row<4, 2>;
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0xdd);
   }
 }
 
@@ -181,65 +97,163 @@ inline __m256i to_bf16_rne(__m512 v) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
-// out[m0 + m, n : n + nt] = sums[m * nt : (m + 1) * nt] + bias, a row of the tile per vector
-// (scalar conversions here cost ~15% of a tile at K = 768).
-void store_tile(const SmallLinear& a, const float* sums, int mt, int nt, int64_t m0, int64_t n) {
-  const auto lanes = static_cast<__mmask16>((1u << nt) - 1);
-  const __m512 bias =
-      a.bias != nullptr ? _mm512_maskz_loadu_ps(lanes, a.bias + n) : _mm512_setzero_ps();
-  for (int m = 0; m < mt; ++m) {
-    const __m256i out = to_bf16_rne(_mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums + m * nt), bias));
-    const int64_t at = (m0 + m) * a.N + n;
-    if (a.out_f32 != nullptr) {  // as bf16 output, then .float()
+// One tile's columns [n, n + 16) of the output row m: sums + bias, rounded to bf16 (and widened
+// back for out_f32, i.e. linear(...).float()); columns past N are masked off.
+struct TileOut {
+  const PackedLinear& a;
+  int64_t n;
+  __mmask16 lanes;
+  __m512 bias;
+
+  TileOut(const PackedLinear& args, int64_t tile) : a(args), n(tile * kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, a.N - n);
+    lanes = static_cast<__mmask16>((1u << count) - 1);
+    bias = a.bias != nullptr ? _mm512_maskz_loadu_ps(lanes, a.bias + n) : _mm512_setzero_ps();
+  }
+
+  void store(int64_t m, __m512 sums) const {
+    const __m256i out = to_bf16_rne(_mm512_add_ps(sums, bias));
+    const int64_t at = m * a.N + n;
+    if (a.out_f32 != nullptr) {
       const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16));
       _mm512_mask_storeu_ps(a.out_f32 + at, lanes, wide);
     } else {
       _mm256_mask_storeu_epi16(a.out + at, lanes, out);
     }
   }
+};
+
+// Rows [m0, m0 + MT) of x against one weight tile, 16 lanes = the tile's columns; U partial sums
+// per row along K so that at least ~8 FMA chains are in flight.
+template <int MT, int U>
+void tile_few_rows(const PackedLinear& a, const bf16_bits* tile, int64_t m0, const TileOut& out) {
+  const int64_t pairs = a.x_stride / 2;
+  const bf16_bits* x = a.x + m0 * a.x_stride;
+  __m512 acc[U][MT];
+  for (auto& part : acc)
+    for (auto& v : part) v = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + U <= pairs; p += U) {
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const bf16_bits* line = tile + (p + u) * kLine;
+      prefetch_l2(line + kPrefetchValues);
+      const __m512bh w = load_line(line);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        acc[u][m] = _mm512_dpbf16_ps(acc[u][m], broadcast_pair(x + m * a.x_stride + 2 * (p + u)), w);
+      }
+    }
+  }
+  for (; p < pairs; ++p) {
+    const __m512bh w = load_line(tile + p * kLine);
+    for (int m = 0; m < MT; ++m) {
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], broadcast_pair(x + m * a.x_stride + 2 * p), w);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    for (int u = 1; u < U; ++u) acc[0][m] = _mm512_add_ps(acc[0][m], acc[u][m]);
+    out.store(m0 + m, acc[0][m]);
+  }
 }
 
-TileFn tile_of(int nt, int mt) {
-  return nt == 8 ? tile_for<8>(mt) : nt == 6 ? tile_for<6>(mt) : tile_for<3>(mt);
+using FewRowsFn = void (*)(const PackedLinear&, const bf16_bits*, int64_t, const TileOut&);
+
+FewRowsFn few_rows_for(int64_t mt) {
+  switch (mt) {
+    case 1: return tile_few_rows<1, 8>;
+    case 2: return tile_few_rows<2, 4>;
+    case 3: return tile_few_rows<3, 3>;
+    case 4: return tile_few_rows<4, 2>;
+    case 5: return tile_few_rows<5, 2>;
+    case 6: return tile_few_rows<6, 2>;
+    case 7: return tile_few_rows<7, 2>;
+    default: return tile_few_rows<8, 2>;
+  }
 }
 
-// out[:, n_begin:n_end], one tile of weight rows at a time, every group of up to 8 rows of x in
-// turn on that tile: the tile is read from DRAM once and then from L1, and the weights stream in
-// one sequential pass, which the prefetch in dot_step stays ahead of. (Looping over x's groups
-// outside the tiles instead restarted the weight stream for every group: at M = 16 that ran at
-// ~9 GB/s from DRAM on a Zen 4 EPYC.) Every pass uses the first one's tile width, so that all
-// rows of x share each tile.
-void linear_rows(const SmallLinear& a, int64_t n_begin, int64_t n_end) {
-  float sums[kTileSums];
-  if (a.M <= kMaxStreamRows) {
-    const TileFn row = stream_for(static_cast<int>(a.M));
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      row(a.x, a.w + n * a.K, a.K, sums);
-      store_tile(a, sums, static_cast<int>(a.M), 1, 0, n);
-    }
-    return;
+// One group of 16 rows of x, packed ([pairs][16 rows][2]), against one weight tile: 16 lanes =
+// the rows, one accumulator per column; rows [m0, m0 + rows) of the output are stored.
+void tile_16_rows(const bf16_bits* xg, const bf16_bits* tile, int64_t pairs, int64_t m0, int rows,
+                  const TileOut& out) {
+  __m512 acc[kLanes];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bf16_bits* line = tile + p * kLine;
+    prefetch_l2(line + kPrefetchValues);
+    const __m512bh xv = load_line(xg + p * kLine);
+#pragma GCC unroll 16
+    for (int c = 0; c < kLanes; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], xv, broadcast_pair(line + 2 * c));
   }
-  const int nt = tile_rows(static_cast<int>(std::min<int64_t>(kMaxMT, a.M)));
-  for (int64_t n = n_begin; n < n_end;) {
-    const int step = n_end - n >= nt ? nt : 1;
-    for (int64_t m0 = 0; m0 < a.M; m0 += kMaxMT) {
-      const int mt = static_cast<int>(std::min<int64_t>(kMaxMT, a.M - m0));
-      (step == nt ? tile_of(nt, mt) : edge_tile(mt))(a.x + m0 * a.K, a.w + n * a.K, a.K, sums);
-      store_tile(a, sums, mt, step, m0, n);
+  transpose16(acc);  // acc[r]: row m0 + r, the tile's 16 columns
+  for (int r = 0; r < rows; ++r) out.store(m0 + r, acc[r]);
+}
+
+// x rows [m0, m0 + rows) (rows <= 16; the rest of the group zeros) as one packed group.
+void pack_x_group(const PackedLinear& a, int64_t m0, int rows, bf16_bits* xg) {
+  const int64_t pairs = a.x_stride / 2;
+  for (int64_t p0 = 0; p0 < pairs; p0 += kLanes) {
+    const int count = static_cast<int>(std::min<int64_t>(kLanes, pairs - p0));
+    const auto mask = static_cast<__mmask16>((1u << count) - 1);
+    __m512 r[kLanes];  // r[i]: the pairs p0.. of row m0 + i, as 32-bit lanes
+    for (int i = 0; i < kLanes; ++i) {
+      r[i] = i < rows ? _mm512_maskz_loadu_ps(mask, a.x + (m0 + i) * a.x_stride + 2 * p0)
+                      : _mm512_setzero_ps();
     }
-    n += step;
+    transpose16(r);  // r[j]: pair p0 + j of the 16 rows
+    for (int j = 0; j < count; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(xg + (p0 + j) * kLine), r[j]);
   }
+}
+
+// Rows of x per pass over the weights: a pass's packed x (the groups of 16 rows every tile re-reads)
+// stays within ~half of a 1 MiB L2.
+constexpr int64_t kPassBytes = 512 * 1024;
+
+// Work below this many multiply-adds stays on one thread.
+constexpr int64_t kMinWorkPerTask = 1 << 16;
+
+void linear_pass(const PackedLinear& a, int64_t m_begin, int64_t m_end,
+                 const std::vector<bf16_bits>& xs, int64_t dense_rows) {
+  const int64_t pairs = a.x_stride / 2;
+  const int64_t tiles = (a.N + kLanes - 1) / kLanes;
+  const int64_t rows = m_end - m_begin;
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (rows * a.x_stride * kLanes));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const bf16_bits* tile = a.w + t * pairs * kLine;
+      const TileOut out(a, t);
+      for (int64_t m = m_begin; m < m_begin + dense_rows; m += kLanes) {
+        const int group_rows = static_cast<int>(std::min<int64_t>(kLanes, m_end - m));
+        tile_16_rows(xs.data() + (m - m_begin) * pairs * 2, tile, pairs, m, group_rows, out);
+      }
+      for (int64_t m = m_begin + dense_rows; m < m_end; m += 8) {
+        few_rows_for(std::min<int64_t>(8, m_end - m))(a, tile, m, out);
+      }
+    }
+  });
 }
 
 }  // namespace
 
-void linear_bf16_avx512(const SmallLinear& a) {
-  constexpr int64_t kMinWorkPerTask = 1 << 16;  // multiply-adds below which one thread does it
-  const int64_t num_units = (a.N + kRowUnit - 1) / kRowUnit;
-  const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (a.M * a.K * kRowUnit));
-  at::parallel_for(0, num_units, grain, [&](int64_t u0, int64_t u1) {  // whole tiles per thread
-    linear_rows(a, u0 * kRowUnit, std::min(a.N, u1 * kRowUnit));
-  });
+void linear_bf16_packed_avx512(const PackedLinear& a) {
+  const int64_t pairs = a.x_stride / 2;
+  const int64_t pass_rows =
+      std::max<int64_t>(kLanes, kPassBytes / (pairs * kLine * sizeof(bf16_bits)) * kLanes);
+  std::vector<bf16_bits> xs;
+  for (int64_t m0 = 0; m0 < a.M; m0 += pass_rows) {
+    const int64_t m1 = std::min(a.M, m0 + pass_rows);
+    // Groups of 16 rows go through tile_16_rows (a last group of 9-15 rows padded with zeros);
+    // up to 8 rows left over, or M <= 8, go through tile_few_rows on x as it is.
+    const int64_t rows = m1 - m0, tail = rows % kLanes;
+    const int64_t dense_rows = rows - (tail <= 8 ? tail : 0);
+    const int64_t groups = (dense_rows + kLanes - 1) / kLanes;
+    xs.resize(groups * pairs * kLine);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t m = m0 + g * kLanes;
+      pack_x_group(a, m, static_cast<int>(std::min<int64_t>(kLanes, m1 - m)), xs.data() + g * pairs * kLine);
+    }
+    linear_pass(a, m0, m1, xs, dense_rows);
+  }
 }
 
 }  // namespace tgq_cpu

@@ -1,10 +1,14 @@
 // linear_bf16: y[M,N] = x[M,K] @ w[N,K]^T + b with w in bf16 and fp32 accumulation.
 //
-// Three paths, picked per call by the CPU and the number of rows ("auto"):
-//  - AVX512_BF16 CPUs, bf16 x, M <= kAvx512MaxRows: linear_avx512_bf16.cpp (decode steps);
-//  - AVX512_BF16 CPUs, bf16 x, larger M: at::linear, i.e. oneDNN's bf16 GEMM (prefill);
+// On CPUs with AVX512_BF16 the model packs its weights once (pack_weight_bf16) and calls
+// linear_bf16_packed, the kernel in linear_avx512_bf16.cpp, for every M: at the decode steps' M it
+// beats oneDNN 1.5-2x, at prefill's it is level. linear_bf16 itself takes [N, K] weights and
+// picks per call ("auto"):
+//  - AVX512_BF16 CPUs, bf16 x: at::linear, i.e. oneDNN's bf16 GEMM;
 //  - every other case: the AVX2/FMA kernel below, which widens bf16 to fp32 in registers (torch's
-//    bf16 matmul is very slow on CPUs without avx512_bf16/AMX).
+//    bf16 matmul is very slow on CPUs without avx512_bf16/AMX);
+//  - "avx512", named only: the packed kernel, packing the weights for that call.
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/linear.h>
 
 #include <string_view>
@@ -230,25 +234,65 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// Up to this many rows of x, the AVX-512 kernel beats oneDNN (measured on a Zen 5 EPYC, 2 threads,
-// the medium model's shapes: see bench/bench_cpu_ops.py).
-constexpr int64_t kAvx512MaxRows = 40;
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
-  TORCH_CHECK(cpu_has_avx512_bf16(), "linear_bf16: path 'avx512' needs a CPU with AVX512_BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16: path 'avx512' needs bf16 x");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+// w [N, K] -> the packed layout of linear_kernels.h.
+at::Tensor pack_weight_bf16(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_weight_bf16: weight must be [N, K], got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "pack_weight_bf16: weight must be bf16, got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.device().is_cpu(), "pack_weight_bf16: CPU tensors only");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), pairs = ceil_div(K, 2);
+  at::Tensor packed = at::empty({ceil_div(N, kPackColumns), pairs, kPackColumns, 2}, w.options());
+  const bf16_bits* src = data_as<bf16_bits>(w);
+  bf16_bits* dst = mutable_data_as<bf16_bits>(packed);
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      bf16_bits* tile = dst + t * pairs * kPackColumns * 2;
+      for (int c = 0; c < kPackColumns; ++c) {
+        const int64_t n = t * kPackColumns + c;
+        for (int64_t k = 0; k < 2 * pairs; ++k) {
+          tile[(k / 2 * kPackColumns + c) * 2 + k % 2] = n < N && k < K ? src[n * K + k] : 0;
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// out_fp32: the bf16 result widened to fp32 (= linear(...).float()), stored in the same pass.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias, bool out_fp32) {
+  TORCH_CHECK(cpu_has_avx512_bf16(), "linear_bf16_packed: needs a CPU with AVX512_BF16");
+  TORCH_CHECK(x.dim() == 2, "linear_bf16_packed: x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16_packed: x must be bf16, got ",
+              x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), pairs = ceil_div(K, 2);
+  TORCH_CHECK(K > 0, "linear_bf16_packed: K must be positive");
+  TORCH_CHECK(N > 0, "linear_bf16_packed: N must be positive");
+  const std::vector<int64_t> expected{ceil_div(N, kPackColumns), pairs, kPackColumns, 2};
+  TORCH_CHECK(packed.sizes() == c10::IntArrayRef(expected), "linear_bf16_packed: packed weight ",
+              packed.sizes(), " is not ", c10::IntArrayRef(expected), " for N = ", N, ", K = ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "linear_bf16_packed: packed weight must be contiguous bf16 (pack_weight_bf16)");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(),
+              "linear_bf16_packed: CPU tensors only");
   at::Tensor b32;
-  if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(out_dtype));
-  if (M == 0 || N == 0) return out;
-  const bool f32 = out_dtype == at::kFloat;
-  linear_bf16_avx512(SmallLinear{data_as<bf16_bits>(xc), data_as<bf16_bits>(weight),
-                                 b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, K,
-                                 f32 ? nullptr : mutable_data_as<bf16_bits>(out),
-                                 f32 ? out.data_ptr<float>() : nullptr});
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_bf16_packed: bias must be [", N,
+                "], got ", bias->sizes());
+    TORCH_CHECK(bias->device().is_cpu(), "linear_bf16_packed: CPU tensors only");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  // The kernel reads x in pairs along K: an odd K gets a zero column.
+  at::Tensor xc = K % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1});
+  at::Tensor out = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+  linear_bf16_packed_avx512(PackedLinear{
+      data_as<bf16_bits>(xc), data_as<bf16_bits>(packed),
+      b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, 2 * pairs,
+      out_fp32 ? nullptr : mutable_data_as<bf16_bits>(out), out_fp32 ? out.data_ptr<float>() : nullptr});
   return out;
 }
 
@@ -280,14 +324,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias->device().is_cpu(), "linear_bf16: CPU tensors only");
   }
   if (path == "auto") {
-    const bool fast_bf16 = cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16;
-    path = !fast_bf16 ? "avx2" : x.size(0) <= kAvx512MaxRows ? "avx512" : "native";
+    path = cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16 ? "native" : "avx2";
+  }
+  // "avx512" packs the weights for this one call: for tests and one-off calls (the model packs
+  // its weights once, at load, and calls linear_bf16_packed).
+  if (path == "avx512") {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16: path 'avx512' needs bf16 x");
+    TORCH_CHECK(cpu_has_avx512_bf16(), "linear_bf16: path 'avx512' needs a CPU with AVX512_BF16");
+    return linear_packed(x, pack_weight_bf16(weight), weight.size(0), bias, out_fp32);
   }
   // out_fp32: the result as x's dtype would round it, widened to fp32 (= linear(...).float()).
-  // Only the AVX-512 kernel stores it directly; it saves a pass over a decode step's logits.
-  if (path == "avx512") {
-    return linear_avx512(x, weight, bias, out_fp32 ? at::kFloat : x.scalar_type());
-  }
   at::Tensor out;
   if (path == "avx2") out = linear_avx2(x, weight, bias);
   if (path == "native") out = linear_native(x, weight, bias);
@@ -308,4 +354,9 @@ TORCH_LIBRARY(tgq_cpu_ops, m) {
       "linear_bf16(Tensor x, Tensor weight, Tensor? bias, str path='auto', bool out_fp32=False)"
       " -> Tensor",
       &linear_bf16_op);
+  m.def("pack_weight_bf16(Tensor weight) -> Tensor", &pack_weight_bf16);
+  m.def(
+      "linear_bf16_packed(Tensor x, Tensor packed, int out_features, Tensor? bias,"
+      " bool out_fp32=False) -> Tensor",
+      &linear_packed);
 }

@@ -171,6 +171,86 @@ def test_linear_rejects_bad_inputs(x: torch.Tensor, weight: torch.Tensor, messag
         cpu_ops.linear_bf16(x, weight)
 
 
+_PACKED = pytest.mark.skipif(
+    not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16 (the packed kernel)"
+)
+
+
+@requires_kernels
+@_PACKED
+def test_packed_layout_puts_each_weight_where_the_header_says() -> None:
+    n, k = 37, 5
+    weight = (torch.arange(n * k).reshape(n, k) % 251).bfloat16()
+    packed = cpu_ops.pack_weight_bf16(weight)
+    assert packed.shape == (3, 3, 16, 2)
+    flat = packed.flatten()
+    for row in range(n):
+        for col in range(k):
+            at = ((row // 16 * 3 + col // 2) * 16 + row % 16) * 2 + col % 2
+            assert flat[at] == weight[row, col]
+    padding = torch.ones_like(flat, dtype=torch.bool)
+    for row in range(n):
+        for col in range(k):
+            padding[((row // 16 * 3 + col // 2) * 16 + row % 16) * 2 + col % 2] = False
+    assert not flat[padding].any()  # zeros past N and K
+
+
+@requires_kernels
+@_PACKED
+@pytest.mark.parametrize("k", [1, 3, 32, 33, 768, 2048])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 301])
+def test_packed_linear_every_row_form_and_tail(n: int, k: int) -> None:
+    """M crosses both register forms (<= 8 rows; groups of 16, a last group of 9-15 padded, a
+    remainder of up to 8 rows) and, at 1100 rows, the passes over x; N and K cross the tails."""
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    packed = cpu_ops.pack_weight_bf16(weight)
+    for m in [*range(1, 18), 23, 24, 25, 40, 64, 1100 if n == 17 else 300]:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        ref = F.linear(x.float(), weight.float(), bias.float())
+        out = cpu_ops.linear_bf16_packed(x, packed, n, bias)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        assert _rel_err(out, ref) < 1e-2
+        wide = cpu_ops.linear_bf16_packed(x, packed, n, bias, out_fp32=True)
+        assert torch.equal(wide, out.float())
+
+
+@requires_kernels
+@_PACKED
+def test_packed_linear_rounds_as_torch_and_keeps_nan() -> None:
+    """Each output is its fp32 sum rounded to nearest even: with sums exact in fp32 (small
+    integers) the result equals torch's; a NaN in x stays a NaN in its row only."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (16, 64), generator=gen).bfloat16()
+    weight = torch.randint(-4, 5, (40, 64), generator=gen).bfloat16()
+    packed = cpu_ops.pack_weight_bf16(weight)
+    assert torch.equal(cpu_ops.linear_bf16_packed(x, packed, 40), F.linear(x, weight))
+    x[3, 7] = float("nan")
+    out = cpu_ops.linear_bf16_packed(x, packed, 40)
+    assert out[3].isnan().all() and not out[torch.arange(16) != 3].isnan().any()
+    assert cpu_ops.linear_bf16_packed(x[:0], packed, 40).shape == (0, 40)
+
+
+@requires_kernels
+@_PACKED
+@pytest.mark.parametrize(
+    ("x", "n", "bias", "message"),
+    [
+        (torch.randn(2, 8), 4, None, "x must be bf16"),
+        (torch.randn(2, 9).bfloat16(), 4, None, "is not \\[1, 5, 16, 2\\] for N = 4, K = 9"),
+        (torch.randn(2, 8).bfloat16(), 17, None, "is not \\[2, 4, 16, 2\\]"),
+        (torch.randn(2, 8).bfloat16(), 4, torch.zeros(5), "bias must be \\[4\\]"),
+    ],
+)
+def test_packed_linear_rejects_bad_inputs(
+    x: torch.Tensor, n: int, bias: torch.Tensor | None, message: str
+) -> None:
+    packed = cpu_ops.pack_weight_bf16(torch.randn(4, 8).bfloat16())
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops.linear_bf16_packed(x, packed, n, bias)
+
+
 def _reference_decode(
     query: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,
