@@ -13,7 +13,7 @@
 //    broadcast: 16 accumulators, one per column, transposed once at the end of the tile.
 // A decode step of the medium model at M = 16 spends ~0.77x the time of the earlier kernel over
 // the plain [N, K] layout, which needed a horizontal sum per output and reloaded every row of x for
-// each 3 weight rows (measured in turns on a Zen 4 EPYC, weights from DRAM); at M = 1 ~0.8-0.9x.
+// each 3 weight rows (measured in turns on a Zen 4 EPYC, weights from DRAM); at M = 1-8 0.96-1.0x.
 #include "linear_kernels.h"
 
 namespace tgq_cpu {
@@ -123,52 +123,40 @@ struct TileOut {
   }
 };
 
-// Rows [m0, m0 + MT) of x against one weight tile, 16 lanes = the tile's columns; U partial sums
-// per row along K so that at least ~8 FMA chains are in flight.
-template <int MT, int U>
+// Rows [m0, m0 + MT) of x against one weight tile, 16 lanes = the tile's columns. One chain per
+// output, in K order, as in tile_16_rows: every output's sum is the same whichever form and batch
+// it runs in, so a request's tokens do not depend on what else is in the step. (Splitting the
+// chains along K, for more FMAs in flight at M = 1, measured no faster: the step waits on DRAM.)
+template <int MT>
 void tile_few_rows(const PackedLinear& a, const bf16_bits* tile, int64_t m0, const TileOut& out) {
   const int64_t pairs = a.x_stride / 2;
   const bf16_bits* x = a.x + m0 * a.x_stride;
-  __m512 acc[U][MT];
-  for (auto& part : acc)
-    for (auto& v : part) v = _mm512_setzero_ps();
-  int64_t p = 0;
-  for (; p + U <= pairs; p += U) {
+  __m512 acc[MT];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bf16_bits* line = tile + p * kLine;
+    prefetch_l2(line + kPrefetchValues);
+    const __m512bh w = load_line(line);
 #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) {
-      const bf16_bits* line = tile + (p + u) * kLine;
-      prefetch_l2(line + kPrefetchValues);
-      const __m512bh w = load_line(line);
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) {
-        acc[u][m] = _mm512_dpbf16_ps(acc[u][m], broadcast_pair(x + m * a.x_stride + 2 * (p + u)), w);
-      }
-    }
-  }
-  for (; p < pairs; ++p) {
-    const __m512bh w = load_line(tile + p * kLine);
     for (int m = 0; m < MT; ++m) {
-      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], broadcast_pair(x + m * a.x_stride + 2 * p), w);
+      acc[m] = _mm512_dpbf16_ps(acc[m], broadcast_pair(x + m * a.x_stride + 2 * p), w);
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    for (int u = 1; u < U; ++u) acc[0][m] = _mm512_add_ps(acc[0][m], acc[u][m]);
-    out.store(m0 + m, acc[0][m]);
-  }
+  for (int m = 0; m < MT; ++m) out.store(m0 + m, acc[m]);
 }
 
 using FewRowsFn = void (*)(const PackedLinear&, const bf16_bits*, int64_t, const TileOut&);
 
 FewRowsFn few_rows_for(int64_t mt) {
   switch (mt) {
-    case 1: return tile_few_rows<1, 8>;
-    case 2: return tile_few_rows<2, 4>;
-    case 3: return tile_few_rows<3, 3>;
-    case 4: return tile_few_rows<4, 2>;
-    case 5: return tile_few_rows<5, 2>;
-    case 6: return tile_few_rows<6, 2>;
-    case 7: return tile_few_rows<7, 2>;
-    default: return tile_few_rows<8, 2>;
+    case 1: return tile_few_rows<1>;
+    case 2: return tile_few_rows<2>;
+    case 3: return tile_few_rows<3>;
+    case 4: return tile_few_rows<4>;
+    case 5: return tile_few_rows<5>;
+    case 6: return tile_few_rows<6>;
+    case 7: return tile_few_rows<7>;
+    default: return tile_few_rows<8>;
   }
 }
 

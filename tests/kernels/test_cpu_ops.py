@@ -234,6 +234,20 @@ def test_packed_linear_rounds_as_torch_and_keeps_nan() -> None:
 
 @requires_kernels
 @_PACKED
+def test_packed_linear_rows_do_not_depend_on_the_batch() -> None:
+    """Each row's outputs are bit-identical alone and in batches of every size (both register
+    forms sum in the same order), so a request's tokens do not depend on its neighbours."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 768, generator=gen).bfloat16()
+    weight = torch.randn(100, 768, generator=gen).bfloat16()
+    packed = cpu_ops.pack_weight_bf16(weight)
+    alone = torch.cat([cpu_ops.linear_bf16_packed(x[i : i + 1], packed, 100) for i in range(40)])
+    for m in [2, 7, 8, 9, 15, 16, 17, 24, 25, 40]:
+        assert torch.equal(cpu_ops.linear_bf16_packed(x[:m], packed, 100), alone[:m]), m
+
+
+@requires_kernels
+@_PACKED
 @pytest.mark.parametrize(
     ("x", "n", "bias", "message"),
     [
