@@ -44,6 +44,7 @@ _SOURCES = [
         "linear_avx512_bf16.cpp",
         "paged_attention.cpp",
         "cpu_fused.cpp",
+        "fused_avx512.cpp",
         "argmax.cpp",
     )
 ]
@@ -193,7 +194,7 @@ def has_avx512_bf16() -> bool:
 
 
 def paged_decode_attention(
-    query: torch.Tensor,  # [B, H, D], one token per sequence
+    query: torch.Tensor,  # [B, H, D], one token per sequence; each row's heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int32 or int64
@@ -210,6 +211,18 @@ def paged_decode_attention(
         query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window
     )
     return out
+
+
+def write_kv_(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    key: torch.Tensor,  # [T, Hkv, D]; any token stride (a view of qkv), heads contiguous
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, slot = block_id * block_size + offset
+) -> None:
+    """`kernels.kv_write.write_kv_slots` in one op: no copy of strided key/value first, and every
+    slot is checked against the cache before anything is written."""
+    _ops().write_kv_(k_cache, v_cache, key, value, slot_mapping)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

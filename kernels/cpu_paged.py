@@ -1,5 +1,7 @@
 """CPU backend: the torch backend, with decode (single-query) attention done by the AVX2 kernel
-that reads K/V straight through the block table instead of gathering a padded copy."""
+that reads K/V straight through the block table instead of gathering a padded copy, and the KV
+write done by one op. A step of only decode tokens hands the query (a view of the fused qkv) to
+the kernel and returns its output as is: no copy in or out."""
 
 from __future__ import annotations
 
@@ -18,6 +20,32 @@ class CpuPagedAttention(TorchPagedAttention):
                 f"attention backend 'cpu' is unavailable: {cpu_ops.unavailable_reason()}"
             )
 
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: TorchMetadata,
+    ) -> None:
+        cpu_ops.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        if meta.multi:
+            return super().attend(
+                query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window
+            )
+        return self._attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
+
     def _attend_single(
         self,
         query: torch.Tensor,  # [B, H, D]
@@ -28,7 +56,7 @@ class CpuPagedAttention(TorchPagedAttention):
         sliding_window: int | None,
     ) -> torch.Tensor:
         return cpu_ops.paged_decode_attention(
-            query.contiguous(),
+            query,
             k_cache,
             v_cache,
             meta.single_block_tables,

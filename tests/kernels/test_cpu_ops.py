@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from kernels.kv_write import write_kv_slots
 from tests.kernels.markers import requires_kernels
 
 
@@ -383,6 +384,66 @@ def test_paged_decode_rejects_kv_len_beyond_the_table() -> None:
         cpu_ops.paged_decode_attention(
             torch.randn(1, 1, 8), cache, cache, torch.tensor([[0]]), torch.tensor([5]), 1.0, 0
         )
+
+
+@requires_kernels
+def test_paged_decode_reads_query_heads_out_of_the_fused_qkv_rows() -> None:
+    """The model passes q as a view of its qkv activation (rows 2304 apart): same result as a
+    contiguous copy, and a contiguous output."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(9, 16, 4, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(9, 16, 4, 64, generator=gen).bfloat16()
+    qkv = torch.randn(3, (12 + 2 * 4) * 64, generator=gen).bfloat16()
+    query = qkv[:, : 12 * 64].reshape(3, 12, 64)
+    assert not query.is_contiguous()
+    tables, lens = torch.tensor([[1, 2], [3, 0], [8, 5]]), torch.tensor([20, 7, 32])
+    out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, 0)
+    copied = cpu_ops.paged_decode_attention(
+        query.contiguous(), k_cache, v_cache, tables, lens, 0.125, 0
+    )
+    assert out.is_contiguous()
+    assert torch.equal(out, copied)
+    strided_heads = query.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        cpu_ops.paged_decode_attention(strided_heads, k_cache, v_cache, tables, lens, 0.125, 0)
+
+
+@requires_kernels
+@pytest.mark.parametrize("tokens", [1, 16, 700])  # 700: spread over both threads
+def test_write_kv_matches_the_torch_op_from_qkv_views(tokens: int) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    k_cache = torch.randn(60, 16, 4, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(60, 16, 4, 64, generator=gen).bfloat16()
+    qkv = torch.randn(tokens, (12 + 2 * 4) * 64, generator=gen).bfloat16()
+    key = qkv[:, 12 * 64 : 16 * 64].reshape(tokens, 4, 64)
+    value = qkv[:, 16 * 64 :].reshape(tokens, 4, 64)
+    slots = torch.randperm(60 * 16, generator=gen)[:tokens]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_slots(expected_k, expected_v, key, value, slots)
+    cpu_ops.write_kv_(k_cache, v_cache, key, value, slots)
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+@requires_kernels
+@pytest.mark.parametrize(
+    ("slots", "key_shape", "message"),
+    [
+        ([0, 960], (2, 4, 64), r"slot_mapping\[1\] = 960 is outside the cache's 960 slots"),
+        ([-1], (1, 4, 64), r"slot_mapping\[0\] = -1 is outside"),
+        ([0], (2, 4, 64), r"slot_mapping must be \[2\] int64"),
+        ([0], (1, 2, 64), r"key and value must both be \[T, 4, 64\]"),
+    ],
+)
+def test_write_kv_refuses_bad_inputs_and_writes_nothing(
+    slots: list[int], key_shape: tuple[int, ...], message: str
+) -> None:
+    k_cache = torch.zeros(60, 16, 4, 64, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.ones(key_shape, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops.write_kv_(k_cache, v_cache, key, key, torch.tensor(slots))
+    assert not k_cache.any() and not v_cache.any()
 
 
 def test_wrappers_raise_the_reason_when_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
