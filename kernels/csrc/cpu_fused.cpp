@@ -5,7 +5,8 @@
 // At batch 1 a decode step runs ~25 norms and 12 rotary embeddings over 768 values each; as
 // chains of torch ops they cost more in dispatch than in arithmetic. Each op here rounds to bf16
 // exactly where the torch expression it replaces does, so outputs are bit-identical to it.
-#include "avx2_common.h"
+#include "fused_kernels.h"
+#include "linear_kernels.h"  // cpu_has_avx512_bf16
 
 namespace {
 
@@ -193,12 +194,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const auto* gp = reinterpret_cast<const bf16_bits*>(gate_up.const_data_ptr<BFloat16>());
   auto* op = reinterpret_cast<bf16_bits*>(out.mutable_data_ptr<BFloat16>());
   const int64_t stride = gate_up.stride(0);
+  const bool wide = tgq_cpu::cpu_has_avx512_bf16();
   at::parallel_for(0, rows, rows_per_task(inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const bf16_bits* g = gp + r * stride;
       const bf16_bits* u = g + inter;
       bf16_bits* o = op + r * inter;
-      int64_t i = 0;
+      int64_t i = wide ? tgq_cpu::silu_mul_row_avx512(g, u, inter, o) : 0;
       for (; i + kVec <= inter; i += kVec) {
         const __m256 s = tgq_cpu::round8_bf16(silu(tgq_cpu::load8(g + i)));
         tgq_cpu::store8_bf16(o + i, _mm256_mul_ps(s, tgq_cpu::load8(u + i)));

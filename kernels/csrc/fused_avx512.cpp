@@ -1,0 +1,87 @@
+// The fused elementwise ops' AVX-512 loops (cpu_fused.cpp calls them where
+// cpu_has_avx512_bf16()): the same arithmetic as their AVX2 loops, op for op, on 16 lanes instead
+// of 8, so both give bit-identical results. At batch 16 the MLP's SiLU(gate) * up over 16 x 4096
+// values took 72 us on one Zen 4 core in 8 lanes (the exponential's polynomial and the division
+// dominate; 16 lanes and eight vectors in flight: 32 us).
+#include "fused_kernels.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+namespace tgq_cpu {
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+inline __m512 load16(const bf16_bits* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// fp32 -> bf16 bits, round to nearest even, a NaN to the quiet NaN 0x7fc0 (bf16_bits_rne).
+inline __m512i bf16_bits_rne16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
+}
+
+// exp_nonpositive (avx2_common.h) on 16 lanes.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 is_tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  const __m512i pow2n = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_tiny),
+                             _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n)));
+}
+
+// silu (cpu_fused.cpp) on 16 lanes.
+inline __m512 silu16(__m512 g) {
+  const __m512 e = exp_nonpositive16(_mm512_or_ps(g, _mm512_set1_ps(-0.0f)));  // e^-|g|
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __mmask16 negative = _mm512_movepi32_mask(_mm512_castps_si512(g));  // sign bit set
+  const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
+  return _mm512_mul_ps(g, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));
+}
+
+// Eight vectors per turn: one vector's chain (~40 dependent ops) leaves the FP scheduler waiting;
+// eight independent ones keep it fed (16 x 4096 values on one core: 44 -> 32 us).
+constexpr int kUnroll = 8;
+
+inline void silu_mul_vectors(const bf16_bits* gate, const bf16_bits* up, bf16_bits* out, int n) {
+  __m512 s[kUnroll];
+#pragma GCC unroll 8
+  for (int j = 0; j < n; ++j) s[j] = silu16(load16(gate + j * kLanes));
+#pragma GCC unroll 8
+  for (int j = 0; j < n; ++j) {
+    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits_rne16(s[j]), 16));
+    const __m512i product = bf16_bits_rne16(_mm512_mul_ps(rounded, load16(up + j * kLanes)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * kLanes),
+                        _mm512_cvtepi32_epi16(product));
+  }
+}
+
+}  // namespace
+
+int64_t silu_mul_row_avx512(const bf16_bits* gate, const bf16_bits* up, int64_t count,
+                            bf16_bits* out) {
+  int64_t i = 0;
+  for (; i + kUnroll * kLanes <= count; i += kUnroll * kLanes) {
+    silu_mul_vectors(gate + i, up + i, out + i, kUnroll);
+  }
+  for (; i + kLanes <= count; i += kLanes) silu_mul_vectors(gate + i, up + i, out + i, 1);
+  return i;
+}
+
+}  // namespace tgq_cpu
