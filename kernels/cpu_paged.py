@@ -1,7 +1,6 @@
 """CPU backend: the torch backend, with decode (single-query) attention done by the AVX2 kernel
 that reads K/V straight through the block table instead of gathering a padded copy, and the KV
-write done by one op. A step of only decode tokens hands the query (a view of the fused qkv) to
-the kernel and returns its output as is: no copy in or out."""
+write done by one op. The query the kernel gets may be a view of the fused qkv: no copy."""
 
 from __future__ import annotations
 
@@ -29,22 +28,6 @@ class CpuPagedAttention(TorchPagedAttention):
         meta: TorchMetadata,
     ) -> None:
         cpu_ops.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TorchMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        if meta.multi:
-            return super().attend(
-                query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window
-            )
-        return self._attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
 
     def _attend_single(
         self,

@@ -85,6 +85,8 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        if meta.num_single and not meta.multi:  # decode only: that output is the whole output
+            return self._attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
         out = torch.empty_like(query)
         if meta.num_single:
             out[: meta.num_single] = self._attend_single(

@@ -6,26 +6,12 @@
 #include "fused_kernels.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#include "avx512_common.h"
 
 namespace tgq_cpu {
 namespace {
 
 constexpr int64_t kLanes = 16;
-
-inline __m512 load16(const bf16_bits* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// fp32 -> bf16 bits, round to nearest even, a NaN to the quiet NaN 0x7fc0 (bf16_bits_rne).
-inline __m512i bf16_bits_rne16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
-}
 
 // exp_nonpositive (avx2_common.h) on 16 lanes.
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -62,13 +48,12 @@ constexpr int kUnroll = 8;
 inline void silu_mul_vectors(const bf16_bits* gate, const bf16_bits* up, bf16_bits* out, int n) {
   __m512 s[kUnroll];
 #pragma GCC unroll 8
-  for (int j = 0; j < n; ++j) s[j] = silu16(load16(gate + j * kLanes));
+  for (int j = 0; j < n; ++j) s[j] = silu16(load16_bf16(gate + j * kLanes));
 #pragma GCC unroll 8
   for (int j = 0; j < n; ++j) {
     const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits_rne16(s[j]), 16));
-    const __m512i product = bf16_bits_rne16(_mm512_mul_ps(rounded, load16(up + j * kLanes)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * kLanes),
-                        _mm512_cvtepi32_epi16(product));
+    const __m512 product = _mm512_mul_ps(rounded, load16_bf16(up + j * kLanes));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * kLanes), to_bf16_rne(product));
   }
 }
 

@@ -30,6 +30,7 @@ bool cpu_has_avx512_bf16() {
 
 // Everything below may use AVX-512 and runs only where cpu_has_avx512_bf16().
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#include "avx512_common.h"
 
 namespace tgq_cpu {
 namespace {
@@ -83,18 +84,6 @@ inline void transpose16(__m512 (&r)[16]) {
     r[j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0x88);
     r[j + 8] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0xdd);
   }
-}
-
-// fp32 -> bf16 bits, round to nearest even, a NaN to the quiet NaN 0x7fc0: c10::BFloat16's
-// conversion, 16 lanes at a time (vcvtneps2bf16 would flush denormals instead).
-inline __m256i to_bf16_rne(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(rounded);
 }
 
 // One tile's columns [n, n + 16) of the output row m: sums + bias, rounded to bf16 (and widened
