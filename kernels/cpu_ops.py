@@ -43,6 +43,7 @@ _SOURCES = [
         "linear_bf16.cpp",
         "linear_avx512_bf16.cpp",
         "paged_attention.cpp",
+        "attention_avx512.cpp",
         "cpu_fused.cpp",
         "fused_avx512.cpp",
         "argmax.cpp",
@@ -201,14 +202,17 @@ def paged_decode_attention(
     kv_lens: torch.Tensor,  # [B] int64, >= 1; the query sits at position kv_len - 1
     scale: float,
     sliding_window: int = 0,  # > 0: attend only to the last `sliding_window` positions
+    path: str = "auto",
 ) -> torch.Tensor:  # [B, H, D] in query's dtype
     """Softmax attention of each query over its sequence's cached K/V, read through the table.
 
     Query head h uses kv head h // (H // Hkv). All of query, k_cache, v_cache are bf16 or all fp32;
-    the math is fp32.
+    products are exact and sums fp32. `path` picks the kernel: "auto" takes "avx512" (bf16 on an
+    AVX512_BF16 CPU, head size a multiple of 32 up to 256) where it can, else "avx2" (any case).
+    Tests name paths to check each one.
     """
     out: torch.Tensor = _ops().paged_decode_attention(
-        query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window
+        query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window, path
     )
     return out
 

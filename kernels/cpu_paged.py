@@ -1,6 +1,7 @@
-"""CPU backend: the torch backend, with decode (single-query) attention done by the AVX2 kernel
-that reads K/V straight through the block table instead of gathering a padded copy, and the KV
-write done by one op. The query the kernel gets may be a view of the fused qkv: no copy."""
+"""CPU backend: the torch backend, with decode (single-query) attention done by the CPU kernels
+(AVX-512 bf16 where the CPU has it, else AVX2) that read K/V straight through the block table
+instead of gathering a padded copy, and the KV write done by one op. The query the kernel gets
+may be a view of the fused qkv: no copy."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-// Shared by the AVX-512 kernels (linear_avx512_bf16.cpp, fused_avx512.cpp): bf16 <-> fp32 on 16
-// lanes. Include it after the file's `#pragma GCC target(... avx512 ...)`, which these inline
-// functions need; only code that runs where cpu_has_avx512_bf16() may call them.
+// Shared by the AVX-512 kernels (linear, fused elementwise ops, decode attention): bf16 <-> fp32
+// and e^x on 16 lanes. Include it after the file's `#pragma GCC target(... avx512 ...)`, which
+// these inline functions need; only code that runs where cpu_has_avx512_bf16() may call them.
 #pragma once
 
 #include "avx2_common.h"
@@ -27,5 +27,24 @@ inline __m512i bf16_bits_rne16(__m512 v) {
 
 // The same, packed to 16 bf16 values.
 inline __m256i to_bf16_rne(__m512 v) { return _mm512_cvtepi32_epi16(bf16_bits_rne16(v)); }
+
+// exp_nonpositive (avx2_common.h) on 16 lanes.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 is_tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  const __m512i pow2n = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_tiny),
+                             _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n)));
+}
 
 }  // namespace tgq_cpu

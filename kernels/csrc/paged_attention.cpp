@@ -1,26 +1,21 @@
 // paged_decode_attention: one query token per sequence against a paged KV cache, read through the
-// block table (no gather copy), fp32 math on bf16 or fp32 data. write_kv_: a step's new K/V rows
-// into their cache slots.
-#include "avx2_common.h"
+// block table (no gather copy), fp32 math on bf16 or fp32 data; here the AVX2 kernel, which serves
+// every CPU, head size and dtype, and the dispatch to the AVX-512 one (attention_avx512.cpp).
+// write_kv_: a step's new K/V rows into their cache slots.
+#include "attention_kernels.h"
+#include "linear_kernels.h"
 
 namespace {
 
 using namespace tgq_cpu;
 
 // ----------------------------------------------------------------------------------------------
-// paged_decode_attention
+// paged_decode_attention, AVX2
 //
-// Cache layout: k_cache[block_id, offset, kv_head, :] holds token block_index * block_size + offset
-// of the sequence whose block table has block_id at block_index. One task handles one sequence
-// and a run of its kv heads, with all G = H / Hkv query heads of each, so each K/V row is read
-// from memory once and reused G times. Softmax is online at block granularity: per block, compute
-// the scores, raise the running max once, rescale the accumulator once, then add p * v.
-
-struct DecodeShape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  int64_t sliding_window;  // 0 = attend to the whole sequence
-  float scale;
-};
+// One task handles one sequence and a run of its kv heads (kv_heads_per_task), with all
+// G = H / Hkv query heads of each, so each K/V row is read from memory once and reused G times.
+// Softmax is online at block granularity: per block, compute the scores, raise the running max
+// once, rescale the accumulator once, then add p * v.
 
 template <typename T>
 float dot_row(const float* q, const T* k, int64_t d) {
@@ -185,15 +180,6 @@ void decode_task(const DecodeShape& s, HeadState& st, const T* query, const T* k
   }
 }
 
-// Tasks are (sequence, run of kv heads): whole sequences when there are enough of them to keep
-// every thread busy, so each block is read as one contiguous span; else the kv heads are split.
-int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
-  constexpr int64_t kTasksPerThread = 4;
-  const int64_t wanted = kTasksPerThread * at::get_num_threads();
-  const int64_t splits = std::min(num_kv_heads, (wanted + batch - 1) / batch);
-  return (num_kv_heads + splits - 1) / splits;
-}
-
 template <typename T>
 void decode_dispatch(const DecodeShape& s, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& tables,
@@ -240,10 +226,26 @@ void check_block_tables(const at::Tensor& tables, const at::Tensor& kv_lens, int
   }
 }
 
+// "auto": the AVX-512 kernel where it serves the call (bf16, AVX512_BF16, whole lines of head
+// size), else AVX2; "avx2" and "avx512" name one (tests check each).
+bool use_avx512(std::string_view path, const at::Tensor& query) {
+  const bool served = query.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16() &&
+                      avx512_decode_supports(query.size(2));
+  if (path == "auto") return served;
+  if (path == "avx2") return false;
+  TORCH_CHECK(path == "avx512", "paged_decode_attention: unknown path '", path,
+              "' (auto, avx2, avx512)");
+  TORCH_CHECK(served, "paged_decode_attention: path 'avx512' needs bf16, a CPU with AVX512_BF16 "
+              "and a head size that is a multiple of 32 up to 256, got ", query.scalar_type(),
+              " and ", query.size(2));
+  return true;
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& kv_lens, double scale,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window, c10::string_view path_arg) {
+  const std::string_view path(path_arg.data(), path_arg.size());
   TORCH_CHECK(query.dim() == 3, "paged_decode_attention: query must be [B, H, D], got ",
               query.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
@@ -281,7 +283,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   DecodeShape shape{heads, kv_heads, d, k_cache.size(1), tables.size(1), sliding_window,
                     static_cast<float>(scale)};
   at::Tensor out = at::empty(query.sizes(), query.options());  // contiguous, whatever query is
-  if (query.scalar_type() == at::kFloat) {
+  if (use_avx512(path, query)) {
+    paged_decode_bf16_avx512(DecodeArgs{shape, batch, query.stride(0), data_as<bf16_bits>(query),
+                                        data_as<bf16_bits>(k_cache), data_as<bf16_bits>(v_cache),
+                                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                        mutable_data_as<bf16_bits>(out)});
+  } else if (query.scalar_type() == at::kFloat) {
     decode_dispatch<float>(shape, query, k_cache, v_cache, tables, lens, out);
   } else {
     decode_dispatch<bf16_bits>(shape, query, k_cache, v_cache, tables, lens, out);
@@ -354,6 +361,6 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
       &write_kv_);
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor kv_lens, float scale, int sliding_window) -> Tensor",
+      "Tensor kv_lens, float scale, int sliding_window, str path='auto') -> Tensor",
       &paged_decode_attention);
 }

@@ -1,0 +1,49 @@
+// Paged decode attention, as paged_attention.cpp dispatches it between ISAs: the shape of a call,
+// how it is split into tasks, and the AVX-512 kernel's entry point.
+#pragma once
+
+#include "avx2_common.h"
+
+namespace tgq_cpu {
+
+// Cache layout: k_cache[block_id, offset, kv_head, :] holds token block_index * block_size + offset
+// of the sequence whose block table has block_id at block_index.
+struct DecodeShape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t sliding_window;  // 0 = attend to the whole sequence
+  float scale;
+};
+
+// One bf16 call, checked: tables [batch, max_blocks] and kv_lens [batch] int64, every block id a
+// sequence reads inside the cache.
+struct DecodeArgs {
+  DecodeShape shape;
+  int64_t batch;
+  int64_t q_stride;  // elements between sequences' query rows (a view of the fused qkv is fine)
+  const bf16_bits* query;
+  const bf16_bits* k_cache;
+  const bf16_bits* v_cache;
+  const int64_t* tables;
+  const int64_t* kv_lens;
+  bf16_bits* out;  // [batch, num_heads, head_dim], contiguous
+};
+
+// A task is one sequence and a run of its kv heads (with all their query heads, so each K/V row is
+// read from memory once): whole sequences when there are enough of them to keep every thread busy,
+// so each block is read as one contiguous span; else the kv heads are split.
+inline int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
+  constexpr int64_t kTasksPerThread = 4;
+  const int64_t wanted = kTasksPerThread * at::get_num_threads();
+  const int64_t splits = std::min(num_kv_heads, (wanted + batch - 1) / batch);
+  return (num_kv_heads + splits - 1) / splits;
+}
+
+// The head sizes the AVX-512 kernel serves: whole 64-byte lines of bf16, up to 256 values.
+inline bool avx512_decode_supports(int64_t head_dim) {
+  return head_dim % 32 == 0 && head_dim <= 256;
+}
+
+// Requires cpu_has_avx512_bf16() (linear_kernels.h) and avx512_decode_supports(head_dim).
+void paged_decode_bf16_avx512(const DecodeArgs& args);
+
+}  // namespace tgq_cpu
