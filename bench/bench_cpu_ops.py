@@ -6,8 +6,8 @@ Linear: F.linear in bf16 (the baseline), F.linear in fp32 (weights pre-widened, 
 each path of `linear_bf16` this CPU runs, for the model's projection shapes. GB/s is the bf16
 weight bytes over the baseline's time; `read` is a plain fp32 sum over as many bytes, the
 machine's streaming roofline right now. Weights that fit the L3 show cache, not DRAM, bandwidth at
-M = 1. Decode attention: `paged_decode_attention` against gathering the blocks and calling
-F.scaled_dot_product_attention, both bf16.
+M = 1. Decode attention: each `paged_decode_attention` kernel this CPU runs against gathering the
+blocks and calling F.scaled_dot_product_attention, all bf16.
 """
 
 from __future__ import annotations
@@ -117,18 +117,29 @@ def bench_decode(budget_s: float) -> None:
     base = time_ms(
         lambda: gather_sdpa(query, k_cache, v_cache, block_tables, kv_lens, scale), budget_s
     )
-    ours = time_ms(
-        lambda: cpu_ops.paged_decode_attention(
-            query, k_cache, v_cache, block_tables, kv_lens, scale, 0
-        ),
-        budget_s,
-    )
+    paths = ["avx2"] + (["avx512"] if cpu_ops.has_avx512_bf16() else [])
     gb = int(kv_lens.sum()) * heads * dim * 2 * 2 / 1e6  # K and V bytes read, per ms -> GB/s
-    print(
+    line = (
         f"decode attention B={batch} H={heads} D={dim} kv_len~400 bf16 | gather+sdpa"
-        f" {base:.3f} ms {gb / base:.1f} GB/s | ours {ours:.3f} ms {gb / ours:.1f} GB/s"
-        f" | x{base / ours:.1f}"
+        f" {base:.3f} ms {gb / base:.1f} GB/s"
     )
+    for path in paths:
+        ours = time_ms(
+            functools.partial(
+                cpu_ops.paged_decode_attention,
+                query,
+                k_cache,
+                v_cache,
+                block_tables,
+                kv_lens,
+                scale,
+                0,
+                path,
+            ),
+            budget_s,
+        )
+        line += f" | {path} {ours:.3f} ms {gb / ours:.1f} GB/s x{base / ours:.1f}"
+    print(line)
 
 
 def main() -> None:
