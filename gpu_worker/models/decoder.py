@@ -148,11 +148,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
-        """x: the residual stream, updated in place and returned."""
-        attn = self.self_attn(self.input_layernorm(x), kv_cache, ctx)
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, kv_cache: KVCache, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, updated in place; delta: the previous layer's MLP output, not
+        yet added to x (None in the first layer). Returns x and this layer's MLP output, which
+        the next layer adds in its input norm (one fused op, as after attention)."""
+        norm = self.input_layernorm
+        hidden = norm(x) if delta is None else norm.add_and_norm(x, delta)
+        attn = self.self_attn(hidden, kv_cache, ctx)
         hidden = self.post_attention_layernorm.add_and_norm(x, attn)
-        return x.add_(self.mlp(hidden))
+        return x, self.mlp(hidden)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -272,9 +278,10 @@ class DecoderForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         ctx = ForwardContext(backend, meta, cos, sin)
+        delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, kv_cache, ctx)
-        return x
+            x, delta = layer(x, delta, kv_cache, ctx)
+        return x if delta is None else x.add_(delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] rows that need a next token -> [N, vocab] fp32 logits, on rank 0 (None
