@@ -145,19 +145,27 @@ struct Task {
 
 // A task reads its blocks in order, each for all the task's kv heads: unit u is block u / heads
 // (counted from the first one attended), kv head u % heads. Units past the task's last one are
-// those of the first block of `next`, the thread's next task. The offset of unit u's rows in the
-// caches (from the block's first token), or -1 when there is no such unit.
-inline int64_t unit_offset(const DecodeArgs& a, const Task& task, const Task* next, int64_t u) {
+// those of the first block of `next`, the thread's next task. Where unit u's rows are in the
+// caches (from the block's first token) and how many of them hold tokens; rows = 0: no such unit.
+struct Unit {
+  int64_t offset, rows;
+};
+
+inline Unit unit_rows(const DecodeArgs& a, const Task& task, const Task* next, int64_t u) {
   const DecodeShape& s = a.shape;
   const int64_t heads = task.h1 - task.h0, kv_len = a.kv_lens[task.b];
   const int64_t first_block = first_token(s, kv_len) / s.block_size;
   const int64_t units = ((kv_len + s.block_size - 1) / s.block_size - first_block) * heads;
   if (u < units) {
-    return row_offset(a, task.b, (first_block + u / heads) * s.block_size, task.h0 + u % heads);
+    const int64_t start = (first_block + u / heads) * s.block_size;
+    return {row_offset(a, task.b, start, task.h0 + u % heads),
+            std::min(s.block_size, kv_len - start)};
   }
-  if (next == nullptr || u - units >= next->h1 - next->h0) return -1;
-  const int64_t next_first = first_token(s, a.kv_lens[next->b]) / s.block_size * s.block_size;
-  return row_offset(a, next->b, next_first, next->h0 + u - units);
+  if (next == nullptr || u - units >= next->h1 - next->h0) return {0, 0};
+  const int64_t next_len = a.kv_lens[next->b];
+  const int64_t start = first_token(s, next_len) / s.block_size * s.block_size;
+  return {row_offset(a, next->b, start, next->h0 + u - units),
+          std::min(s.block_size, next_len - start)};
 }
 
 // Units are prefetched this many ahead of the one being read (measured: 1-12 alike, within noise).
@@ -183,11 +191,9 @@ void decode_task(const DecodeArgs& a, std::vector<HeadState<L>>& heads, const Ta
     const int64_t t0 = std::max(first, bi * bs), t1 = std::min(kv_len, (bi + 1) * bs);
     const int64_t base = row_offset(a, b, t0, h0);
     for (int64_t kh = 0; kh < h1 - h0; ++kh, ++unit) {
-      const int64_t ahead = unit_offset(a, task, next, unit + kPrefetchUnits);
-      if (ahead >= 0) {
-        prefetch_rows(a.k_cache + ahead, stride, bs, L);
-        prefetch_rows(a.v_cache + ahead, stride, bs, L);
-      }
+      const Unit ahead = unit_rows(a, task, next, unit + kPrefetchUnits);
+      prefetch_rows(a.k_cache + ahead.offset, stride, ahead.rows, L);
+      prefetch_rows(a.v_cache + ahead.offset, stride, ahead.rows, L);
       for (int64_t gi = 0; gi < g; ++gi) {
         const int64_t j = kh * g + gi;
         __m512bh q[L];
