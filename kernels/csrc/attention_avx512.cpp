@@ -4,16 +4,15 @@
 // Per query head and chunk of up to 16 tokens of a block: q . k by vdpbf16ps (each product of two
 // bf16 exact, sums in fp32), one vector of partial sums per token, folded into one vector of the
 // 16 tokens' scores by a shuffle tree; the online softmax then works on that vector. p * v stays
-// fp32: a line of 32 bf16 values read as 16 32-bit lanes gives the odd elements by masking the low
-// half and the even ones by a shift (no shuffle), so the accumulator is kept as even and odd
+// fp32: a line of 32 bf16 values read as 16 32-bit lanes gives the odd elements by masking the
+// low half and the even ones by a shift (no shuffle), so the accumulator is kept as even and odd
 // halves and interleaved once, when the output is stored.
 //
-// Against the AVX2 fp32 kernel, in turns in one process (2 threads, Zen 4, caches warm): 16
-// sequences x 12 heads x 64 at 1,024 tokens 2.09 -> 1.36 ms; 32 query / 8 kv heads x 128 at 1,024
-// tokens 4.6 -> 3.5 ms, one sequence at 4,096 0.81 -> 0.49 ms; at the engine benchmark's ~24 tokens
-// 25 -> 18 us. A batch-16 decode step of the medium model at 512 tokens of context: 22.0 -> 16.7 ms.
-// Each unit of the next block's rows is prefetched two units ahead (the first blocks of the thread's
-// next task included); the distance and the hint measured alike within this host's noise.
+// Time against the AVX2 fp32 kernel, in turns in one process (2 threads, Zen 4, caches warm):
+// 16 sequences x 12 heads x 64 at 24 tokens 0.85-0.90x, 64 of them 0.83-0.91x, at 512 tokens
+// 0.66-0.70x; 32 query / 8 kv heads x 128, 16 sequences at 1,024 tokens 0.75x, one at 4,096
+// 0.55-0.64x. Each (block, kv head) unit of rows is prefetched two units ahead (the first block of
+// the thread's next task included); other distances and hints measured alike within noise.
 #include "attention_kernels.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
@@ -59,11 +58,61 @@ struct HeadState {
   float acc[2 * L][kLanes];
 };
 
-// Folds `count` <= 16 tokens (k and v point at the first one's row of this kv head; rows `stride`
-// apart) into the state of one query head.
+// A thread's buffers for one task's query heads.
 template <int L>
-void attend_chunk(HeadState<L>& st, const __m512bh (&q)[L], const bf16_bits* k,
-                  const bf16_bits* v, int64_t stride, int count, float scale) {
+struct TaskScratch {
+  std::vector<HeadState<L>> heads;
+  int64_t scores_per_head;  // a block's tokens, rounded up to whole chunks of 16
+  std::vector<float> scores;  // [heads][scores_per_head]: scores, then the softmax weights
+  std::vector<float> corr;    // [heads]: this block's rescaling of each head's accumulator
+
+  TaskScratch(int64_t num_heads, int64_t block_size)
+      : heads(num_heads),
+        scores_per_head((block_size + kLanes - 1) / kLanes * kLanes),
+        scores(num_heads * scores_per_head),
+        corr(num_heads) {}
+};
+
+// p * v over `count` tokens of one chunk, from zero: tokens are dealt round-robin to S sets of
+// accumulators so that S * 2L chains of FMAs run side by side (one set: each chain 16 FMAs long,
+// which the FMA latency, not the arithmetic, bounds). Returns the sets' sum.
+template <int L>
+inline void weighted_values(const float* weights, const bf16_bits* v, int64_t stride, int count,
+                            __m512 (&out)[2 * L]) {
+  constexpr int S = L <= 2 ? 4 : (L <= 4 ? 2 : 1);  // at most 16 accumulators
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  __m512 acc[S][2 * L];
+  for (auto& set : acc) {
+    for (auto& a : set) a = _mm512_setzero_ps();
+  }
+  const auto add_token = [&](__m512 (&set)[2 * L], int t) {
+    const __m512 w = _mm512_set1_ps(weights[t]);
+#pragma GCC unroll 8
+    for (int l = 0; l < L; ++l) {
+      const __m512i line = _mm512_loadu_si512(v + t * stride + l * kLineValues);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(line, high_half));
+      set[2 * l] = _mm512_fmadd_ps(w, even, set[2 * l]);
+      set[2 * l + 1] = _mm512_fmadd_ps(w, odd, set[2 * l + 1]);
+    }
+  };
+  int t = 0;
+  for (; t + S <= count; t += S) {
+#pragma GCC unroll 4
+    for (int i = 0; i < S; ++i) add_token(acc[i], t + i);
+  }
+  for (; t < count; ++t) add_token(acc[0], t);
+  for (int i = 0; i < 2 * L; ++i) {
+    out[i] = acc[0][i];
+    for (int j = 1; j < S; ++j) out[i] = _mm512_add_ps(out[i], acc[j][i]);
+  }
+}
+
+// The scaled scores q . k of `count` <= 16 tokens (k points at the first one's row of this kv
+// head; rows `stride` apart) in lanes 0 .. count - 1, -inf in the rest.
+template <int L>
+inline __m512 chunk_scores(const __m512bh (&q)[L], const bf16_bits* k, int64_t stride, int count,
+                           float scale) {
   __m512 part[kLanes];
 #pragma GCC unroll 16
   for (int t = 0; t < kLanes; ++t) {
@@ -75,35 +124,33 @@ void attend_chunk(HeadState<L>& st, const __m512bh (&q)[L], const bf16_bits* k,
     }
   }
   const auto valid = static_cast<__mmask16>((1u << count) - 1);
-  const __m512 scores =
-      _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                         sum_each(part), _mm512_set1_ps(scale));
-  const float chunk_max = _mm512_reduce_max_ps(scores);
-  __m512 acc[2 * L];
-  for (int i = 0; i < 2 * L; ++i) acc[i] = _mm512_loadu_ps(st.acc[i]);
-  if (chunk_max > st.max) {
-    const float corr = std::exp(st.max - chunk_max);  // 0 on the first chunk (max = -inf)
-    st.sum *= corr;
-    for (auto& a : acc) a = _mm512_mul_ps(a, _mm512_set1_ps(corr));
-    st.max = chunk_max;
+  return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                            sum_each(part), _mm512_set1_ps(scale));
+}
+
+// Online softmax over one block's scores (`chunks` vectors of 16): raises the running max, turns
+// the scores into weights e^(score - max) in place, and returns the factor e^(old max - new max)
+// that the accumulator is to be scaled by. No branch: the factor is 1 when the max did not rise
+// and 0 on the first block (old max = -inf).
+template <int L>
+inline float softmax_block(HeadState<L>& st, float* scores, int64_t chunks) {
+  __m512 top = _mm512_set1_ps(st.max);
+  for (int64_t c = 0; c < chunks; ++c) {
+    top = _mm512_max_ps(top, _mm512_loadu_ps(scores + c * kLanes));
   }
-  const __m512 p = exp_nonpositive16(_mm512_sub_ps(scores, _mm512_set1_ps(st.max)));
-  st.sum += _mm512_reduce_add_ps(p);
-  alignas(64) float weights[kLanes];
-  _mm512_store_ps(weights, p);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  for (int t = 0; t < count; ++t) {
-    const __m512 w = _mm512_set1_ps(weights[t]);
-#pragma GCC unroll 8
-    for (int l = 0; l < L; ++l) {
-      const __m512i line = _mm512_loadu_si512(v + t * stride + l * kLineValues);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(line, high_half));
-      acc[2 * l] = _mm512_fmadd_ps(w, even, acc[2 * l]);
-      acc[2 * l + 1] = _mm512_fmadd_ps(w, odd, acc[2 * l + 1]);
-    }
+  const float new_max = _mm512_reduce_max_ps(top);
+  const float corr = _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(st.max - new_max)));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512 shifted =
+        _mm512_sub_ps(_mm512_loadu_ps(scores + c * kLanes), _mm512_set1_ps(new_max));
+    const __m512 p = exp_nonpositive16(shifted);
+    _mm512_storeu_ps(scores + c * kLanes, p);
+    sum = _mm512_add_ps(sum, p);
   }
-  for (int i = 0; i < 2 * L; ++i) _mm512_storeu_ps(st.acc[i], acc[i]);
+  st.max = new_max;
+  st.sum = st.sum * corr + _mm512_reduce_add_ps(sum);
+  return corr;
 }
 
 // out[0 .. 32L) = acc / sum in bf16 (round to nearest even), even and odd halves interleaved.
@@ -126,7 +173,7 @@ inline void prefetch_rows(const bf16_bits* row, int64_t stride, int64_t rows, in
   }
 }
 
-// The first position a query at kv_len - 1 attends: a window w keeps keys at positions >= kv_len - w.
+// The first position a query at kv_len - 1 attends: a window w keeps positions >= kv_len - w.
 inline int64_t first_token(const DecodeShape& s, int64_t kv_len) {
   return s.sliding_window > 0 ? std::max<int64_t>(0, kv_len - s.sliding_window) : 0;
 }
@@ -171,43 +218,67 @@ inline Unit unit_rows(const DecodeArgs& a, const Task& task, const Task* next, i
 // Units are prefetched this many ahead of the one being read (measured: 1-12 alike, within noise).
 constexpr int64_t kPrefetchUnits = 2;
 
-// Attention of one task's query heads; `next`: the thread's next task (nullptr: none).
+// Attention of one task's query heads; `next`: the thread's next task (nullptr: none). Per block,
+// in three passes over the task's heads: scores, softmax, p * v. Each pass's per-head work is
+// independent of the other heads', so the core overlaps the heads' dependency chains (within one
+// head, scores -> max -> e^x -> p * v is one long chain). Done head by head, the scores and
+// softmax alone took 2.9 ns per token and head on one core; 16 x 12 heads at 64 tokens on one
+// thread went 80 -> 71 us with the passes.
 template <int L>
-void decode_task(const DecodeArgs& a, std::vector<HeadState<L>>& heads, const Task& task,
-                 const Task* next) {
+void decode_task(const DecodeArgs& a, TaskScratch<L>& scratch, const Task& task, const Task* next) {
   const DecodeShape& s = a.shape;
   const int64_t b = task.b, h0 = task.h0, h1 = task.h1;
   const int64_t g = s.num_heads / s.num_kv_heads, d = s.head_dim, bs = s.block_size;
   const int64_t stride = s.num_kv_heads * d;  // between tokens of one block
+  const int64_t num_q = (h1 - h0) * g, row = scratch.scores_per_head;
   const bf16_bits* query = a.query + b * a.q_stride + h0 * g * d;
-  for (int64_t j = 0; j < (h1 - h0) * g; ++j) {
-    heads[j].max = -std::numeric_limits<float>::infinity();
-    heads[j].sum = 0.0f;
-    std::fill_n(&heads[j].acc[0][0], 2 * L * kLanes, 0.0f);
+  for (int64_t j = 0; j < num_q; ++j) {
+    scratch.heads[j].max = -std::numeric_limits<float>::infinity();
+    scratch.heads[j].sum = 0.0f;
+    std::fill_n(&scratch.heads[j].acc[0][0], 2 * L * kLanes, 0.0f);
   }
   const int64_t kv_len = a.kv_lens[b], first = first_token(s, kv_len);
   int64_t unit = 0;
   for (int64_t bi = first / bs; bi * bs < kv_len; ++bi) {
     const int64_t t0 = std::max(first, bi * bs), t1 = std::min(kv_len, (bi + 1) * bs);
     const int64_t base = row_offset(a, b, t0, h0);
+    const int64_t chunks = (t1 - t0 + kLanes - 1) / kLanes;
     for (int64_t kh = 0; kh < h1 - h0; ++kh, ++unit) {
       const Unit ahead = unit_rows(a, task, next, unit + kPrefetchUnits);
       prefetch_rows(a.k_cache + ahead.offset, stride, ahead.rows, L);
       prefetch_rows(a.v_cache + ahead.offset, stride, ahead.rows, L);
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const int64_t j = kh * g + gi;
+      for (int64_t j = kh * g; j < (kh + 1) * g; ++j) {
         __m512bh q[L];
         for (int l = 0; l < L; ++l) q[l] = load_line(query + j * d + l * kLineValues);
-        for (int64_t c = t0; c < t1; c += kLanes) {
-          const int64_t at = base + (c - t0) * stride + kh * d;
-          const int count = static_cast<int>(std::min<int64_t>(kLanes, t1 - c));
-          attend_chunk<L>(heads[j], q, a.k_cache + at, a.v_cache + at, stride, count, s.scale);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int count = static_cast<int>(std::min<int64_t>(kLanes, t1 - t0 - c * kLanes));
+          const __m512 sc = chunk_scores<L>(q, a.k_cache + base + c * kLanes * stride + kh * d,
+                                            stride, count, s.scale);
+          _mm512_storeu_ps(scratch.scores.data() + j * row + c * kLanes, sc);
         }
       }
     }
+    for (int64_t j = 0; j < num_q; ++j) {
+      scratch.corr[j] = softmax_block<L>(scratch.heads[j], scratch.scores.data() + j * row, chunks);
+    }
+    for (int64_t j = 0; j < num_q; ++j) {
+      const __m512 corr = _mm512_set1_ps(scratch.corr[j]);
+      __m512 acc[2 * L];
+      for (int i = 0; i < 2 * L; ++i) {
+        acc[i] = _mm512_mul_ps(_mm512_loadu_ps(scratch.heads[j].acc[i]), corr);
+      }
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int count = static_cast<int>(std::min<int64_t>(kLanes, t1 - t0 - c * kLanes));
+        __m512 part[2 * L];
+        weighted_values<L>(scratch.scores.data() + j * row + c * kLanes,
+                           a.v_cache + base + c * kLanes * stride + j / g * d, stride, count, part);
+        for (int i = 0; i < 2 * L; ++i) acc[i] = _mm512_add_ps(acc[i], part[i]);
+      }
+      for (int i = 0; i < 2 * L; ++i) _mm512_storeu_ps(scratch.heads[j].acc[i], acc[i]);
+    }
   }
   bf16_bits* out = a.out + (b * s.num_heads + h0 * g) * d;
-  for (int64_t j = 0; j < (h1 - h0) * g; ++j) store_head<L>(heads[j], out + j * d);
+  for (int64_t j = 0; j < num_q; ++j) store_head<L>(scratch.heads[j], out + j * d);
 }
 
 template <int L>
@@ -221,10 +292,10 @@ void decode_all(const DecodeArgs& a) {
     return Task{i / tasks_per_seq, h0, std::min(s.num_kv_heads, h0 + per_task)};
   };
   at::parallel_for(0, a.batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<HeadState<L>> heads(per_task * g);
+    TaskScratch<L> scratch(per_task * g, s.block_size);
     for (int64_t i = begin; i < end; ++i) {
       const Task next = task_at(i + 1);
-      decode_task<L>(a, heads, task_at(i), i + 1 < end ? &next : nullptr);
+      decode_task<L>(a, scratch, task_at(i), i + 1 < end ? &next : nullptr);
     }
   });
 }
