@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_worker.models import decoder
 from gpu_worker.offline import OfflineEngine
 from gpu_worker.plan import (
     NewSequence,
@@ -178,3 +179,33 @@ def test_plan_round_trips_through_json() -> None:
 def test_sampling_params_are_validated(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the CPU kernels' MLP
+def test_a_long_prefill_through_the_mlp_in_row_passes_is_unchanged(
+    dtype: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU the MLP runs over a bounded number of rows at a time (its activation stays off
+    fresh mmap'd pages); rows are independent, so tokens and logprobs are bit-identical."""
+    model_dir = model_dirs["llama3-gqa"]
+    prompt = [(17 * i) % 250 + 3 for i in range(40)]
+
+    def generate() -> tuple[list[int], list[float]]:
+        runner = ModelRunner(RunnerConfig(str(model_dir), dtype=dtype, num_blocks=64))
+        sampling = SamplingParams(logprobs=True)
+        [out] = OfflineEngine(runner).generate([prompt], sampling, max_new_tokens=3)
+        return out.token_ids, out.logprobs
+
+    whole = generate()
+    intermediate = json.loads((model_dir / "config.json").read_text())["intermediate_size"]
+    monkeypatch.setattr(decoder, "CPU_MLP_PASS_BYTES", 7 * 2 * intermediate * 2)  # 7 bf16 rows
+    passes: list[int] = []
+    rows = decoder.MLP._rows
+
+    def counted(mlp: decoder.MLP, x: torch.Tensor) -> torch.Tensor:
+        passes.append(x.shape[0])
+        return rows(mlp, x)
+
+    monkeypatch.setattr(decoder.MLP, "_rows", counted)
+    assert generate() == whole
+    assert max(passes) < len(prompt) and sum(passes) > len(prompt)  # the prompt went in passes
