@@ -144,11 +144,20 @@ def _attend_multi(
 ) -> torch.Tensor:
     keys = _gather(k_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)  # [Hkv, L, D]
     values = _gather(v_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)
-    query_pos = torch.arange(seq.kv_len - seq.query_len, seq.kv_len, device=query.device)
-    key_pos = torch.arange(seq.kv_len, device=query.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # [Q, L]
-    if sliding_window is not None:
-        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    mask = None
+    # A whole prompt with no window is plain causal attention: `is_causal` lets the flash kernel
+    # skip the blocks above the diagonal, which an explicit mask does not (same values; a 2,048-
+    # token prompt's attention measured 77 -> 46 ms). After cached prefix blocks, torch's
+    # `is_causal` would align the mask to the wrong corner, so the mask stays explicit there.
+    is_causal = seq.kv_len == seq.query_len and (
+        sliding_window is None or sliding_window >= seq.kv_len
+    )
+    if not is_causal:
+        query_pos = torch.arange(seq.kv_len - seq.query_len, seq.kv_len, device=query.device)
+        key_pos = torch.arange(seq.kv_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [Q, L]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
     # A leading batch axis of 1: on CPU, torch takes its flash kernel only for 4-D inputs (3-D ones
     # run the unfused math path, measured 2-3x slower on a 512-token prompt).
     out = F.scaled_dot_product_attention(
@@ -156,6 +165,7 @@ def _attend_multi(
         keys[None],
         values[None],
         attn_mask=mask,
+        is_causal=is_causal,
         scale=scale,
         enable_gqa=True,
     )
