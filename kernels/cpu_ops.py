@@ -29,6 +29,7 @@ __all__ = [
     "linear_bf16_packed",
     "pack_weight_bf16",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "rms_norm",
     "rotary_qk_",
     "silu_mul",
@@ -44,6 +45,7 @@ _SOURCES = [
         "linear_avx512_bf16.cpp",
         "paged_attention.cpp",
         "attention_avx512.cpp",
+        "prefill_avx512.cpp",
         "cpu_fused.cpp",
         "fused_avx512.cpp",
         "argmax.cpp",
@@ -213,6 +215,25 @@ def paged_decode_attention(
     """
     out: torch.Tensor = _ops().paged_decode_attention(
         query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window, path
+    )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [Q, H, D] bf16: one sequence's new tokens; heads contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] bf16, holding the new tokens too
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,  # [>= ceil(kv_len / block_size)] int64: the sequence's blocks
+    kv_len: int,  # the queries sit at positions kv_len - Q .. kv_len - 1
+    scale: float,
+    sliding_window: int = 0,  # > 0: each query attends only its last `sliding_window` positions
+) -> torch.Tensor:  # [Q, H, D] bf16
+    """Causal softmax attention of a prefill chunk over its sequence's cached K/V (any cached
+    prefix included), read through the block table. AVX512_BF16 CPUs, head sizes a multiple of 32
+    up to 256; products exact, sums fp32, p rounded to bf16 before p @ v (as torch's flash
+    kernel does)."""
+    out: torch.Tensor = _ops().paged_prefill_attention(
+        query, k_cache, v_cache, block_ids, kv_len, scale, sliding_window
     )
     return out
 

@@ -20,7 +20,7 @@ from kernels.kv_write import write_kv_slots
 
 
 @dataclass(frozen=True, slots=True)
-class _MultiQuery:
+class MultiQuery:
     query_start: int
     query_len: int
     kv_len: int
@@ -33,7 +33,7 @@ class TorchMetadata:
     num_single: int
     single_block_tables: torch.Tensor  # [num_single, max_blocks] int64, padded with block 0
     single_kv_lens: torch.Tensor  # [num_single] int64
-    multi: list[_MultiQuery]
+    multi: list[MultiQuery]
 
 
 class TorchPagedAttention:
@@ -55,7 +55,7 @@ class TorchPagedAttention:
         for span in step.spans[num_single:]:
             used = _blocks_needed(span.kv_len, step.block_size)
             block_ids = torch.tensor(span.block_ids[:used], dtype=torch.int64, device=device)
-            multi.append(_MultiQuery(query_start, span.query_len, span.kv_len, block_ids))
+            multi.append(MultiQuery(query_start, span.query_len, span.kv_len, block_ids))
             query_start += span.query_len
         return TorchMetadata(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=device),
@@ -94,8 +94,21 @@ class TorchPagedAttention:
             )
         for seq in meta.multi:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = _attend_multi(query[rows], k_cache, v_cache, seq, scale, sliding_window)
+            out[rows] = self._attend_multi(
+                query[rows], k_cache, v_cache, seq, scale, sliding_window
+            )
         return out
+
+    def _attend_multi(
+        self,
+        query: torch.Tensor,  # [Q, H, D]: one sequence's new tokens
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: MultiQuery,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return attend_multi(query, k_cache, v_cache, seq, scale, sliding_window)
 
     def _attend_single(
         self,
@@ -134,11 +147,11 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
 
 
-def _attend_multi(
+def attend_multi(
     query: torch.Tensor,  # [Q, H, D]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    seq: _MultiQuery,
+    seq: MultiQuery,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:

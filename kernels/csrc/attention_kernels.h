@@ -46,4 +46,23 @@ inline bool avx512_decode_supports(int64_t head_dim) {
 // Requires cpu_has_avx512_bf16() (linear_kernels.h) and avx512_decode_supports(head_dim).
 void paged_decode_bf16_avx512(const DecodeArgs& args);
 
+// One sequence's prefill chunk: its num_queries new tokens, at positions kv_len - num_queries ..
+// kv_len - 1, attend causally (and within the window) to its first kv_len tokens, whose K/V are
+// already in the cache. bf16; checked by the caller.
+struct PrefillArgs {
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  int64_t num_queries, kv_len;
+  int64_t sliding_window;  // 0 = attend to the whole sequence
+  float scale;
+  const bf16_bits* query;  // [num_queries, num_heads, head_dim], tokens q_stride apart
+  int64_t q_stride;
+  const bf16_bits* k_cache;
+  const bf16_bits* v_cache;
+  const int64_t* block_ids;  // the sequence's blocks, enough for kv_len tokens
+  bf16_bits* out;  // [num_queries, num_heads, head_dim], contiguous
+};
+
+// Requires cpu_has_avx512_bf16() and avx512_decode_supports(head_dim).
+void paged_prefill_bf16_avx512(const PrefillArgs& args);
+
 }  // namespace tgq_cpu

@@ -59,33 +59,6 @@ inline void prefetch_l2(const bf16_bits* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 }
 
-// r[i] lane j <-> r[j] lane i.
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d p0 = _mm512_castps_pd(a[4 * i]), p1 = _mm512_castps_pd(a[4 * i + 1]);
-    const __m512d p2 = _mm512_castps_pd(a[4 * i + 2]), p3 = _mm512_castps_pd(a[4 * i + 3]);
-    b[4 * i + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));
-    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));
-    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));
-    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));
-  }
-  for (int i = 0; i < 2; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      a[8 * i + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0x88);
-      a[8 * i + 4 + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0xdd);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0x88);
-    r[j + 8] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0xdd);
-  }
-}
-
 // One tile's columns [n, n + 16) of the output row m: sums + bias, rounded to bf16 (and widened
 // back for out_f32, i.e. linear(...).float()); columns past N are masked off.
 struct TileOut {

@@ -297,6 +297,55 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 }
 
 // ----------------------------------------------------------------------------------------------
+// paged_prefill_attention: one sequence's prefill chunk (attention_avx512's companion,
+// prefill_avx512.cpp); bf16 on AVX512_BF16 CPUs only; the torch backend serves every other case.
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_ids,
+                                   int64_t kv_len, double scale, int64_t sliding_window) {
+  TORCH_CHECK(cpu_has_avx512_bf16(), "paged_prefill_attention: needs a CPU with AVX512_BF16");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.device().is_cpu(),
+              "paged_prefill_attention: query must be a [Q, H, D] bf16 CPU tensor");
+  const int64_t num_queries = query.size(0), heads = query.size(1), d = query.size(2);
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == d,
+              "paged_prefill_attention: each query row's heads must be contiguous");
+  TORCH_CHECK(avx512_decode_supports(d), "paged_prefill_attention: head size must be a multiple "
+              "of 32 up to 256, got ", d);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu() && k_cache.size(3) == d,
+              "paged_prefill_attention: k_cache and v_cache must both be contiguous bf16 CPU "
+              "[num_blocks, block_size, Hkv, ", d, "], got ", k_cache.sizes(), " and ",
+              v_cache.sizes());
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_prefill_attention: ", heads,
+              " query heads is not a multiple of ", kv_heads, " kv heads");
+  TORCH_CHECK(num_queries >= 1 && num_queries <= kv_len, "paged_prefill_attention: ",
+              num_queries, " queries must be in [1, kv_len = ", kv_len, "]");
+  TORCH_CHECK(sliding_window >= 0, "paged_prefill_attention: sliding_window must be >= 0");
+  const int64_t used = (kv_len + block_size - 1) / block_size;
+  TORCH_CHECK(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong &&
+                  block_ids.device().is_cpu() && block_ids.size(0) >= used,
+              "paged_prefill_attention: block_ids must be int64 on the CPU with at least ", used,
+              " entries, got ", block_ids.sizes(), " ", block_ids.scalar_type());
+  const at::Tensor ids = block_ids.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < used; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < k_cache.size(0), "paged_prefill_attention: block_ids[",
+                i, "] = ", id[i], " is outside the cache's ", k_cache.size(0), " blocks");
+  }
+  at::Tensor out = at::empty({num_queries, heads, d}, query.options());
+  paged_prefill_bf16_avx512(PrefillArgs{
+      heads, kv_heads, d, block_size, num_queries, kv_len, sliding_window,
+      static_cast<float>(scale), data_as<bf16_bits>(query), query.stride(0),
+      data_as<bf16_bits>(k_cache), data_as<bf16_bits>(v_cache), id,
+      mutable_data_as<bf16_bits>(out)});
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------------
 // write_kv_: cache row slot_mapping[t] (of the [num_blocks * block_size, Hkv, D] view) = key[t],
 // and the same for value: one copy per token and tensor. key and value may be views of the fused
 // qkv activation (any token stride, each token's heads contiguous), so nothing is copied first.
@@ -359,6 +408,10 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
       "write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, "
       "Tensor slot_mapping) -> ()",
       &write_kv_);
+  m.def(
+      "paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_ids, "
+      "int kv_len, float scale, int sliding_window) -> Tensor",
+      &paged_prefill_attention);
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor kv_lens, float scale, int sliding_window, str path='auto') -> Tensor",

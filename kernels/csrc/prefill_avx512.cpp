@@ -1,0 +1,213 @@
+// paged_prefill_attention's bf16 kernel for CPUs with AVX512_BF16: one sequence's prefill chunk
+// against its paged K/V (cached prefix included), causal, optionally within a sliding window.
+//
+// Flash-style: per query head and tile of 16 queries, the keys go by in chunks of 16, with an
+// online softmax. Both products are vdpbf16ps with 16 lanes = the tile's queries, so the softmax's
+// max and sum over a chunk's keys are 15 plain vector ops, with no horizontal reduction:
+//  - scores: the tile's queries are transposed once into lines of (query, pair of head values);
+//    each key's pair of values is broadcast from the cache row itself;
+//  - p * v: p rounded to bf16 (as torch's CPU flash attention and flash-attn do) in lines of
+//    (query, pair of keys); the values of each pair of keys are interleaved once per call (`Vp`
+//    below) so that one broadcast carries both.
+// Chunks entirely above the diagonal, or before the window, are skipped.
+#include "attention_kernels.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#include "avx512_common.h"
+
+namespace tgq_cpu {
+namespace {
+
+constexpr int kLanes = 16;       // queries per tile, keys per chunk
+constexpr int kLineValues = 32;  // bf16 values in a 64-byte line
+constexpr int kMaxPairs = 128;   // head_dim / 2 for the largest head served (256)
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+inline __m512bh broadcast_pair(const bf16_bits* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return as_bh(_mm512_set1_epi32(pair));
+}
+
+// The cache row of token `pos`, kv head h.
+inline const bf16_bits* cache_row(const PrefillArgs& a, const bf16_bits* cache, int64_t pos,
+                                  int64_t h) {
+  const int64_t block_id = a.block_ids[pos / a.block_size];
+  return cache + ((block_id * a.block_size + pos % a.block_size) * a.num_kv_heads + h) *
+                     a.head_dim;
+}
+
+// Vp[h][chunk][pair of keys][d] = (v[2i][d], v[2i + 1][d]) as one 32-bit value, keys past kv_len
+// zero: what p * v broadcasts.
+void interleave_values(const PrefillArgs& a, int64_t num_chunks, bf16_bits* vp) {
+  const int64_t d = a.head_dim, chunk_values = kLanes * d;
+  // permutex2var indices: word 2i of the output is a[i], word 2i + 1 is b[i] (b's words are 32+)
+  alignas(64) int16_t lo_idx[32], hi_idx[32];
+  for (int w = 0; w < 32; ++w) {
+    lo_idx[w] = static_cast<int16_t>((w % 2) * 32 + w / 2);
+    hi_idx[w] = static_cast<int16_t>((w % 2) * 32 + 16 + w / 2);
+  }
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  at::parallel_for(0, a.num_kv_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / num_chunks, c = task % num_chunks;
+      bf16_bits* out = vp + task * chunk_values;
+      for (int64_t i = 0; i < kLanes / 2; ++i) {
+        const int64_t k0 = c * kLanes + 2 * i, k1 = k0 + 1;
+        const bf16_bits* r0 = k0 < a.kv_len ? cache_row(a, a.v_cache, k0, h) : nullptr;
+        const bf16_bits* r1 = k1 < a.kv_len ? cache_row(a, a.v_cache, k1, h) : nullptr;
+        for (int64_t l = 0; l < d / kLineValues; ++l) {
+          const __m512i x = r0 ? _mm512_loadu_si512(r0 + l * kLineValues) : _mm512_setzero_si512();
+          const __m512i y = r1 ? _mm512_loadu_si512(r1 + l * kLineValues) : _mm512_setzero_si512();
+          bf16_bits* at = out + (i * d + l * kLineValues) * 2;
+          _mm512_storeu_si512(at, _mm512_permutex2var_epi16(x, lo, y));
+          _mm512_storeu_si512(at + kLineValues, _mm512_permutex2var_epi16(x, hi, y));
+        }
+      }
+    }
+  });
+}
+
+// One query head's tile of up to 16 queries.
+struct Tile {
+  int64_t head, first_query, count;
+};
+
+// qt[p] lane j: the pair of values (2p, 2p + 1) of query first_query + j (zeros past count).
+void transpose_queries(const PrefillArgs& a, const Tile& tile, __m512bh* qt) {
+  const int64_t d = a.head_dim;
+  for (int64_t l = 0; l < d / kLineValues; ++l) {
+    __m512 r[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      const bf16_bits* row =
+          a.query + (tile.first_query + j) * a.q_stride + tile.head * d + l * kLineValues;
+      r[j] = j < tile.count ? _mm512_castsi512_ps(_mm512_loadu_si512(row)) : _mm512_setzero_ps();
+    }
+    transpose16(r);  // r[i]: pair 16l + i of every query
+    for (int i = 0; i < kLanes; ++i) qt[l * kLanes + i] = as_bh(_mm512_castps_si512(r[i]));
+  }
+}
+
+// The online softmax's state for a tile, one lane per query.
+struct TileState {
+  __m512 max, sum;
+  __m512 acc[2 * kMaxPairs];  // acc[e] lane j: sum of p * v[e] for query j under the running max
+};
+
+// Folds keys [16c, 16c + 16) into the tile's state. positions: each lane's query position.
+void attend_chunk(const PrefillArgs& a, const Tile& tile, const __m512bh* qt, const bf16_bits* vp,
+                  int64_t c, __m512i positions, TileState& st) {
+  const int64_t d = a.head_dim, pairs = d / 2, h = tile.head / (a.num_heads / a.num_kv_heads);
+  alignas(64) static const bf16_bits zeros[2 * kMaxPairs] = {};
+  const bf16_bits* rows[kLanes];
+  for (int k = 0; k < kLanes; ++k) {
+    const int64_t pos = c * kLanes + k;
+    rows[k] = pos < a.kv_len ? cache_row(a, a.k_cache, pos, h) : zeros;
+  }
+  __m512 s[kLanes];
+  for (auto& v : s) v = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+#pragma GCC unroll 16
+    for (int k = 0; k < kLanes; ++k) {
+      s[k] = _mm512_dpbf16_ps(s[k], qt[p], broadcast_pair(rows[k] + 2 * p));
+    }
+  }
+  // Key 16c + k is attended by the query at position q iff key <= q and (no window or
+  // q < key + window).
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top = st.max;
+  for (int k = 0; k < kLanes; ++k) {
+    const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(c * kLanes + k));
+    __mmask16 valid = _mm512_cmpge_epi32_mask(positions, key);
+    if (a.sliding_window > 0) {
+      const __m512i end =
+          _mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int32_t>(a.sliding_window)));
+      valid &= _mm512_cmplt_epi32_mask(positions, end);
+    }
+    s[k] = _mm512_mask_mul_ps(neg_inf, valid, s[k], _mm512_set1_ps(a.scale));
+    top = _mm512_max_ps(top, s[k]);
+  }
+  // A query with no key attended yet keeps max = -inf; shifting by 0 then keeps e^x finite.
+  const __m512 shift =
+      _mm512_mask_mov_ps(top, _mm512_cmpeq_ps_mask(top, neg_inf), _mm512_setzero_ps());
+  const __m512 corr = exp_nonpositive16(_mm512_sub_ps(st.max, shift));  // 0 from -inf
+  __m512 sum = _mm512_setzero_ps();
+  __m512bh pt[kLanes / 2];
+  for (int i = 0; i < kLanes / 2; ++i) {
+    const __m512 p0 = exp_nonpositive16(_mm512_sub_ps(s[2 * i], shift));
+    const __m512 p1 = exp_nonpositive16(_mm512_sub_ps(s[2 * i + 1], shift));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    pt[i] = as_bh(_mm512_or_si512(bf16_bits_rne16(p0), _mm512_slli_epi32(bf16_bits_rne16(p1), 16)));
+  }
+  st.max = top;
+  st.sum = _mm512_fmadd_ps(st.sum, corr, sum);
+  const bf16_bits* chunk_vp = vp + (h * ((a.kv_len + kLanes - 1) / kLanes) + c) * kLanes * d;
+  for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
+    __m512 acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_mul_ps(st.acc[e0 + j], corr);
+    for (int i = 0; i < kLanes / 2; ++i) {
+      const bf16_bits* pairs_i = chunk_vp + (i * d + e0) * 2;
+#pragma GCC unroll 16
+      for (int j = 0; j < kLanes; ++j) {
+        acc[j] = _mm512_dpbf16_ps(acc[j], pt[i], broadcast_pair(pairs_i + 2 * j));
+      }
+    }
+    for (int j = 0; j < kLanes; ++j) st.acc[e0 + j] = acc[j];
+  }
+}
+
+void attend_tile(const PrefillArgs& a, const Tile& tile, const bf16_bits* vp) {
+  const int64_t d = a.head_dim;
+  __m512bh qt[kMaxPairs];
+  transpose_queries(a, tile, qt);
+  const int64_t first_pos = a.kv_len - a.num_queries + tile.first_query;
+  const int64_t last_pos = first_pos + tile.count - 1;
+  // Lanes past count repeat the last query, so that they stay finite (they are not stored).
+  const __m512i lane = _mm512_min_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int32_t>(tile.count - 1)));
+  const __m512i positions =
+      _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(first_pos)));
+  TileState st;
+  st.max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  st.sum = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) st.acc[e] = _mm512_setzero_ps();
+  const int64_t first_key =
+      a.sliding_window > 0 ? std::max<int64_t>(0, first_pos - a.sliding_window + 1) : 0;
+  for (int64_t c = first_key / kLanes; c * kLanes <= last_pos; ++c) {
+    attend_chunk(a, tile, qt, vp, c, positions, st);
+  }
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), st.sum);
+  for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
+    __m512 r[kLanes];
+    for (int j = 0; j < kLanes; ++j) r[j] = _mm512_mul_ps(st.acc[e0 + j], inv);
+    transpose16(r);  // r[q]: values e0 .. e0 + 15 of query q
+    for (int q = 0; q < tile.count; ++q) {
+      bf16_bits* out = a.out + ((tile.first_query + q) * a.num_heads + tile.head) * d + e0;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16_rne(r[q]));
+    }
+  }
+}
+
+}  // namespace
+
+void paged_prefill_bf16_avx512(const PrefillArgs& a) {
+  const int64_t num_chunks = (a.kv_len + kLanes - 1) / kLanes;
+  std::vector<bf16_bits> vp(a.num_kv_heads * num_chunks * kLanes * a.head_dim);
+  interleave_values(a, num_chunks, vp.data());
+  // Tiles taken from both ends in turn (0, T - 1, 1, T - 2, ...): a causal tile's work grows with
+  // its position, and parallel_for hands each thread a contiguous range of tasks.
+  const int64_t num_tiles = (a.num_queries + kLanes - 1) / kLanes;
+  at::parallel_for(0, num_tiles * a.num_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t turn = task / a.num_heads;
+      const int64_t t = turn % 2 == 0 ? turn / 2 : num_tiles - 1 - turn / 2;
+      const int64_t first = t * kLanes;
+      const Tile tile{task % a.num_heads, first, std::min<int64_t>(kLanes, a.num_queries - first)};
+      attend_tile(a, tile, vp.data());
+    }
+  });
+}
+
+}  // namespace tgq_cpu
