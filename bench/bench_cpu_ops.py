@@ -7,7 +7,8 @@ each path of `linear_bf16` this CPU runs, for the model's projection shapes. GB/
 weight bytes over the baseline's time; `read` is a plain fp32 sum over as many bytes, the
 machine's streaming roofline right now. Weights that fit the L3 show cache, not DRAM, bandwidth at
 M = 1. Decode attention: each `paged_decode_attention` kernel this CPU runs against gathering the
-blocks and calling F.scaled_dot_product_attention, all bf16.
+blocks and calling F.scaled_dot_product_attention, all bf16. Prefill attention: the torch
+backend's gather + SDPA against the AVX-512 prefill kernel, one 512-token prompt.
 """
 
 from __future__ import annotations
@@ -142,6 +143,41 @@ def bench_decode(budget_s: float) -> None:
     print(line)
 
 
+def bench_prefill(budget_s: float) -> None:
+    """One 512-token prompt's attention (12 heads x 64, bf16): the torch backend's gather + SDPA
+    against the AVX-512 prefill kernel."""
+    from kernels.torch_paged import MultiQuery, attend_multi
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, dim, block_size = 512, 12, 64, 16
+    num_blocks = tokens // block_size
+    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).bfloat16()
+    block_ids = torch.randperm(num_blocks, generator=gen)
+    query = torch.randn(tokens, heads, dim, generator=gen).bfloat16()
+    seq = MultiQuery(0, tokens, tokens, block_ids)
+    base = time_ms(
+        functools.partial(attend_multi, query, k_cache, v_cache, seq, dim**-0.5, None), budget_s
+    )
+    line = f"prefill attention Q=L={tokens} H={heads} D={dim} bf16 | gather+sdpa {base:.3f} ms"
+    if cpu_ops.has_avx512_bf16():
+        ours = time_ms(
+            functools.partial(
+                cpu_ops.paged_prefill_attention,
+                query,
+                k_cache,
+                v_cache,
+                block_ids,
+                tokens,
+                dim**-0.5,
+                0,
+            ),
+            budget_s,
+        )
+        line += f" | avx512 {ours:.3f} ms x{base / ours:.1f}"
+    print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="M in {1, 16} only, short budgets")
@@ -154,6 +190,7 @@ def main() -> None:
     print(f"threads={torch.get_num_threads()} load average={load} (times: best of repeats)")
     bench_linear([1, 16] if args.quick else BATCH_ROWS, budget_s)
     bench_decode(budget_s)
+    bench_prefill(budget_s)
 
 
 if __name__ == "__main__":
