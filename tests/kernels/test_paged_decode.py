@@ -133,7 +133,8 @@ def test_paged_decode_large_batch_matches_reference(sliding_window: int, path: s
 @pytest.mark.parametrize("path", ["avx2", pytest.param("avx512", marks=_AVX512)])
 @pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 48])  # 48: three chunks of 16 per block
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 1), (6, 6)])
+# groups of 8, 1, 4, 2 (the AVX-512 p * v is shared by a group of 2, 4 or 8) and 3 (head by head)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 1), (6, 6), (8, 2), (4, 2), (6, 2)])
 def test_paged_decode_every_served_head_size_and_block_size(
     head_dim: int, block_size: int, num_heads: int, num_kv_heads: int, path: str
 ) -> None:
@@ -154,12 +155,15 @@ def test_paged_decode_every_served_head_size_and_block_size(
 
 @requires_kernels
 @pytest.mark.parametrize("path", PATHS)
-def test_paged_decode_rows_do_not_depend_on_the_batch(path: str) -> None:
+@pytest.mark.parametrize("group", [3, 4])
+def test_paged_decode_rows_do_not_depend_on_the_batch(path: str, group: int) -> None:
     """A sequence's output is bit-identical alone and among others (which change how the work is
     split into tasks): seeded sampling must not depend on what else is in the step."""
     gen = torch.Generator().manual_seed(11)
     kv_lens = [37, 1, 200, 64, 5, 90, 16, 130, 77, 3, 150, 48, 20, 99, 31, 60, 8]
-    query, k_cache, v_cache, tables, lens = _decode_inputs(gen, kv_lens, 12, 4, torch.bfloat16)
+    query, k_cache, v_cache, tables, lens = _decode_inputs(
+        gen, kv_lens, 4 * group, 4, torch.bfloat16
+    )
     batch = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, 0, path)
     for b in (0, 2, 7):
         alone = cpu_ops.paged_decode_attention(
