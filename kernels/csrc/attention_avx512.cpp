@@ -21,12 +21,7 @@
 namespace tgq_cpu {
 namespace {
 
-constexpr int kLanes = 16;       // fp32 lanes; also the tokens a chunk scores at once
-constexpr int kLineValues = 32;  // bf16 values in a 64-byte line
-
-inline __m512bh load_line(const bf16_bits* p) {
-  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
-}
+constexpr int kLanes = 16;  // fp32 lanes; also the tokens a chunk scores at once
 
 // Lane t = the sum of the 16 lanes of part[t]: four rounds, each adding pairs of vectors after a
 // shuffle that puts matching partial sums side by side (8 + 4 + 2 + 1 additions).
@@ -119,7 +114,7 @@ inline __m512 chunk_scores(const __m512bh (&q)[L], const bf16_bits* k, int64_t s
     part[t] = _mm512_setzero_ps();
     if (t < count) {
       for (int l = 0; l < L; ++l) {
-        part[t] = _mm512_dpbf16_ps(part[t], q[l], load_line(k + t * stride + l * kLineValues));
+        part[t] = _mm512_dpbf16_ps(part[t], q[l], load_pairs(k + t * stride + l * kLineValues));
       }
     }
   }
@@ -322,7 +317,7 @@ void decode_task(const DecodeArgs& a, TaskScratch<L>& scratch, const Task& task,
       prefetch_rows(a.v_cache + ahead.offset, stride, ahead.rows, L);
       for (int64_t j = kh * g; j < (kh + 1) * g; ++j) {
         __m512bh q[L];
-        for (int l = 0; l < L; ++l) q[l] = load_line(query + j * d + l * kLineValues);
+        for (int l = 0; l < L; ++l) q[l] = load_pairs(query + j * d + l * kLineValues);
         for (int64_t c = 0; c < chunks; ++c) {
           const int count = static_cast<int>(std::min<int64_t>(kLanes, t1 - t0 - c * kLanes));
           const __m512 sc = chunk_scores<L>(q, a.k_cache + base + c * kLanes * stride + kh * d,

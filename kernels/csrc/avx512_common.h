@@ -7,6 +7,20 @@
 
 namespace tgq_cpu {
 
+constexpr int kLineValues = 32;  // bf16 values in a 64-byte line (16 pairs, one per fp32 lane)
+
+// A line of 32 bf16 values as the 16 pairs vdpbf16ps multiplies.
+inline __m512bh load_pairs(const bf16_bits* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+
+// The pair of bf16 values at p in all 16 lanes.
+inline __m512bh broadcast_pair(const bf16_bits* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+}
+
 // 16 bf16 values widened to fp32 (exact).
 inline __m512 load16_bf16(const bf16_bits* p) {
   const __m512i wide =

@@ -37,18 +37,7 @@ namespace {
 
 constexpr int kLanes = 16;  // fp32 lanes of a __m512; also kPackColumns and the rows of an x line
 static_assert(kPackColumns == kLanes);
-constexpr int64_t kLine = 2 * kLanes;  // bf16 values in a packed line: 16 pairs
-
-inline __m512bh load_line(const bf16_bits* p) {
-  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
-}
-
-// The pair of bf16 values at p in all 16 lanes.
-inline __m512bh broadcast_pair(const bf16_bits* p) {
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof(pair));
-  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-}
+constexpr int64_t kLine = kLineValues;  // bf16 values in a packed line: 16 pairs
 
 // The weight stream is prefetched into L2 this far ahead: the hardware prefetcher alone leaves the
 // loops waiting on DRAM (a decode step's weights do not fit in any cache). A hint never faults, so
@@ -98,7 +87,7 @@ void tile_few_rows(const PackedLinear& a, const bf16_bits* tile, int64_t m0, con
   for (int64_t p = 0; p < pairs; ++p) {
     const bf16_bits* line = tile + p * kLine;
     prefetch_l2(line + kPrefetchValues);
-    const __m512bh w = load_line(line);
+    const __m512bh w = load_pairs(line);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       acc[m] = _mm512_dpbf16_ps(acc[m], broadcast_pair(x + m * a.x_stride + 2 * p), w);
@@ -131,7 +120,7 @@ void tile_16_rows(const bf16_bits* xg, const bf16_bits* tile, int64_t pairs, int
   for (int64_t p = 0; p < pairs; ++p) {
     const bf16_bits* line = tile + p * kLine;
     prefetch_l2(line + kPrefetchValues);
-    const __m512bh xv = load_line(xg + p * kLine);
+    const __m512bh xv = load_pairs(xg + p * kLine);
 #pragma GCC unroll 16
     for (int c = 0; c < kLanes; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], xv, broadcast_pair(line + 2 * c));
   }

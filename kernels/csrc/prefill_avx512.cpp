@@ -18,17 +18,10 @@
 namespace tgq_cpu {
 namespace {
 
-constexpr int kLanes = 16;       // queries per tile, keys per chunk
-constexpr int kLineValues = 32;  // bf16 values in a 64-byte line
-constexpr int kMaxPairs = 128;   // head_dim / 2 for the largest head served (256)
+constexpr int kLanes = 16;      // queries per tile, keys per chunk
+constexpr int kMaxPairs = 128;  // head_dim / 2 for the largest head served (256)
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
-inline __m512bh broadcast_pair(const bf16_bits* p) {
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof(pair));
-  return as_bh(_mm512_set1_epi32(pair));
-}
 
 // The cache row of token `pos`, kv head h.
 inline const bf16_bits* cache_row(const PrefillArgs& a, const bf16_bits* cache, int64_t pos,
