@@ -8,8 +8,8 @@
 // low half and the even ones by a shift (no shuffle), so the accumulator is kept as even and odd
 // halves and interleaved once, when the output is stored.
 //
-// Blocks are done in three passes over a task's heads (decode_task), and with 2, 4 or 8 query
-// heads per kv head, p * v widens each V line once for the group (accumulate_group).
+// Blocks are done in three passes over a task's heads (decode_task), and with 2 to 8 query heads
+// per kv head, p * v widens each V line once for the group (accumulate_group).
 //
 // Time against the AVX2 fp32 kernel, in turns in one process (2 threads, Zen 4, caches warm):
 // 16 sequences x 12 heads x 64 at 24 tokens 0.82-0.91x, 64 of them 0.82-0.91x, at 512 tokens
@@ -276,14 +276,18 @@ void accumulate_group_of(TaskScratch<L>& scratch, int64_t j0, const bf16_bits* v
   }
 }
 
-// accumulate_group_of for the group sizes it is built for; false for the others (1, 3, 5-7),
-// which go head by head.
+// accumulate_group_of for groups of 2 to 8 (2G accumulators fit the registers); false for the
+// others, which go head by head.
 template <int L>
 bool accumulate_group(TaskScratch<L>& scratch, int64_t j0, int64_t g, const bf16_bits* v,
                       int64_t stride, int64_t tokens) {
   switch (g) {
     case 2: accumulate_group_of<L, 2>(scratch, j0, v, stride, tokens); return true;
+    case 3: accumulate_group_of<L, 3>(scratch, j0, v, stride, tokens); return true;
     case 4: accumulate_group_of<L, 4>(scratch, j0, v, stride, tokens); return true;
+    case 5: accumulate_group_of<L, 5>(scratch, j0, v, stride, tokens); return true;
+    case 6: accumulate_group_of<L, 6>(scratch, j0, v, stride, tokens); return true;
+    case 7: accumulate_group_of<L, 7>(scratch, j0, v, stride, tokens); return true;
     case 8: accumulate_group_of<L, 8>(scratch, j0, v, stride, tokens); return true;
     default: return false;
   }

@@ -133,8 +133,10 @@ def test_paged_decode_large_batch_matches_reference(sliding_window: int, path: s
 @pytest.mark.parametrize("path", ["avx2", pytest.param("avx512", marks=_AVX512)])
 @pytest.mark.parametrize("head_dim", [32, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 48])  # 48: three chunks of 16 per block
-# groups of 8, 1, 4, 2 (the AVX-512 p * v is shared by a group of 2, 4 or 8) and 3 (head by head)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 1), (6, 6), (8, 2), (4, 2), (6, 2)])
+# groups of 8, 1, 4, 2, 3, 7 (the AVX-512 p * v is shared by groups of 2 to 8) and 12 (head by head)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads"), [(8, 1), (6, 6), (8, 2), (4, 2), (6, 2), (14, 2), (12, 1)]
+)
 def test_paged_decode_every_served_head_size_and_block_size(
     head_dim: int, block_size: int, num_heads: int, num_kv_heads: int, path: str
 ) -> None:
