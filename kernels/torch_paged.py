@@ -36,6 +36,54 @@ class TorchMetadata:
     multi: list[MultiQuery]
 
 
+def _blocks_needed(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_blocks * block_size, num_kv_heads, head_dim]."""
+    gathered = cache.index_select(0, block_ids.reshape(-1))
+    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
+def attend_multi(
+    query: torch.Tensor,  # [Q, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq: MultiQuery,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    keys = _gather(k_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)  # [Hkv, L, D]
+    values = _gather(v_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)
+    mask = None
+    # A whole prompt with no window is plain causal attention: `is_causal` lets the flash kernel
+    # skip the blocks above the diagonal, which an explicit mask does not (same values; a 2,048-
+    # token prompt's attention measured 77 -> 46 ms). After cached prefix blocks, torch's
+    # `is_causal` would align the mask to the wrong corner, so the mask stays explicit there.
+    is_causal = seq.kv_len == seq.query_len and (
+        sliding_window is None or sliding_window >= seq.kv_len
+    )
+    if not is_causal:
+        query_pos = torch.arange(seq.kv_len - seq.query_len, seq.kv_len, device=query.device)
+        key_pos = torch.arange(seq.kv_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [Q, L]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    # A leading batch axis of 1: on CPU, torch takes its flash kernel only for 4-D inputs (3-D ones
+    # run the unfused math path, measured 2-3x slower on a 512-token prompt).
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
 class TorchPagedAttention:
     name = "torch"
 
@@ -99,16 +147,8 @@ class TorchPagedAttention:
             )
         return out
 
-    def _attend_multi(
-        self,
-        query: torch.Tensor,  # [Q, H, D]: one sequence's new tokens
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        seq: MultiQuery,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        return attend_multi(query, k_cache, v_cache, seq, scale, sliding_window)
+    # One multi-query sequence's attention; a backend with a faster kernel overrides it.
+    _attend_multi = staticmethod(attend_multi)
 
     def _attend_single(
         self,
@@ -135,51 +175,3 @@ class TorchPagedAttention:
             grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
         )
         return out.reshape(num_seqs, num_heads, head_dim)
-
-
-def _blocks_needed(num_tokens: int, block_size: int) -> int:
-    return (num_tokens + block_size - 1) // block_size
-
-
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_blocks * block_size, num_kv_heads, head_dim]."""
-    gathered = cache.index_select(0, block_ids.reshape(-1))
-    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
-
-
-def attend_multi(
-    query: torch.Tensor,  # [Q, H, D]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq: MultiQuery,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    keys = _gather(k_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)  # [Hkv, L, D]
-    values = _gather(v_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)
-    mask = None
-    # A whole prompt with no window is plain causal attention: `is_causal` lets the flash kernel
-    # skip the blocks above the diagonal, which an explicit mask does not (same values; a 2,048-
-    # token prompt's attention measured 77 -> 46 ms). After cached prefix blocks, torch's
-    # `is_causal` would align the mask to the wrong corner, so the mask stays explicit there.
-    is_causal = seq.kv_len == seq.query_len and (
-        sliding_window is None or sliding_window >= seq.kv_len
-    )
-    if not is_causal:
-        query_pos = torch.arange(seq.kv_len - seq.query_len, seq.kv_len, device=query.device)
-        key_pos = torch.arange(seq.kv_len, device=query.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [Q, L]
-        if sliding_window is not None:
-            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-    # A leading batch axis of 1: on CPU, torch takes its flash kernel only for 4-D inputs (3-D ones
-    # run the unfused math path, measured 2-3x slower on a 512-token prompt).
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None],
-        keys[None],
-        values[None],
-        attn_mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
