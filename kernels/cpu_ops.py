@@ -10,6 +10,7 @@ returns False and the reason is logged once and kept in `unavailable_reason()`.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import platform
@@ -22,6 +23,7 @@ import torch
 __all__ = [
     "add_rms_norm",
     "argmax",
+    "avx512_attention_serves",
     "hardware_unsupported_reason",
     "has_avx512_bf16",
     "is_available",
@@ -194,6 +196,15 @@ def linear_bf16_packed(
 def has_avx512_bf16() -> bool:
     """Whether this CPU has AVX512_BF16, i.e. the "avx512" and "native" linear paths are fast."""
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags()
+
+
+@functools.cache
+def avx512_attention_serves(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the AVX-512 attention kernels (decode "avx512" path, paged_prefill_attention) take
+    this dtype and head size on this CPU: bf16, AVX512_BF16, a multiple of 32 up to 256. The rule
+    lives in the C++ (avx512_attention_serves); this asks it once per (dtype, head size)."""
+    served: bool = _ops().attention_avx512_serves(dtype, head_dim)
+    return served
 
 
 def paged_decode_attention(

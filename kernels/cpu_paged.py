@@ -21,7 +21,6 @@ class CpuPagedAttention(TorchPagedAttention):
             raise RuntimeError(
                 f"attention backend 'cpu' is unavailable: {cpu_ops.unavailable_reason()}"
             )
-        self.has_avx512_bf16 = cpu_ops.has_avx512_bf16()
 
     def write_kv(
         self,
@@ -61,12 +60,8 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        head_dim = query.shape[-1]
-        if not (
-            self.has_avx512_bf16
-            and query.dtype == k_cache.dtype == torch.bfloat16
-            and head_dim % 32 == 0
-            and head_dim <= 256
+        if k_cache.dtype != query.dtype or not cpu_ops.avx512_attention_serves(
+            query.dtype, query.shape[-1]
         ):
             return super()._attend_multi(query, k_cache, v_cache, seq, scale, sliding_window)
         return cpu_ops.paged_prefill_attention(

@@ -71,6 +71,15 @@ struct TaskScratch {
         corr(num_heads) {}
 };
 
+// A line of 32 bf16 values, widened exactly: its even elements (the low half of each 32-bit lane,
+// shifted up) and its odd ones (the high half, the low half masked off).
+inline void widen_line(const bf16_bits* p, __m512& even, __m512& odd) {
+  const __m512i line = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+  odd = _mm512_castsi512_ps(
+      _mm512_and_si512(line, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
 // p * v over `count` tokens of one chunk, from zero: tokens are dealt round-robin to S sets of
 // accumulators so that S * 2L chains of FMAs run side by side (one set: each chain 16 FMAs long,
 // which the FMA latency, not the arithmetic, bounds). Returns the sets' sum.
@@ -78,7 +87,6 @@ template <int L>
 inline void weighted_values(const float* weights, const bf16_bits* v, int64_t stride, int count,
                             __m512 (&out)[2 * L]) {
   constexpr int S = L <= 2 ? 4 : (L <= 4 ? 2 : 1);  // at most 16 accumulators
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   __m512 acc[S][2 * L];
   for (auto& set : acc) {
     for (auto& a : set) a = _mm512_setzero_ps();
@@ -87,9 +95,8 @@ inline void weighted_values(const float* weights, const bf16_bits* v, int64_t st
     const __m512 w = _mm512_set1_ps(weights[t]);
 #pragma GCC unroll 8
     for (int l = 0; l < L; ++l) {
-      const __m512i line = _mm512_loadu_si512(v + t * stride + l * kLineValues);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(line, high_half));
+      __m512 even, odd;
+      widen_line(v + t * stride + l * kLineValues, even, odd);
       set[2 * l] = _mm512_fmadd_ps(w, even, set[2 * l]);
       set[2 * l + 1] = _mm512_fmadd_ps(w, odd, set[2 * l + 1]);
     }
@@ -179,8 +186,8 @@ inline int64_t first_token(const DecodeShape& s, int64_t kv_len) {
 // Offset in the caches of token `pos` of sequence b, kv head h.
 inline int64_t row_offset(const DecodeArgs& a, int64_t b, int64_t pos, int64_t h) {
   const DecodeShape& s = a.shape;
-  const int64_t block_id = a.tables[b * s.max_blocks + pos / s.block_size];
-  return ((block_id * s.block_size + pos % s.block_size) * s.num_kv_heads + h) * s.head_dim;
+  return cache_row_offset(a.tables[b * s.max_blocks + pos / s.block_size], pos % s.block_size, h,
+                          s.block_size, s.num_kv_heads, s.head_dim);
 }
 
 // Sequence b, kv heads [h0, h1).
@@ -242,7 +249,6 @@ void accumulate_head(TaskScratch<L>& scratch, int64_t j, const bf16_bits* v, int
 template <int L, int G>
 void accumulate_group_of(TaskScratch<L>& scratch, int64_t j0, const bf16_bits* v, int64_t stride,
                          int64_t tokens) {
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   const float* weights[G];
   __m512 corr[G];
   for (int gi = 0; gi < G; ++gi) {
@@ -258,9 +264,8 @@ void accumulate_group_of(TaskScratch<L>& scratch, int64_t j0, const bf16_bits* v
       }
     }
     for (int64_t t = 0; t < tokens; ++t) {
-      const __m512i line = _mm512_loadu_si512(v + t * stride + l * kLineValues);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(line, high_half));
+      __m512 even, odd;
+      widen_line(v + t * stride + l * kLineValues, even, odd);
 #pragma GCC unroll 8
       for (int gi = 0; gi < G; ++gi) {
         const __m512 w = _mm512_set1_ps(weights[gi][t]);

@@ -38,12 +38,21 @@ inline int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
   return (num_kv_heads + splits - 1) / splits;
 }
 
-// The head sizes the AVX-512 kernel serves: whole 64-byte lines of bf16, up to 256 values.
-inline bool avx512_decode_supports(int64_t head_dim) {
+// The head sizes the AVX-512 kernels (decode and prefill) serve: whole 64-byte lines of bf16, up
+// to 256 values. With bf16 and cpu_has_avx512_bf16(), avx512_attention_serves (paged_attention.cpp,
+// also an op for the Python backend) is this rule.
+inline bool avx512_attention_supports(int64_t head_dim) {
   return head_dim % 32 == 0 && head_dim <= 256;
 }
 
-// Requires cpu_has_avx512_bf16() (linear_kernels.h) and avx512_decode_supports(head_dim).
+// Where row `offset` of cache block `block_id`, kv head h, starts in a [num_blocks, block_size,
+// num_kv_heads, head_dim] cache.
+inline int64_t cache_row_offset(int64_t block_id, int64_t offset, int64_t h, int64_t block_size,
+                                int64_t num_kv_heads, int64_t head_dim) {
+  return ((block_id * block_size + offset) * num_kv_heads + h) * head_dim;
+}
+
+// Requires cpu_has_avx512_bf16() (linear_kernels.h) and avx512_attention_supports(head_dim).
 void paged_decode_bf16_avx512(const DecodeArgs& args);
 
 // One sequence's prefill chunk: its num_queries new tokens, at positions kv_len - num_queries ..
@@ -62,7 +71,7 @@ struct PrefillArgs {
   bf16_bits* out;  // [num_queries, num_heads, head_dim], contiguous
 };
 
-// Requires cpu_has_avx512_bf16() and avx512_decode_supports(head_dim).
+// Requires cpu_has_avx512_bf16() and avx512_attention_supports(head_dim).
 void paged_prefill_bf16_avx512(const PrefillArgs& args);
 
 }  // namespace tgq_cpu

@@ -226,11 +226,15 @@ void check_block_tables(const at::Tensor& tables, const at::Tensor& kv_lens, int
   }
 }
 
-// "auto": the AVX-512 kernel where it serves the call (bf16, AVX512_BF16, whole lines of head
-// size), else AVX2; "avx2" and "avx512" name one (tests check each).
+// Whether the AVX-512 attention kernels serve this dtype and head size on this CPU.
+bool avx512_attention_serves(at::ScalarType dtype, int64_t head_dim) {
+  return dtype == at::kBFloat16 && cpu_has_avx512_bf16() && avx512_attention_supports(head_dim);
+}
+
+// "auto": the AVX-512 kernel where it serves the call, else AVX2; "avx2" and "avx512" name one
+// (tests check each).
 bool use_avx512(std::string_view path, const at::Tensor& query) {
-  const bool served = query.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16() &&
-                      avx512_decode_supports(query.size(2));
+  const bool served = avx512_attention_serves(query.scalar_type(), query.size(2));
   if (path == "auto") return served;
   if (path == "avx2") return false;
   TORCH_CHECK(path == "avx512", "paged_decode_attention: unknown path '", path,
@@ -309,7 +313,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
   const int64_t num_queries = query.size(0), heads = query.size(1), d = query.size(2);
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == d,
               "paged_prefill_attention: each query row's heads must be contiguous");
-  TORCH_CHECK(avx512_decode_supports(d), "paged_prefill_attention: head size must be a multiple "
+  TORCH_CHECK(avx512_attention_supports(d), "paged_prefill_attention: head size must be a multiple "
               "of 32 up to 256, got ", d);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -408,6 +412,8 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
       "write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, "
       "Tensor slot_mapping) -> ()",
       &write_kv_);
+  m.def("attention_avx512_serves(ScalarType dtype, int head_dim) -> bool",
+        &avx512_attention_serves);
   m.def(
       "paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_ids, "
       "int kv_len, float scale, int sliding_window) -> Tensor",

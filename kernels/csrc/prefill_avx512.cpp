@@ -30,9 +30,8 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 // The cache row of token `pos`, kv head h.
 inline const bf16_bits* cache_row(const PrefillArgs& a, const bf16_bits* cache, int64_t pos,
                                   int64_t h) {
-  const int64_t block_id = a.block_ids[pos / a.block_size];
-  return cache + ((block_id * a.block_size + pos % a.block_size) * a.num_kv_heads + h) *
-                     a.head_dim;
+  return cache + cache_row_offset(a.block_ids[pos / a.block_size], pos % a.block_size, h,
+                                  a.block_size, a.num_kv_heads, a.head_dim);
 }
 
 // Vp[h][chunk][pair of keys][d] = (v[2i][d], v[2i + 1][d]) as one 32-bit value, keys past kv_len

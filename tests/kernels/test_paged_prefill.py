@@ -146,3 +146,11 @@ def test_prefill_refuses_bad_inputs(
         cpu_ops.paged_prefill_attention(
             query, cache, cache, torch.tensor(block_ids), kv_len, 1.0, window
         )
+
+
+def test_the_kernels_serve_bf16_with_whole_lines_of_head_size_up_to_256() -> None:
+    assert cpu_ops.avx512_attention_serves(torch.bfloat16, 64)
+    assert cpu_ops.avx512_attention_serves(torch.bfloat16, 256)
+    assert not cpu_ops.avx512_attention_serves(torch.float32, 64)
+    assert not cpu_ops.avx512_attention_serves(torch.bfloat16, 48)
+    assert not cpu_ops.avx512_attention_serves(torch.bfloat16, 288)
