@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kernels import cpu_ops
 from kernels.kv_write import write_kv_slots
 from tests.kernels.markers import requires_kernels
+from tests.kernels.numerics import rel_err
 
 
 @requires_kernels
@@ -44,10 +45,6 @@ def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path: Path) -> N
     assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-
-
 # Every path of linear_bf16 that this CPU can run. "avx512" and "native" need AVX512_BF16 (and
 # bf16 x); elsewhere they are skipped with that reason, and "auto" means "avx2".
 _FAST_BF16 = pytest.mark.skipif(
@@ -68,7 +65,7 @@ def _check_linear(
     out = cpu_ops.linear_bf16(x, weight, bias, path)
     assert out.dtype == x.dtype
     assert out.shape == ref.shape
-    assert _rel_err(out, ref) < (1e-2 if x.dtype == torch.bfloat16 else 1e-4)
+    assert rel_err(out, ref) < (1e-2 if x.dtype == torch.bfloat16 else 1e-4)
 
 
 @requires_kernels
@@ -120,7 +117,7 @@ def test_linear_fp32_x_small_batch_k_remainders(k: int) -> None:
     weight = torch.randn(29, k, generator=gen).bfloat16()
     for m in range(1, 8):
         x = torch.randn(m, k, generator=gen)
-        assert _rel_err(cpu_ops.linear_bf16(x, weight), x @ weight.float().T) < 1e-4
+        assert rel_err(cpu_ops.linear_bf16(x, weight), x @ weight.float().T) < 1e-4
 
 
 @requires_kernels
@@ -147,7 +144,7 @@ def test_linear_long_prefill_spans_several_passes() -> None:
     weight = torch.randn(61, 72, generator=gen).bfloat16()
     bias = torch.randn(61, generator=gen)
     ref = F.linear(x.float(), weight.float(), bias)
-    assert _rel_err(cpu_ops.linear_bf16(x, weight, bias), ref) < 1e-2
+    assert rel_err(cpu_ops.linear_bf16(x, weight, bias), ref) < 1e-2
 
 
 @requires_kernels
@@ -212,7 +209,7 @@ def test_packed_linear_every_row_form_and_tail(n: int, k: int) -> None:
         ref = F.linear(x.float(), weight.float(), bias.float())
         out = cpu_ops.linear_bf16_packed(x, packed, n, bias)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-        assert _rel_err(out, ref) < 1e-2
+        assert rel_err(out, ref) < 1e-2
         wide = cpu_ops.linear_bf16_packed(x, packed, n, bias, out_fp32=True)
         assert torch.equal(wide, out.float())
 

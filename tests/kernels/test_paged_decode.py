@@ -7,16 +7,13 @@ import torch
 
 from kernels import cpu_ops
 from tests.kernels.markers import requires_kernels
+from tests.kernels.numerics import rel_err
 
 _AVX512 = pytest.mark.skipif(
     not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16 (the avx512 decode kernel)"
 )
 # "auto" is "avx512" for bf16 on an AVX512_BF16 CPU (head sizes it serves), else "avx2".
 PATHS = ["auto", "avx2", pytest.param("avx512", marks=_AVX512)]
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def _reference_decode(
@@ -88,7 +85,7 @@ def _check_decode(
     ref = _reference_decode(query, k_cache, v_cache, tables, lens, scale, sliding_window)
     assert out.dtype == query.dtype
     assert out.shape == query.shape
-    assert _rel_err(out, ref) < tolerance
+    assert rel_err(out, ref) < tolerance
 
 
 @requires_kernels

@@ -9,6 +9,7 @@ from kernels import AttentionStep, SeqSpan, cpu_ops
 from kernels.cpu_paged import CpuPagedAttention
 from kernels.torch_paged import MultiQuery, TorchPagedAttention, attend_multi
 from tests.kernels.markers import requires_kernels
+from tests.kernels.numerics import rel_err
 
 pytestmark = [
     requires_kernels,
@@ -16,10 +17,6 @@ pytestmark = [
         not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16 (the prefill kernel)"
     ),
 ]
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def _sequence(
@@ -59,7 +56,7 @@ def _check(
     ref = attend_multi(query.float(), k_cache.float(), v_cache.float(), seq, scale, window or None)
     assert out.dtype == torch.bfloat16
     assert out.shape == query.shape
-    assert _rel_err(out, ref) < 1e-2
+    assert rel_err(out, ref) < 1e-2
 
 
 # (queries, kv_len): a whole prompt shorter than a tile, one tile, tiles with a partial last one,
@@ -123,7 +120,7 @@ def test_the_cpu_backend_sends_bf16_prefill_chunks_to_the_kernel() -> None:
     for backend in (TorchPagedAttention(), CpuPagedAttention()):
         meta = backend.prepare(step, torch.device("cpu"))
         outs.append(backend.attend(query, k_cache, v_cache, meta, scale=0.125, sliding_window=None))
-    assert _rel_err(outs[1], outs[0].float()) < 1e-2
+    assert rel_err(outs[1], outs[0].float()) < 1e-2
 
 
 @pytest.mark.parametrize(
