@@ -48,6 +48,7 @@ _SOURCES = [
         "paged_attention.cpp",
         "attention_avx512.cpp",
         "prefill_avx512.cpp",
+        "kv_write.cpp",
         "cpu_fused.cpp",
         "fused_avx512.cpp",
         "argmax.cpp",
