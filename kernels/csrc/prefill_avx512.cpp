@@ -16,6 +16,8 @@
 // 32 query / 8 kv heads x 128 6.5x.
 #include "attention_kernels.h"
 
+#include <memory>
+
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 #include "avx512_common.h"
 
@@ -190,8 +192,10 @@ void attend_tile(const PrefillArgs& a, const Tile& tile, const bf16_bits* vp) {
 
 void paged_prefill_bf16_avx512(const PrefillArgs& a) {
   const int64_t num_chunks = (a.kv_len + kLanes - 1) / kLanes;
-  std::vector<bf16_bits> vp(a.num_kv_heads * num_chunks * kLanes * a.head_dim);
-  interleave_values(a, num_chunks, vp.data());
+  // interleave_values writes every element (zeros past kv_len): no zero-fill first.
+  const auto vp = std::make_unique_for_overwrite<bf16_bits[]>(
+      static_cast<size_t>(a.num_kv_heads * num_chunks * kLanes * a.head_dim));
+  interleave_values(a, num_chunks, vp.get());
   // Tiles taken from both ends in turn (0, T - 1, 1, T - 2, ...): a causal tile's work grows with
   // its position, and parallel_for hands each thread a contiguous range of tasks.
   const int64_t num_tiles = (a.num_queries + kLanes - 1) / kLanes;
@@ -201,7 +205,7 @@ void paged_prefill_bf16_avx512(const PrefillArgs& a) {
       const int64_t t = turn % 2 == 0 ? turn / 2 : num_tiles - 1 - turn / 2;
       const int64_t first = t * kLanes;
       const Tile tile{task % a.num_heads, first, std::min<int64_t>(kLanes, a.num_queries - first)};
-      attend_tile(a, tile, vp.data());
+      attend_tile(a, tile, vp.get());
     }
   });
 }
