@@ -110,16 +110,38 @@ class ModelRunner:
         )
         if not inputs.sample_seq_ids:
             return StepResult()
-        logits = self.loaded.model.compute_logits(hidden[inputs.sample_rows])
-        if logits is None:  # another rank samples: take its tokens
+        output = self._sample(hidden[inputs.sample_rows], inputs.sample_seq_ids)
+        if output is None:  # another rank samples: take its tokens
             tokens = self.tp.broadcast_tokens(None, len(inputs.sample_seq_ids))
             for seq_id, token_id in zip(inputs.sample_seq_ids, tokens, strict=True):
                 self.sequences[seq_id].token_ids.append(token_id)
             return StepResult()
-        output = self.sampler(logits, self._sampling_inputs(inputs.sample_seq_ids))
         result = self._record(inputs.sample_seq_ids, output)
         self.tp.broadcast_tokens([token.token_id for token in result.sampled], len(result.sampled))
         return result
+
+    def _sample(self, hidden: torch.Tensor, seq_ids: list[str]) -> SamplerOutput | None:
+        """The next token of each row (None on a rank that does not sample). Rows that only need
+        the argmax (greedy, no penalties, no logprobs) take it from the model's greedy head where
+        it has one, without computing their logits."""
+        model = self.loaded.model
+        argmax_rows = [
+            row
+            for row, seq_id in enumerate(seq_ids)
+            if _needs_only_argmax(self.sequences[seq_id].sampling)
+        ]
+        greedy = model.greedy_tokens(hidden[argmax_rows]) if argmax_rows else None
+        if greedy is None:
+            logits = model.compute_logits(hidden)
+            return None if logits is None else self.sampler(logits, self._sampling_inputs(seq_ids))
+        if len(argmax_rows) == len(seq_ids):
+            return SamplerOutput(greedy, None, None, None)
+        taken = set(argmax_rows)
+        rest = [row for row in range(len(seq_ids)) if row not in taken]
+        logits = model.compute_logits(hidden[rest])
+        assert logits is not None  # a model with a greedy head samples on this rank
+        sampled = self.sampler(logits, self._sampling_inputs([seq_ids[row] for row in rest]))
+        return _merge_rows(len(seq_ids), argmax_rows, greedy, rest, sampled)
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name
@@ -220,6 +242,38 @@ class ModelRunner:
                 top = [TokenLogprob(t, lp) for t, lp in pairs]
             sampled.append(SampledToken(seq_id, token_ids[row], logprob, top))
         return StepResult(sampled)
+
+
+def _needs_only_argmax(sampling: SamplingParams) -> bool:
+    return sampling.is_greedy and not sampling.has_penalties and not sampling.wants_logprobs
+
+
+def _merge_rows(
+    num_rows: int,
+    greedy_rows: list[int],
+    greedy: torch.Tensor,
+    sampled_rows: list[int],
+    sampled: SamplerOutput,
+) -> SamplerOutput:
+    """One output for all rows: the greedy head's tokens and the sampler's tokens and logprobs
+    (zeros in the greedy rows, which asked for none)."""
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=greedy.device)
+    token_ids[greedy_rows] = greedy
+    token_ids[sampled_rows] = sampled.token_ids
+
+    def spread(values: torch.Tensor | None) -> torch.Tensor | None:
+        if values is None:
+            return None
+        out = values.new_zeros((num_rows, *values.shape[1:]))
+        out[sampled_rows] = values
+        return out
+
+    return SamplerOutput(
+        token_ids,
+        spread(sampled.logprobs),
+        spread(sampled.top_token_ids),
+        spread(sampled.top_logprobs),
+    )
 
 
 def kv_budget(config: RunnerConfig, device: torch.device) -> int:

@@ -24,8 +24,10 @@ __all__ = [
     "add_rms_norm",
     "argmax",
     "avx512_attention_serves",
+    "greedy_head_argmax",
     "hardware_unsupported_reason",
     "has_avx512_bf16",
+    "has_avx512_vnni_bf16",
     "is_available",
     "linear_bf16",
     "linear_bf16_packed",
@@ -52,6 +54,8 @@ _SOURCES = [
         "cpu_fused.cpp",
         "fused_avx512.cpp",
         "argmax.cpp",
+        "greedy_head.cpp",
+        "greedy_head_avx512.cpp",
     )
 ]
 _REQUIRED_FLAGS = frozenset({"avx2", "fma"})
@@ -200,6 +204,29 @@ def has_avx512_bf16() -> bool:
 
 
 @functools.cache
+def has_avx512_vnni_bf16() -> bool:
+    """Whether `greedy_head_argmax` runs here (AVX512_BF16 and AVX512_VNNI)."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"} <= _cpu_flags()
+
+
+def greedy_head_argmax(
+    x: torch.Tensor,  # [M, K] bf16, the final norm's output
+    packed: torch.Tensor,  # pack_weight_bf16(weight [N, K])
+    screen: torch.Tensor,  # [ceil(N/16), K/4, 16, 4] int8 (kernels.greedy_head)
+    scale: torch.Tensor,  # [N] fp32
+    q_sum: torch.Tensor,  # [N] int32
+    bound_x: torch.Tensor,  # [N] fp32
+    bound_ex: torch.Tensor,  # [N] fp32
+    max_candidates: int,
+) -> torch.Tensor:  # [M] int64: the argmax, or -1 where the row must be computed in full
+    """argmax(linear_bf16_packed(x, packed, N, out_fp32=True), -1) per row, reading the int8
+    screen instead of the bf16 weights; build its inputs with `kernels.greedy_head`."""
+    out: torch.Tensor = _ops().greedy_head_argmax(
+        x, packed, screen, scale, q_sum, bound_x, bound_ex, max_candidates
+    )
+    return out
+
+
 def avx512_attention_serves(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the AVX-512 attention kernels (decode "avx512" path, paged_prefill_attention) take
     this dtype and head size on this CPU: bf16, AVX512_BF16, a multiple of 32 up to 256. The rule

@@ -29,6 +29,7 @@ from gpu_worker.layers.norm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
 from gpu_worker.parallel import SINGLE, TensorParallel
 from kernels import AttentionBackend, AttentionMetadata, cpu_ops
+from kernels.greedy_head import GreedyHead, screen_unsupported_reason
 
 # K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -239,6 +240,7 @@ class DecoderForCausalLM(nn.Module):
             config.rope_scaling,
             config.max_position_embeddings,
         )
+        self.greedy_head: GreedyHead | None = None  # set by use_cpu_kernels where it can run
 
     @classmethod
     def attention_biases(cls, config: ModelConfig) -> tuple[bool, bool]:
@@ -269,6 +271,9 @@ class DecoderForCausalLM(nn.Module):
         if not cpu_ops.is_available():
             return 0
         pack = cpu_ops.has_avx512_bf16()
+        head = (
+            weight.detach()
+        )  # the [N, K] head, which packing releases; the screen is built from it
         switched = 0
         for module in self.modules():
             if isinstance(module, Linear):
@@ -286,6 +291,9 @@ class DecoderForCausalLM(nn.Module):
             else:
                 continue
             switched += 1
+        # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
+        if pack and self.tp.world_size == 1 and screen_unsupported_reason(head) is None:
+            self.greedy_head = GreedyHead(self.lm_head.weight.detach(), head)
         return switched
 
     def tie_weights(self) -> None:
@@ -313,6 +321,14 @@ class DecoderForCausalLM(nn.Module):
         on the other ranks, which only send their vocabulary range)."""
         logits: torch.Tensor = self.lm_head(self.model.norm(hidden))
         return self.tp.gather_logits(logits.float(), self.config.vocab_size)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] rows -> [N] the argmax of their logits, the tokens greedy decoding picks
+        from `compute_logits`, without computing all the logits (kernels.greedy_head); None
+        where that is not available (then use compute_logits)."""
+        if self.greedy_head is None:
+            return None
+        return self.greedy_head.argmax(self.model.norm(hidden))
 
     def checkpoint_sources(self) -> dict[str, list[Source]]:
         """Our parameter name -> the checkpoint tensors (this rank's slices) that fill it."""

@@ -20,6 +20,8 @@ from gpu_worker.plan import (
     to_wire,
 )
 from gpu_worker.runner import ModelRunner, RunnerConfig
+from kernels import cpu_ops
+from kernels.greedy_head import GreedyHead
 from tests.gpu_worker.test_parity import hf_generate
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5]
@@ -209,3 +211,49 @@ def test_a_long_prefill_through_the_mlp_in_row_passes_is_unchanged(
     monkeypatch.setattr(decoder.MLP, "_rows", counted)
     assert generate() == whole
     assert max(passes) < len(prompt) and sum(passes) > len(prompt)  # the prompt went in passes
+
+
+@pytest.mark.skipif(
+    not cpu_ops.has_avx512_vnni_bf16(), reason="this CPU lacks AVX512_BF16 + AVX512_VNNI"
+)
+@pytest.mark.parametrize("name", ["llama3-gqa", "llama2-tied-linear"])
+def test_greedy_rows_through_the_greedy_head_are_unchanged(
+    name: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bf16 on this CPU the rows that need only an argmax (greedy, no penalties, no logprobs)
+    take it from the int8-screened head; every row of a mixed batch gets the same tokens and
+    logprobs as with the head switched off, and only the argmax-only rows go through it."""
+    prompts = [PROMPT, PROMPT[:4], [5, 6, 7, 8, 9, 10, 11], PROMPT[2:], [3, 3, 3]]
+    params = [
+        SamplingParams(),
+        SamplingParams(logprobs=True),
+        SEEDED,
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(),
+    ]
+    screened_rows: list[int] = []
+    argmax = GreedyHead.argmax
+
+    def counted(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
+        screened_rows.append(x.shape[0])
+        return argmax(head, x)
+
+    monkeypatch.setattr(GreedyHead, "argmax", counted)
+
+    def generate(
+        batch: list[SamplingParams], screened: bool
+    ) -> list[tuple[list[int], list[float]]]:
+        runner = ModelRunner(RunnerConfig(str(model_dirs[name]), dtype="bfloat16", num_blocks=128))
+        model = runner.loaded.model
+        assert model.greedy_head is not None
+        if not screened:
+            model.greedy_head = None
+        out = OfflineEngine(runner).generate(prompts[: len(batch)], batch, max_new_tokens=6)
+        return [(g.token_ids, g.logprobs) for g in out]
+
+    assert generate(params, screened=True) == generate(params, screened=False)
+    assert screened_rows and set(screened_rows) == {2}  # rows 0 and 4, every step
+    screened_rows.clear()
+    greedy = [SamplingParams()] * 3
+    assert generate(greedy, screened=True) == generate(greedy, screened=False)
+    assert set(screened_rows) == {3}

@@ -1,0 +1,72 @@
+// Checks and registration of the screened greedy lm_head (greedy_head_avx512.cpp has the kernel
+// and the proof that it picks what the full lm_head's argmax picks).
+#include "greedy_head.h"
+
+#include "linear_kernels.h"  // kPackColumns
+
+namespace {
+
+using namespace tgq_cpu;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void check_column_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t N) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 1 &&
+                  t.size(0) == N && t.is_contiguous(),
+              "greedy_head_argmax: ", name, " must be a contiguous [", N, "] ", dtype,
+              " CPU tensor, got ", t.scalar_type(), " ", t.sizes());
+}
+
+bool vnni_bf16_available() { return cpu_has_avx512_vnni_bf16(); }
+
+at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& screen, const at::Tensor& scale,
+                              const at::Tensor& q_sum, const at::Tensor& bound_x,
+                              const at::Tensor& bound_ex, int64_t max_candidates) {
+  TORCH_CHECK(cpu_has_avx512_vnni_bf16(),
+              "greedy_head_argmax: needs a CPU with AVX512_BF16 and AVX512_VNNI");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "greedy_head_argmax: x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(),
+              " ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
+  TORCH_CHECK(K > 0 && K % kScreenQuad == 0 && K <= (1 << 20),
+              "greedy_head_argmax: K must be a positive multiple of 4 up to 2^20, got ", K);
+  TORCH_CHECK(max_candidates > 0, "greedy_head_argmax: max_candidates must be positive");
+  check_column_vector(scale, "scale", at::kFloat, N);
+  check_column_vector(q_sum, "q_sum", at::kInt, N);
+  check_column_vector(bound_x, "bound_x", at::kFloat, N);
+  check_column_vector(bound_ex, "bound_ex", at::kFloat, N);
+  const int64_t tiles = ceil_div(N, kPackColumns);
+  const std::vector<int64_t> packed_shape{tiles, K / 2, kPackColumns, 2};
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.sizes() == c10::IntArrayRef(packed_shape),
+              "greedy_head_argmax: packed must be pack_weight_bf16 of a [", N, ", ", K,
+              "] weight, got ", packed.sizes());
+  const std::vector<int64_t> screen_shape{tiles, K / kScreenQuad, kPackColumns, kScreenQuad};
+  TORCH_CHECK(screen.device().is_cpu() && screen.scalar_type() == at::kChar &&
+                  screen.is_contiguous() && screen.sizes() == c10::IntArrayRef(screen_shape),
+              "greedy_head_argmax: screen must be a contiguous int8 ", c10::IntArrayRef(screen_shape),
+              " tensor, got ", screen.scalar_type(), " ", screen.sizes());
+  // The gather indexes the packed weights in 32-bit words.
+  TORCH_CHECK(tiles * (K / 2) * kPackColumns < (int64_t{1} << 31),
+              "greedy_head_argmax: the packed weight is too large to gather from");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return out;
+  greedy_head_avx512(GreedyHeadArgs{
+      data_as<bf16_bits>(xc), data_as<bf16_bits>(packed), screen.const_data_ptr<int8_t>(),
+      scale.const_data_ptr<float>(), q_sum.const_data_ptr<int32_t>(),
+      bound_x.const_data_ptr<float>(), bound_ex.const_data_ptr<float>(), M, N, K,
+      max_candidates, out.mutable_data_ptr<int64_t>()});
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
+  m.def("has_avx512_vnni_bf16() -> bool", &vnni_bf16_available);
+  m.def(
+      "greedy_head_argmax(Tensor x, Tensor packed, Tensor screen, Tensor scale, Tensor q_sum, "
+      "Tensor bound_x, Tensor bound_ex, int max_candidates) -> Tensor",
+      &greedy_head_argmax);
+}

@@ -1,0 +1,254 @@
+// The screened greedy lm_head on AVX512_BF16 + AVX512_VNNI CPUs: for each row of x, the index of
+// its largest logit, exactly as argmax(linear_bf16_packed(x, w, out_fp32=True)) picks it (the
+// first of equal maxima), reading the int8 screen (1 byte per weight) instead of w (2 bytes). At
+// batch 1 the lm_head is a fifth of a decode step's weight traffic, and the step waits on DRAM.
+//
+// Per row: x = sx * xq + ex, xq integers in [-127, 127]; w[n] = s[n] * q[n] + e[n] (the screen).
+// Then x . w[n] = sx * s[n] * (xq . q[n]) + sx * xq . e[n] + ex . w[n], so the screen's value
+// S[n] = sx * s[n] * (xq . q[n]) (one exact integer dot product, vpdpbusd) is within
+//   (|x| + |ex|) |e[n]| + |ex| |w[n]|                                      (Cauchy-Schwarz)
+// of the true dot product, and the kernel's fp32 sum F[n] within gamma_K |x| |w[n]| of that
+// (K roundings of a sum of exact bf16 products), plus denormal flushes far below 2^-70. The
+// packer folds the per-column factors into bound_x[n] = |e[n]| + gamma_K |w[n]| and
+// bound_ex[n] = |e[n]| + |w[n]| (rounded up): B[n] = |x| bound_x[n] + |ex| bound_ex[n], widened
+// by 2^-10 for the roundings of this very computation, brackets F[n] in [S - B, S + B].
+//
+// The logit is bf16(F[n]), and rounding is monotone: with Lmax the largest lower bound S - B (at
+// some column b), a column whose bf16(S + B) < bf16(Lmax) has bf16(F[n]) < bf16(F[b]), so it can
+// neither be the maximum nor tie it. The rest, the candidates (a few dozen over a 32k vocabulary
+// for a random model), get their exact F[n]: the packed kernel's chain of vdpbf16ps in K order,
+// lane for lane, with the weights gathered from the packed layout; the first largest wins.
+#include "greedy_head.h"
+
+#include "linear_kernels.h"  // cpu_has_avx512_bf16, kPackColumns
+
+namespace tgq_cpu {
+
+// Before the target pragma: this runs on every CPU.
+bool cpu_has_avx512_vnni_bf16() {
+  static const bool supported = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vnni");
+  return supported;
+}
+
+}  // namespace tgq_cpu
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni")
+#include "avx512_common.h"
+
+namespace tgq_cpu {
+namespace {
+
+constexpr int kLanes = 16;
+static_assert(kPackColumns == kLanes);
+constexpr int kMaxRowsPerTile = 8;  // accumulators per pass over a tile (it stays in L1)
+constexpr float kMargin = 1.0f / 1024;
+constexpr float kTiny = 0x1p-70f;
+// The screen is read this far ahead into L2, as the bf16 kernel reads its weights.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// One row's quantized x and the norms its bounds need.
+struct RowQuant {
+  float sx = 1.0f;     // x ~ sx * xq
+  float norm_x = 0.f;  // |x|
+  float norm_ex = 0.f; // |x - sx * xq|
+  bool usable = false; // false: non-finite or huge values; the caller computes the row in full
+};
+
+// xq + 128 as bytes (vpdpbusd multiplies unsigned by signed bytes; the q_sum term takes the 128
+// back off). ex is exact in double: sx * xq has at most 31 significant bits.
+RowQuant quantize_row(const bf16_bits* x, int64_t K, uint8_t* xu8) {
+  RowQuant r;
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f32(x[k])));
+  if (!(amax <= 0x1p32f)) return r;  // also NaN
+  if (amax > 0.f) r.sx = amax / 127.f;
+  double sum_x = 0, sum_ex = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = to_f32(x[k]);
+    const float xq = std::clamp(std::nearbyint(v / r.sx), -127.f, 127.f);
+    xu8[k] = static_cast<uint8_t>(static_cast<int>(xq) + 128);
+    const double ex = static_cast<double>(v) - static_cast<double>(r.sx) * xq;
+    sum_x += static_cast<double>(v) * v;
+    sum_ex += ex * ex;
+  }
+  r.norm_x = static_cast<float>(std::sqrt(sum_x));
+  r.norm_ex = static_cast<float>(std::sqrt(sum_ex));
+  r.usable = true;
+  return r;
+}
+
+struct Bounds {
+  __m512 norm_x, norm_ex;
+  Bounds(const RowQuant& r) : norm_x(_mm512_set1_ps(r.norm_x)), norm_ex(_mm512_set1_ps(r.norm_ex)) {}
+
+  // B for columns [n, n + 16), given their screen values.
+  __m512 at(const GreedyHeadArgs& a, int64_t n, __mmask16 lanes, __m512 screen) const {
+    const __m512 bx = _mm512_maskz_loadu_ps(lanes, a.bound_x + n);
+    const __m512 bex = _mm512_maskz_loadu_ps(lanes, a.bound_ex + n);
+    const __m512 b = _mm512_fmadd_ps(norm_x, bx, _mm512_mul_ps(norm_ex, bex));
+    const __m512 margin = _mm512_mul_ps(_mm512_abs_ps(screen), _mm512_set1_ps(kMargin));
+    return _mm512_add_ps(_mm512_fmadd_ps(b, _mm512_set1_ps(1.0f + kMargin), margin),
+                         _mm512_set1_ps(kTiny));
+  }
+};
+
+__mmask16 tile_lanes(int64_t N, int64_t n) {
+  const int64_t count = std::min<int64_t>(kLanes, N - n);
+  return static_cast<__mmask16>((1u << count) - 1);
+}
+
+// Screen values of rows [m0, m0 + MT) against tile t; stores them and each row's largest lower
+// bound over the tile.
+template <int MT>
+void screen_tile(const GreedyHeadArgs& a, const uint8_t* xu8, const RowQuant* rows, int64_t t,
+                 int64_t m0, float* screen, float* tile_max) {
+  const int64_t quads = a.K / kScreenQuad, tiles = (a.N + kLanes - 1) / kLanes;
+  const int8_t* tile = a.q + t * quads * 64;
+  __m512i acc[MT];
+  for (auto& v : acc) v = _mm512_setzero_si512();
+  for (int64_t j = 0; j < quads; ++j) {
+    const int8_t* line = tile + j * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchBytes), _MM_HINT_T1);
+    const __m512i w = _mm512_loadu_si512(line);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      int32_t quad;
+      std::memcpy(&quad, xu8 + (m0 + m) * a.K + j * kScreenQuad, sizeof(quad));
+      acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_set1_epi32(quad), w);
+    }
+  }
+  const int64_t n = t * kLanes;
+  const __mmask16 lanes = tile_lanes(a.N, n);
+  const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, a.q_sum + n), 7);
+  const __m512 scale = _mm512_maskz_loadu_ps(lanes, a.scale + n);
+  for (int m = 0; m < MT; ++m) {
+    const RowQuant& r = rows[m0 + m];
+    const __m512i dot = _mm512_sub_epi32(acc[m], offset);  // xq . q[n]
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
+                                   _mm512_mul_ps(_mm512_set1_ps(r.sx), scale));
+    _mm512_mask_storeu_ps(screen + (m0 + m) * a.N + n, lanes, s);
+    const __m512 lower = _mm512_sub_ps(s, Bounds(r).at(a, n, lanes, s));
+    tile_max[(m0 + m) * tiles + t] = _mm512_mask_reduce_max_ps(lanes, lower);
+  }
+}
+
+using ScreenTileFn = void (*)(const GreedyHeadArgs&, const uint8_t*, const RowQuant*, int64_t,
+                              int64_t, float*, float*);
+
+ScreenTileFn screen_tile_for(int64_t rows) {
+  switch (rows) {
+    case 1: return screen_tile<1>;
+    case 2: return screen_tile<2>;
+    case 3: return screen_tile<3>;
+    case 4: return screen_tile<4>;
+    case 5: return screen_tile<5>;
+    case 6: return screen_tile<6>;
+    case 7: return screen_tile<7>;
+    default: return screen_tile<8>;
+  }
+}
+
+// v rounded to bf16 as the packed kernel's fp32 output (its bf16 result, widened).
+inline __m512 as_logit(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits_rne16(v), 16));
+}
+
+// Columns whose bf16(S + B) reaches bf16(Lmax); false when there are more than the cap.
+bool candidates_of(const GreedyHeadArgs& a, const RowQuant& r, const float* screen, float lmax,
+                   std::vector<int32_t>& out) {
+  out.clear();
+  const __m512 threshold = as_logit(_mm512_set1_ps(lmax));
+  const Bounds bounds(r);
+  for (int64_t n = 0; n < a.N; n += kLanes) {
+    const __mmask16 lanes = tile_lanes(a.N, n);
+    const __m512 s = _mm512_maskz_loadu_ps(lanes, screen + n);
+    const __m512 upper = _mm512_add_ps(s, bounds.at(a, n, lanes, s));
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, as_logit(upper), threshold, _CMP_GE_OQ);
+    if (hit == 0) continue;
+    const int count = __builtin_popcount(hit);
+    if (static_cast<int64_t>(out.size()) + count > a.max_candidates) return false;
+    const size_t at = out.size();
+    out.resize(at + count);
+    const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(n)),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                           12, 13, 14, 15));
+    _mm512_mask_compressstoreu_epi32(out.data() + at, hit, ids);
+  }
+  return true;
+}
+
+// The exact logits of up to 16 candidate columns for row x: tile_few_rows' chain (one vdpbf16ps
+// per pair of K values, in K order, from zero), each lane gathering its column's pairs.
+__m512 exact_logits(const GreedyHeadArgs& a, const bf16_bits* x, const int32_t* cols, int count) {
+  const int64_t pairs = a.K / 2;
+  alignas(64) int32_t first[kLanes];
+  for (int c = 0; c < kLanes; ++c) {
+    const int32_t n = cols[std::min(c, count - 1)];
+    first[c] = static_cast<int32_t>((n / kLanes) * pairs * kLanes + n % kLanes);
+  }
+  const auto* words = reinterpret_cast<const int32_t*>(a.w);
+  __m512i index = _mm512_load_si512(first);
+  const __m512i step = _mm512_set1_epi32(kLanes);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i w = _mm512_i32gather_epi32(index, words, 4);
+    acc = _mm512_dpbf16_ps(acc, broadcast_pair(x + 2 * p), reinterpret_cast<__m512bh>(w));
+    index = _mm512_add_epi32(index, step);
+  }
+  // + 0: the packed kernel adds its (zero) bias before rounding.
+  return as_logit(_mm512_add_ps(acc, _mm512_setzero_ps()));
+}
+
+int64_t best_candidate(const GreedyHeadArgs& a, const bf16_bits* x,
+                       const std::vector<int32_t>& cols) {
+  int64_t best = -1;
+  float best_value = 0.f;
+  alignas(64) float values[kLanes];
+  for (size_t i = 0; i < cols.size(); i += kLanes) {
+    const int count = static_cast<int>(std::min<size_t>(kLanes, cols.size() - i));
+    _mm512_store_ps(values, exact_logits(a, x, cols.data() + i, count));
+    for (int c = 0; c < count; ++c) {  // columns ascend: a tie keeps the earlier one
+      if (best < 0 || values[c] > best_value) {
+        best = cols[i + c];
+        best_value = values[c];
+      }
+    }
+  }
+  return best;
+}
+
+// Work below this many multiply-adds per task stays on one thread (as in the bf16 kernel).
+constexpr int64_t kMinWorkPerTask = 1 << 16;
+
+}  // namespace
+
+void greedy_head_avx512(const GreedyHeadArgs& a) {
+  const int64_t M = a.M, N = a.N, K = a.K, tiles = (N + kLanes - 1) / kLanes;
+  std::vector<uint8_t> xu8(M * K);
+  std::vector<RowQuant> rows(M);
+  for (int64_t m = 0; m < M; ++m) rows[m] = quantize_row(a.x + m * K, K, xu8.data() + m * K);
+  // Unusable rows are screened anyway (their output is ignored): one code path.
+  std::vector<float> screen(M * N), tile_max(M * tiles);
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (M * K * kLanes));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m = 0; m < M; m += kMaxRowsPerTile) {
+        screen_tile_for(std::min<int64_t>(kMaxRowsPerTile, M - m))(
+            a, xu8.data(), rows.data(), t, m, screen.data(), tile_max.data());
+      }
+    }
+  });
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    std::vector<int32_t> cols;
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* maxima = tile_max.data() + m * tiles;
+      const float lmax = *std::max_element(maxima, maxima + tiles);
+      const bool ok = rows[m].usable &&
+                      candidates_of(a, rows[m], screen.data() + m * N, lmax, cols) &&
+                      !cols.empty();
+      a.out[m] = ok ? best_candidate(a, a.x + m * K, cols) : -1;
+    }
+  });
+}
+
+}  // namespace tgq_cpu

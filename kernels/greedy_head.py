@@ -1,0 +1,128 @@
+"""Greedy tokens without reading the whole lm_head: an int8 screen, then exact logits for the few
+columns that could win.
+
+A greedy row with no logprobs and no penalties needs only the argmax of its logits. On a CPU the
+batch-1 decode step waits on DRAM, and the lm_head is a fifth of its weights (the medium model's
+32000 x 768). `GreedyHead` keeps an int8 copy of the head (per-column scale, 1 byte per weight),
+bounds how far each column's screened value can be from the logit the bf16 kernel would compute
+(`kernels/csrc/greedy_head_avx512.cpp` has the argument), and computes exact logits only for the
+columns whose upper bound reaches the best lower bound. The token is the one
+`argmax(linear_bf16_packed(x, packed, N, out_fp32=True))` picks, ties included; a row with more
+than `max_candidates` candidates (e.g. all-equal logits) is computed in full instead.
+
+Needs AVX512_BF16 and AVX512_VNNI (`cpu_ops.has_avx512_vnni_bf16`); costs N x K bytes of memory
+next to the packed bf16 head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_ops
+
+# Candidates past this many per row: the row is computed in full (measured on the medium random
+# model: a few dozen per row).
+MAX_CANDIDATES = 1024
+# Weights past this magnitude (or non-finite) get no screen: the kernel's bound on denormal
+# flushes assumes |w| <= 2^16.
+MAX_WEIGHT = 2.0**16
+_COLUMNS = 16  # a packed tile's output columns
+_QUAD = 4  # K values per int8 lane (vpdpbusd)
+_ROWS_PER_CHUNK = 4096  # weight rows quantized at a time (float64 working copies)
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyScreen:
+    screen: torch.Tensor  # [ceil(N/16), K/4, 16, 4] int8
+    scale: torch.Tensor  # [N] fp32: w[n] ~ scale[n] * q[n]
+    q_sum: torch.Tensor  # [N] int32
+    bound_x: torch.Tensor  # [N] fp32: |e[n]| + gamma_K |w[n]|, rounded up
+    bound_ex: torch.Tensor  # [N] fp32: |e[n]| + |w[n]|, rounded up
+
+
+def screen_unsupported_reason(weight: torch.Tensor) -> str | None:
+    """Why `build_screen(weight)` cannot serve this weight here (None: it can)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return "needs a 2-d bf16 CPU weight"
+    if not cpu_ops.is_available() or not cpu_ops.has_avx512_vnni_bf16():
+        return "needs a CPU with AVX512_BF16 and AVX512_VNNI"
+    if weight.shape[1] % _QUAD != 0:
+        return f"needs K a multiple of {_QUAD}, got {weight.shape[1]}"
+    if not bool(torch.isfinite(weight).all()) or float(weight.abs().max()) > MAX_WEIGHT:
+        return f"needs finite weights of magnitude <= {MAX_WEIGHT:g}"
+    return None
+
+
+def _round_up_fp32(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> the smallest fp32 values >= them."""
+    rounded = values.float()
+    low = rounded.double() < values
+    return torch.where(low, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
+
+
+def build_screen(weight: torch.Tensor) -> GreedyScreen:
+    """The int8 screen of an [N, K] bf16 weight and its per-column error bounds."""
+    reason = screen_unsupported_reason(weight)
+    if reason is not None:
+        raise ValueError(f"greedy screen: {reason}")
+    num_rows, k = weight.shape
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24) * 1.01  # K roundings of an fp32 sum
+    quantized = torch.empty(num_rows, k, dtype=torch.int8)
+    scale = torch.empty(num_rows, dtype=torch.float32)
+    bound_x = torch.empty(num_rows, dtype=torch.float64)
+    bound_ex = torch.empty(num_rows, dtype=torch.float64)
+    for start in range(0, num_rows, _ROWS_PER_CHUNK):
+        rows = slice(start, start + _ROWS_PER_CHUNK)
+        w = weight[rows].double()
+        s = (w.abs().amax(dim=1) / 127).float()
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(w / s.double()[:, None]).clamp_(-127, 127)
+        # exact in float64: bf16 minus an fp32 scale times an integer below 2^7
+        err = (w - s.double()[:, None] * q).norm(dim=1)
+        norm = w.norm(dim=1)
+        quantized[rows] = q.to(torch.int8)
+        scale[rows] = s
+        bound_x[rows] = err + gamma * norm
+        bound_ex[rows] = err + norm
+    tiles = -(-num_rows // _COLUMNS)
+    padded = torch.zeros(tiles * _COLUMNS, k, dtype=torch.int8)
+    padded[:num_rows] = quantized
+    screen = padded.view(tiles, _COLUMNS, k // _QUAD, _QUAD).permute(0, 2, 1, 3).contiguous()
+    return GreedyScreen(
+        screen=screen,
+        scale=scale,
+        q_sum=quantized.sum(dim=1, dtype=torch.int32),
+        bound_x=_round_up_fp32(bound_x * (1 + 1e-6)),
+        bound_ex=_round_up_fp32(bound_ex * (1 + 1e-6)),
+    )
+
+
+class GreedyHead:
+    """argmax over `x @ weight^T` for bf16 rows x, as the packed lm_head computes the logits."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,  # pack_weight_bf16(weight)
+        weight: torch.Tensor,  # [N, K] bf16
+        max_candidates: int = MAX_CANDIDATES,
+    ) -> None:
+        self.packed = packed
+        self.out_features = weight.shape[0]
+        self.screen = build_screen(weight)
+        self.max_candidates = max_candidates
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M] int64
+        s = self.screen
+        tokens = cpu_ops.greedy_head_argmax(
+            x, self.packed, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, self.max_candidates
+        )
+        full = (tokens < 0).nonzero().flatten()
+        if len(full):  # too many candidates (or non-finite x): these rows in full
+            logits = cpu_ops.linear_bf16_packed(
+                x[full], self.packed, self.out_features, out_fp32=True
+            )
+            tokens[full] = cpu_ops.argmax(logits)
+        return tokens

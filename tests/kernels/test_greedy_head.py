@@ -1,0 +1,157 @@
+"""The screened greedy head picks exactly what argmax over the packed lm_head's logits picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from kernels.greedy_head import GreedyHead, build_screen, screen_unsupported_reason
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.has_avx512_vnni_bf16(), reason="this CPU lacks AVX512_BF16 + AVX512_VNNI"
+)
+BF16 = torch.bfloat16
+
+
+def full_argmax(x: torch.Tensor, packed: torch.Tensor, num_columns: int) -> torch.Tensor:
+    return cpu_ops.argmax(cpu_ops.linear_bf16_packed(x, packed, num_columns, out_fp32=True))
+
+
+def head_of(weight: torch.Tensor, max_candidates: int = 1024) -> GreedyHead:
+    return GreedyHead(cpu_ops.pack_weight_bf16(weight), weight, max_candidates)
+
+
+def raw_argmax(head: GreedyHead, x: torch.Tensor, max_candidates: int) -> torch.Tensor:
+    s = head.screen
+    return cpu_ops.greedy_head_argmax(
+        x, head.packed, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, max_candidates
+    )
+
+
+@pytest.mark.parametrize("num_columns,k", [(1000, 64), (4099, 256), (517, 768)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17])
+def test_the_screen_picks_the_full_argmax(num_columns: int, k: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(num_columns * 31 + rows)
+    weight = (torch.randn(num_columns, k, generator=gen) * 0.05).to(BF16)
+    head = head_of(weight)
+    for scale in (1e-3, 1.0, 30.0):
+        x = (torch.randn(rows, k, generator=gen) * scale).to(BF16)
+        assert torch.equal(head.argmax(x), full_argmax(x, head.packed, num_columns))
+
+
+def test_it_reads_only_a_few_columns_of_a_model_sized_head() -> None:
+    """Over a 32000 x 768 random head, no row needs more than 256 exact columns (measured: a few
+    dozen); with a cap of 1 every row falls back (the cap is honoured)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(32000, 768, generator=gen) * 0.02).to(BF16)
+    head = head_of(weight)
+    x = torch.randn(16, 768, generator=gen).to(BF16)
+    screened = raw_argmax(head, x, 256)
+    assert (screened >= 0).all()
+    assert torch.equal(screened, full_argmax(x, head.packed, 32000))
+    assert (raw_argmax(head, x, 1) == -1).all()
+
+
+def test_equal_logits_go_to_the_first_column() -> None:
+    """Columns 5, 9 and 40 are the same vector, the best one for x: a tie, which argmax gives to
+    the first; a copy one bf16 step smaller (column 2) must lose."""
+    gen = torch.Generator().manual_seed(1)
+    k = 128
+    weight = (torch.randn(300, k, generator=gen) * 0.01).to(BF16)
+    x = torch.randn(1, k, generator=gen).to(BF16)
+    best = (x[0].float() / x[0].float().norm()).to(BF16)
+    for column in (5, 9, 40):
+        weight[column] = best
+    smaller = best.clone()
+    smaller[0] = torch.nextafter(best[0].float(), torch.tensor(0.0)).to(BF16)
+    weight[2] = smaller
+    head = head_of(weight)
+    expected = full_argmax(x, head.packed, 300)
+    assert int(expected) == 5 or int(expected) == 2  # whichever is larger after rounding
+    assert torch.equal(head.argmax(x), expected)
+
+
+def test_near_ties_one_bf16_step_apart() -> None:
+    """Many columns within a bf16 step of the best: the exact stage decides among them."""
+    gen = torch.Generator().manual_seed(2)
+    k = 256
+    base = torch.randn(k, generator=gen)
+    noise = torch.randn(2000, k, generator=gen) * 1e-3
+    weight = (base + noise).to(BF16)
+    head = head_of(weight, max_candidates=4096)
+    for _ in range(5):
+        x = (base + 0.1 * torch.randn(k, generator=gen)).to(BF16)[None]
+        assert torch.equal(head.argmax(x), full_argmax(x, head.packed, 2000))
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), 2.0**40], ids=["nan", "inf", "huge"])
+def test_rows_the_screen_cannot_bound_are_computed_in_full(fill: float) -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(700, 64, generator=gen) * 0.05).to(BF16)
+    head = head_of(weight)
+    x = torch.randn(3, 64, generator=gen).to(BF16)
+    x[1, 7] = fill
+    assert raw_argmax(head, x, 1024).tolist()[1] == -1
+    assert torch.equal(head.argmax(x), full_argmax(x, head.packed, 700))
+
+
+def test_a_zero_row_ties_everywhere_and_gets_column_0() -> None:
+    """Every logit is 0: every column is a candidate, more than a cap of 100 (computed in full),
+    fewer than 1024 (computed exactly)."""
+    weight = torch.randn(700, 64).to(BF16)
+    head = head_of(weight)
+    x = torch.zeros(1, 64, dtype=BF16)
+    assert raw_argmax(head, x, 100).tolist() == [-1]
+    assert raw_argmax(head, x, 1024).tolist() == [0]
+    assert head.argmax(x).tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "weight,reason",
+    [
+        (torch.zeros(32, 64), "needs a 2-d bf16 CPU weight"),
+        (torch.zeros(32, 66, dtype=BF16), "needs K a multiple of 4, got 66"),
+        (torch.full((32, 64), float("inf"), dtype=BF16), "needs finite weights of magnitude"),
+        (torch.full((32, 64), 2.0**17, dtype=BF16), "needs finite weights of magnitude"),
+    ],
+)
+def test_weights_the_screen_cannot_serve_are_refused(weight: torch.Tensor, reason: str) -> None:
+    found = screen_unsupported_reason(weight)
+    assert found is not None and found.startswith(reason)
+    with pytest.raises(ValueError, match="greedy screen: " + reason):
+        build_screen(weight)
+
+
+def test_bad_inputs_are_refused_with_exact_messages() -> None:
+    weight = torch.randn(40, 64).to(BF16)
+    head = head_of(weight)
+    s = head.screen
+    x = torch.randn(2, 64).to(BF16)
+
+    def call(**changes: object) -> None:
+        args = {
+            "x": x,
+            "packed": head.packed,
+            "screen": s.screen,
+            "scale": s.scale,
+            "q_sum": s.q_sum,
+            "bound_x": s.bound_x,
+            "bound_ex": s.bound_ex,
+            "max_candidates": 8,
+        }
+        args.update(changes)
+        cpu_ops.greedy_head_argmax(**args)  # type: ignore[arg-type]
+
+    with pytest.raises(RuntimeError, match=r"x must be a \[M, K\] bf16 CPU tensor, got Float"):
+        call(x=x.float())
+    with pytest.raises(RuntimeError, match="K must be a positive multiple of 4 up to 2\\^20"):
+        call(x=torch.zeros(2, 62, dtype=BF16))
+    with pytest.raises(RuntimeError, match="max_candidates must be positive"):
+        call(max_candidates=0)
+    with pytest.raises(RuntimeError, match=r"q_sum must be a contiguous \[40\] Int"):
+        call(q_sum=s.q_sum[:39])
+    with pytest.raises(RuntimeError, match=r"packed must be pack_weight_bf16 of a \[40, 64\]"):
+        call(packed=cpu_ops.pack_weight_bf16(torch.randn(40, 32).to(BF16)))
+    with pytest.raises(RuntimeError, match="screen must be a contiguous int8"):
+        call(screen=s.screen.float())
