@@ -211,7 +211,7 @@ def has_avx512_vnni_bf16() -> bool:
 
 def greedy_head_argmax(
     x: torch.Tensor,  # [M, K] bf16, the final norm's output
-    packed: torch.Tensor,  # pack_weight_bf16(weight [N, K])
+    weight: torch.Tensor,  # [N, K] bf16, contiguous
     screen: torch.Tensor,  # [ceil(N/16), K/4, 16, 4] int8 (kernels.greedy_head)
     scale: torch.Tensor,  # [N] fp32
     q_sum: torch.Tensor,  # [N] int32
@@ -219,10 +219,11 @@ def greedy_head_argmax(
     bound_ex: torch.Tensor,  # [N] fp32
     max_candidates: int,
 ) -> torch.Tensor:  # [M] int64: the argmax, or -1 where the row must be computed in full
-    """argmax(linear_bf16_packed(x, packed, N, out_fp32=True), -1) per row, reading the int8
-    screen instead of the bf16 weights; build its inputs with `kernels.greedy_head`."""
+    """argmax(linear_bf16_packed(x, pack_weight_bf16(weight), N, out_fp32=True), -1) per row,
+    reading the int8 screen and then only the rows of `weight` that could win; build its inputs
+    with `kernels.greedy_head`."""
     out: torch.Tensor = _ops().greedy_head_argmax(
-        x, packed, screen, scale, q_sum, bound_x, bound_ex, max_candidates
+        x, weight, screen, scale, q_sum, bound_x, bound_ex, max_candidates
     )
     return out
 

@@ -10,8 +10,10 @@ columns whose upper bound reaches the best lower bound. The token is the one
 `argmax(linear_bf16_packed(x, packed, N, out_fp32=True))` picks, ties included; a row with more
 than `max_candidates` candidates (e.g. all-equal logits) is computed in full instead.
 
-Needs AVX512_BF16 and AVX512_VNNI (`cpu_ops.has_avx512_vnni_bf16`); costs N x K bytes of memory
-next to the packed bf16 head.
+Needs AVX512_BF16 and AVX512_VNNI (`cpu_ops.has_avx512_vnni_bf16`). Memory: the int8 screen
+(N x K bytes) next to the packed bf16 head, and the head's [N, K] rows, which the candidates'
+exact logits read (a tied head shares them with the embedding; an untied one keeps them: 2 N x K
+bytes more, 49 MB for the medium model, 1 GiB for Llama 3's 128k x 4096 head).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class GreedyHead:
         max_candidates: int = MAX_CANDIDATES,
     ) -> None:
         self.packed = packed
+        self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.screen = build_screen(weight)
         self.max_candidates = max_candidates
@@ -117,7 +120,7 @@ class GreedyHead:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M] int64
         s = self.screen
         tokens = cpu_ops.greedy_head_argmax(
-            x, self.packed, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, self.max_candidates
+            x, self.weight, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, self.max_candidates
         )
         full = (tokens < 0).nonzero().flatten()
         if len(full):  # too many candidates (or non-finite x): these rows in full

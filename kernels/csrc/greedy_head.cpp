@@ -19,7 +19,7 @@ void check_column_vector(const at::Tensor& t, const char* name, at::ScalarType d
 
 bool vnni_bf16_available() { return cpu_has_avx512_vnni_bf16(); }
 
-at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& packed,
+at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& screen, const at::Tensor& scale,
                               const at::Tensor& q_sum, const at::Tensor& bound_x,
                               const at::Tensor& bound_ex, int64_t max_candidates) {
@@ -37,24 +37,21 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& packed,
   check_column_vector(bound_x, "bound_x", at::kFloat, N);
   check_column_vector(bound_ex, "bound_ex", at::kFloat, N);
   const int64_t tiles = ceil_div(N, kPackColumns);
-  const std::vector<int64_t> packed_shape{tiles, K / 2, kPackColumns, 2};
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 &&
-                  packed.is_contiguous() && packed.sizes() == c10::IntArrayRef(packed_shape),
-              "greedy_head_argmax: packed must be pack_weight_bf16 of a [", N, ", ", K,
-              "] weight, got ", packed.sizes());
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 &&
+                  weight.is_contiguous() && weight.dim() == 2 && weight.size(0) == N &&
+                  weight.size(1) == K,
+              "greedy_head_argmax: weight must be a contiguous [", N, ", ", K,
+              "] bf16 CPU tensor, got ", weight.scalar_type(), " ", weight.sizes());
   const std::vector<int64_t> screen_shape{tiles, K / kScreenQuad, kPackColumns, kScreenQuad};
   TORCH_CHECK(screen.device().is_cpu() && screen.scalar_type() == at::kChar &&
                   screen.is_contiguous() && screen.sizes() == c10::IntArrayRef(screen_shape),
               "greedy_head_argmax: screen must be a contiguous int8 ", c10::IntArrayRef(screen_shape),
               " tensor, got ", screen.scalar_type(), " ", screen.sizes());
-  // The gather indexes the packed weights in 32-bit words.
-  TORCH_CHECK(tiles * (K / 2) * kPackColumns < (int64_t{1} << 31),
-              "greedy_head_argmax: the packed weight is too large to gather from");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   if (M == 0) return out;
   greedy_head_avx512(GreedyHeadArgs{
-      data_as<bf16_bits>(xc), data_as<bf16_bits>(packed), screen.const_data_ptr<int8_t>(),
+      data_as<bf16_bits>(xc), data_as<bf16_bits>(weight), screen.const_data_ptr<int8_t>(),
       scale.const_data_ptr<float>(), q_sum.const_data_ptr<int32_t>(),
       bound_x.const_data_ptr<float>(), bound_ex.const_data_ptr<float>(), M, N, K,
       max_candidates, out.mutable_data_ptr<int64_t>()});
@@ -66,7 +63,7 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
   m.def("has_avx512_vnni_bf16() -> bool", &vnni_bf16_available);
   m.def(
-      "greedy_head_argmax(Tensor x, Tensor packed, Tensor screen, Tensor scale, Tensor q_sum, "
+      "greedy_head_argmax(Tensor x, Tensor weight, Tensor screen, Tensor scale, Tensor q_sum, "
       "Tensor bound_x, Tensor bound_ex, int max_candidates) -> Tensor",
       &greedy_head_argmax);
 }

@@ -1,6 +1,6 @@
 // The screened greedy lm_head (greedy_head.cpp checks and registers it, greedy_head_avx512.cpp
 // runs it): each row's argmax over the logits x @ w^T, as the packed bf16 linear would compute
-// them, reading an int8 copy of w instead of w itself. See greedy_head_avx512.cpp for the bound.
+// them, reading an int8 copy of w and then only the few rows of w that could win. See greedy_head_avx512.cpp for the bound.
 #pragma once
 
 #include "avx2_common.h"
@@ -14,7 +14,7 @@ constexpr int kScreenQuad = 4;
 
 struct GreedyHeadArgs {
   const bf16_bits* x;        // [M, K], rows contiguous, K a multiple of 4
-  const bf16_bits* w;        // pack_weight_bf16(w [N, K])
+  const bf16_bits* w;        // [N, K], rows contiguous: the exact logits of the candidates
   const int8_t* q;           // the screen: q[n, k] = round(w[n, k] / scale[n]), |q| <= 127
   const float* scale;        // [N]
   const int32_t* q_sum;      // [N]: sum over k of q[n, k]

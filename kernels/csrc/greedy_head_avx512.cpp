@@ -15,9 +15,11 @@
 //
 // The logit is bf16(F[n]), and rounding is monotone: with Lmax the largest lower bound S - B (at
 // some column b), a column whose bf16(S + B) < bf16(Lmax) has bf16(F[n]) < bf16(F[b]), so it can
-// neither be the maximum nor tie it. The rest, the candidates (a few dozen over a 32k vocabulary
-// for a random model), get their exact F[n]: the packed kernel's chain of vdpbf16ps in K order,
-// lane for lane, with the weights gathered from the packed layout; the first largest wins.
+// neither be the maximum nor tie it. The rest, the candidates (10-30 over a 32k vocabulary for a
+// random model), get their exact F[n]: the packed kernel's chain of vdpbf16ps in K order, lane
+// for lane, over w's rows (1.5 KB per candidate at K = 768; from the packed tiles, whose lines
+// each hold one pair of 16 columns, a column would cost a whole 24 KB tile of traffic: at batch
+// 16 that took a third of the op's time); the first largest wins.
 #include "greedy_head.h"
 
 #include "linear_kernels.h"  // cpu_has_avx512_bf16, kPackColumns
@@ -100,10 +102,12 @@ __mmask16 tile_lanes(int64_t N, int64_t n) {
 // Screen values of rows [m0, m0 + MT) against tile t; stores them and each row's largest lower
 // bound over the tile.
 template <int MT>
-void screen_tile(const GreedyHeadArgs& a, const uint8_t* xu8, const RowQuant* rows, int64_t t,
+void screen_tile(const GreedyHeadArgs& a, const int32_t* xu8, const RowQuant* rows, int64_t t,
                  int64_t m0, float* screen, float* tile_max) {
   const int64_t quads = a.K / kScreenQuad, tiles = (a.N + kLanes - 1) / kLanes;
   const int8_t* tile = a.q + t * quads * 64;
+  const int32_t* xr[MT];  // each row's quads of bytes
+  for (int m = 0; m < MT; ++m) xr[m] = xu8 + (m0 + m) * quads;
   __m512i acc[MT];
   for (auto& v : acc) v = _mm512_setzero_si512();
   for (int64_t j = 0; j < quads; ++j) {
@@ -112,9 +116,11 @@ void screen_tile(const GreedyHeadArgs& a, const uint8_t* xu8, const RowQuant* ro
     const __m512i w = _mm512_loadu_si512(line);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      int32_t quad;
-      std::memcpy(&quad, xu8 + (m0 + m) * a.K + j * kScreenQuad, sizeof(quad));
-      acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_set1_epi32(quad), w);
+      // Inline asm, not _mm512_dpbusd_epi32: GCC 12 copies every accumulator at each step of
+      // the intrinsic (two register moves per multiply-add; batch 16: 1.65 -> 1.35 ms).
+      __m512i sum = acc[m];
+      asm("vpdpbusd %2, %1, %0" : "+v"(sum) : "v"(_mm512_set1_epi32(xr[m][j])), "v"(w));
+      acc[m] = sum;
     }
   }
   const int64_t n = t * kLanes;
@@ -132,7 +138,7 @@ void screen_tile(const GreedyHeadArgs& a, const uint8_t* xu8, const RowQuant* ro
   }
 }
 
-using ScreenTileFn = void (*)(const GreedyHeadArgs&, const uint8_t*, const RowQuant*, int64_t,
+using ScreenTileFn = void (*)(const GreedyHeadArgs&, const int32_t*, const RowQuant*, int64_t,
                               int64_t, float*, float*);
 
 ScreenTileFn screen_tile_for(int64_t rows) {
@@ -178,22 +184,23 @@ bool candidates_of(const GreedyHeadArgs& a, const RowQuant& r, const float* scre
 }
 
 // The exact logits of up to 16 candidate columns for row x: tile_few_rows' chain (one vdpbf16ps
-// per pair of K values, in K order, from zero), each lane gathering its column's pairs.
+// per pair of K values, in K order, from zero), lane c for column cols[c]. The columns' rows of w
+// are read 16 pairs at a time and transposed, so that each step has pair p of every column.
 __m512 exact_logits(const GreedyHeadArgs& a, const bf16_bits* x, const int32_t* cols, int count) {
   const int64_t pairs = a.K / 2;
-  alignas(64) int32_t first[kLanes];
-  for (int c = 0; c < kLanes; ++c) {
-    const int32_t n = cols[std::min(c, count - 1)];
-    first[c] = static_cast<int32_t>((n / kLanes) * pairs * kLanes + n % kLanes);
-  }
-  const auto* words = reinterpret_cast<const int32_t*>(a.w);
-  __m512i index = _mm512_load_si512(first);
-  const __m512i step = _mm512_set1_epi32(kLanes);
+  const bf16_bits* rows[kLanes];
+  for (int c = 0; c < kLanes; ++c) rows[c] = a.w + cols[std::min(c, count - 1)] * a.K;
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512i w = _mm512_i32gather_epi32(index, words, 4);
-    acc = _mm512_dpbf16_ps(acc, broadcast_pair(x + 2 * p), reinterpret_cast<__m512bh>(w));
-    index = _mm512_add_epi32(index, step);
+  for (int64_t p0 = 0; p0 < pairs; p0 += kLanes) {
+    const int step = static_cast<int>(std::min<int64_t>(kLanes, pairs - p0));
+    const auto mask = static_cast<__mmask16>((1u << step) - 1);
+    __m512 r[kLanes];  // r[c]: pairs p0.. of column c, as 32-bit lanes
+    for (int c = 0; c < kLanes; ++c) r[c] = _mm512_maskz_loadu_ps(mask, rows[c] + 2 * p0);
+    transpose16(r);  // r[j]: pair p0 + j of the 16 columns
+    for (int j = 0; j < step; ++j) {
+      acc = _mm512_dpbf16_ps(acc, broadcast_pair(x + 2 * (p0 + j)),
+                             reinterpret_cast<__m512bh>(_mm512_castps_si512(r[j])));
+    }
   }
   // + 0: the packed kernel adds its (zero) bias before rounding.
   return as_logit(_mm512_add_ps(acc, _mm512_setzero_ps()));
@@ -224,9 +231,10 @@ constexpr int64_t kMinWorkPerTask = 1 << 16;
 
 void greedy_head_avx512(const GreedyHeadArgs& a) {
   const int64_t M = a.M, N = a.N, K = a.K, tiles = (N + kLanes - 1) / kLanes;
-  std::vector<uint8_t> xu8(M * K);
+  // The rows' bytes, written as bytes (which may alias anything) and read as quads.
+  std::vector<int32_t> xu8(M * K / kScreenQuad);
   std::vector<RowQuant> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = quantize_row(a.x + m * K, K, xu8.data() + m * K);
+  for (int64_t m = 0; m < M; ++m) rows[m] = quantize_row(a.x + m * K, K, reinterpret_cast<uint8_t*>(xu8.data() + m * K / kScreenQuad));
   // Unusable rows are screened anyway (their output is ignored): one code path.
   std::vector<float> screen(M * N), tile_max(M * tiles);
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (M * K * kLanes));

@@ -25,7 +25,7 @@ def head_of(weight: torch.Tensor, max_candidates: int = 1024) -> GreedyHead:
 def raw_argmax(head: GreedyHead, x: torch.Tensor, max_candidates: int) -> torch.Tensor:
     s = head.screen
     return cpu_ops.greedy_head_argmax(
-        x, head.packed, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, max_candidates
+        x, head.weight, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, max_candidates
     )
 
 
@@ -132,7 +132,7 @@ def test_bad_inputs_are_refused_with_exact_messages() -> None:
     def call(**changes: object) -> None:
         args = {
             "x": x,
-            "packed": head.packed,
+            "weight": head.weight,
             "screen": s.screen,
             "scale": s.scale,
             "q_sum": s.q_sum,
@@ -151,7 +151,7 @@ def test_bad_inputs_are_refused_with_exact_messages() -> None:
         call(max_candidates=0)
     with pytest.raises(RuntimeError, match=r"q_sum must be a contiguous \[40\] Int"):
         call(q_sum=s.q_sum[:39])
-    with pytest.raises(RuntimeError, match=r"packed must be pack_weight_bf16 of a \[40, 64\]"):
-        call(packed=cpu_ops.pack_weight_bf16(torch.randn(40, 32).to(BF16)))
+    with pytest.raises(RuntimeError, match=r"weight must be a contiguous \[40, 64\] bf16"):
+        call(weight=weight.t())
     with pytest.raises(RuntimeError, match="screen must be a contiguous int8"):
         call(screen=s.screen.float())
