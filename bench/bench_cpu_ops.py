@@ -8,7 +8,9 @@ weight bytes over the baseline's time; `read` is a plain fp32 sum over as many b
 machine's streaming roofline right now. Weights that fit the L3 show cache, not DRAM, bandwidth at
 M = 1. Decode attention: each `paged_decode_attention` kernel this CPU runs against gathering the
 blocks and calling F.scaled_dot_product_attention, all bf16. Prefill attention: the torch
-backend's gather + SDPA against the AVX-512 prefill kernel, one 512-token prompt.
+backend's gather + SDPA against the AVX-512 prefill kernel, one 512-token prompt. Greedy head:
+the medium model's 32000 x 768 lm_head, full logits (packed kernel) + argmax against the int8
+screen (`kernels.greedy_head`), at the decode batch sizes.
 """
 
 from __future__ import annotations
@@ -178,6 +180,34 @@ def bench_prefill(budget_s: float) -> None:
     print(line)
 
 
+def bench_greedy_head(rows: list[int], budget_s: float) -> None:
+    """Greedy tokens over a random 32000 x 768 head: the full lm_head + argmax against the int8
+    screen (which picks the same tokens)."""
+    if not cpu_ops.has_avx512_vnni_bf16():
+        print("greedy head: this CPU lacks AVX512_BF16 + AVX512_VNNI")
+        return
+    from kernels.greedy_head import GreedyHead
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 32000, 768
+    weight = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
+    packed = cpu_ops.pack_weight_bf16(weight)
+    head = GreedyHead(packed, weight)
+    for m in rows:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+
+        def full(x: torch.Tensor = x) -> torch.Tensor:
+            return cpu_ops.argmax(cpu_ops.linear_bf16_packed(x, packed, n, out_fp32=True))
+
+        assert torch.equal(full(), head.argmax(x))
+        base = time_ms(full, budget_s)
+        ours = time_ms(functools.partial(head.argmax, x), budget_s)
+        print(
+            f"greedy head N={n} K={k} M={m:>2} | full + argmax {base:.3f} ms"
+            f" | screened {ours:.3f} ms x{base / ours:.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="M in {1, 16} only, short budgets")
@@ -191,6 +221,7 @@ def main() -> None:
     bench_linear([1, 16] if args.quick else BATCH_ROWS, budget_s)
     bench_decode(budget_s)
     bench_prefill(budget_s)
+    bench_greedy_head([1, 16] if args.quick else [1, 4, 16, 64], budget_s)
 
 
 if __name__ == "__main__":
