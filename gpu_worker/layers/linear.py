@@ -28,7 +28,8 @@ class Linear(nn.Module):
     def pack_for_cpu(self, *, out_fp32: bool = False) -> None:
         """Replaces `weight` by its packed layout (`cpu_ops.pack_weight_bf16`, bf16 on a CPU with
         AVX512_BF16) and runs the AVX-512 kernel on it; `out_fp32`: fp32 results (logits). The
-        [N, K] tensor is released unless something else holds it (tied embeddings)."""
+        [N, K] tensor is released unless something else holds it (tied embeddings, the greedy
+        head)."""
         packed = cpu_ops.pack_weight_bf16(self.weight.detach())
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.matmul = functools.partial(

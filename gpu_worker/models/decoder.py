@@ -264,7 +264,9 @@ class DecoderForCausalLM(nn.Module):
         """bf16 on a CPU with the kernels: run matmuls, norms, rotary embeddings and the MLP's
         activation there. With AVX512_BF16 every linear's weights are packed once for the
         AVX-512 kernel (a tied lm_head gets its own packed copy; the embedding keeps its rows);
-        otherwise kernels/cpu_ops.py picks per call. Returns the modules switched."""
+        otherwise kernels/cpu_ops.py picks per call. With AVX512_VNNI too, and one rank, greedy
+        rows get their tokens from `greedy_head` (kernels.greedy_head), which keeps the head's
+        [N, K] rows and an int8 copy. Returns the modules switched."""
         weight = self.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return 0
