@@ -110,7 +110,9 @@ class ModelRunner:
         )
         if not inputs.sample_seq_ids:
             return StepResult()
-        output = self._sample(hidden[inputs.sample_rows], inputs.sample_seq_ids)
+        if len(inputs.sample_seq_ids) < hidden.shape[0]:  # else every row, in order (decode)
+            hidden = hidden[inputs.sample_rows]
+        output = self._sample(hidden, inputs.sample_seq_ids)
         if output is None:  # another rank samples: take its tokens
             tokens = self.tp.broadcast_tokens(None, len(inputs.sample_seq_ids))
             for seq_id, token_id in zip(inputs.sample_seq_ids, tokens, strict=True):
@@ -130,11 +132,16 @@ class ModelRunner:
             for row, seq_id in enumerate(seq_ids)
             if _needs_only_argmax(self.sequences[seq_id].sampling)
         ]
-        greedy = model.greedy_tokens(hidden[argmax_rows]) if argmax_rows else None
+        every_row = len(argmax_rows) == len(seq_ids)
+        greedy = (
+            model.greedy_tokens(hidden if every_row else hidden[argmax_rows])
+            if argmax_rows
+            else None
+        )
         if greedy is None:
             logits = model.compute_logits(hidden)
             return None if logits is None else self.sampler(logits, self._sampling_inputs(seq_ids))
-        if len(argmax_rows) == len(seq_ids):
+        if every_row:
             return SamplerOutput(greedy, None, None, None)
         taken = set(argmax_rows)
         rest = [row for row in range(len(seq_ids)) if row not in taken]

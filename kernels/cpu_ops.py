@@ -120,9 +120,10 @@ class _Library:
         self.failure: str | None = None
 
     def ops(self) -> Any:
+        if self._checked:  # set once, after _ops and failure (every op call takes this path)
+            return self._ops
         with self._lock:
             if not self._checked:
-                self._checked = True
                 self.failure = hardware_unsupported_reason()
                 if self.failure is None:
                     try:
@@ -131,6 +132,7 @@ class _Library:
                         self.failure = f"build failed: {exc}"
                 if self.failure is not None:
                     logger.warning("tgq CPU kernels unavailable: %s", self.failure)
+                self._checked = True
             return self._ops
 
 

@@ -122,8 +122,8 @@ class GreedyHead:
         tokens = cpu_ops.greedy_head_argmax(
             x, self.weight, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, self.max_candidates
         )
-        full = (tokens < 0).nonzero().flatten()
-        if len(full):  # too many candidates (or non-finite x): these rows in full
+        full = [row for row, token in enumerate(tokens.tolist()) if token < 0]
+        if full:  # too many candidates (or non-finite x): these rows in full
             logits = cpu_ops.linear_bf16_packed(
                 x[full], self.packed, self.out_features, out_fp32=True
             )

@@ -93,11 +93,13 @@ class TorchPagedAttention:
     def prepare(self, step: AttentionStep, device: torch.device) -> TorchMetadata:
         num_single = step.num_single
         singles = step.spans[:num_single]
-        max_blocks = max((_blocks_needed(s.kv_len, step.block_size) for s in singles), default=0)
-        table = torch.zeros((num_single, max_blocks), dtype=torch.int64)
-        for row, span in enumerate(singles):
-            used = _blocks_needed(span.kv_len, step.block_size)
-            table[row, :used] = torch.tensor(span.block_ids[:used], dtype=torch.int64)
+        used = [_blocks_needed(s.kv_len, step.block_size) for s in singles]
+        max_blocks = max(used, default=0)
+        # One tensor from padded lists: a row at a time was an indexed copy per sequence.
+        rows = [
+            s.block_ids[:n] + [0] * (max_blocks - n) for s, n in zip(singles, used, strict=True)
+        ]
+        table = torch.tensor(rows, dtype=torch.int64).view(num_single, max_blocks)
         multi = []
         query_start = num_single
         for span in step.spans[num_single:]:
