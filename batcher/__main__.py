@@ -54,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads-per-rank", type=int, default=None, help="CPU torch threads")
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--no-greedy-head",
+        dest="greedy_head",
+        action="store_false",
+        help="compute full logits for greedy rows too (saves the int8 copy of the lm_head)",
+    )
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
     parser.add_argument("--heartbeat-ttl-s", type=float, default=10.0)
@@ -88,6 +94,7 @@ def build_runner(args: argparse.Namespace) -> StepRunner:
             device=args.device,
             block_size=args.block_size,
             num_blocks=args.num_blocks,
+            greedy_head=args.greedy_head,
         )
     )
 

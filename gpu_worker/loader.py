@@ -47,10 +47,13 @@ def load_model(
     revision: str | None = None,
     cache_dir: str | Path | None = None,
     cpu_kernels: bool = True,
+    greedy_head: bool = True,
     tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
-    """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons). With `tp`,
-    the rank's slice of the model: only that slice of each tensor is read from the files."""
+    """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons);
+    `greedy_head=False` computes every row's logits (`DecoderForCausalLM.use_cpu_kernels`).
+    With `tp`, the rank's slice of the model: only that slice of each tensor is read from the
+    files."""
     model_dir = resolve_model_dir(model_id, revision=revision, cache_dir=cache_dir)
     config = ModelConfig.from_dir(model_dir)
     cls = model_class(config)
@@ -64,7 +67,7 @@ def load_model(
     with Checkpoint.open(model_dir) as checkpoint:
         fill_parameters(model, checkpoint)
     model.eval().requires_grad_(False)
-    num_fast = model.use_cpu_kernels() if cpu_kernels else 0
+    num_fast = model.use_cpu_kernels(greedy_head=greedy_head) if cpu_kernels else 0
     log.info(
         "loaded %s (%s) as %s on %s, rank %d of %d (%d modules on the CPU bf16 kernels)",
         model_id,

@@ -43,6 +43,9 @@ class RunnerConfig:
     num_blocks: int | None = None  # None: as many as `kv_cache_bytes` holds
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
     attention_backend: str = "auto"
+    # bf16 on AVX512_BF16 + VNNI CPUs: argmax-only rows from the int8-screened lm_head
+    # (kernels.greedy_head; same tokens, costs N x K bytes and keeps an untied head's rows).
+    greedy_head: bool = True
 
 
 @dataclass
@@ -66,6 +69,7 @@ class ModelRunner:
             dtype=config.dtype,
             revision=config.revision,
             cache_dir=config.cache_dir,
+            greedy_head=config.greedy_head,
             tp=tp,
         )
         self.tp = self.loaded.tp

@@ -93,11 +93,12 @@ class TorchPagedAttention:
     def prepare(self, step: AttentionStep, device: torch.device) -> TorchMetadata:
         num_single = step.num_single
         singles = step.spans[:num_single]
-        used = [_blocks_needed(s.kv_len, step.block_size) for s in singles]
-        max_blocks = max(used, default=0)
+        counts = [_blocks_needed(s.kv_len, step.block_size) for s in singles]
+        max_blocks = max(counts, default=0)
         # One tensor from padded lists: a row at a time was an indexed copy per sequence.
         rows = [
-            s.block_ids[:n] + [0] * (max_blocks - n) for s, n in zip(singles, used, strict=True)
+            [*s.block_ids[:n], *[0] * (max_blocks - n)]
+            for s, n in zip(singles, counts, strict=True)
         ]
         table = torch.tensor(rows, dtype=torch.int64).view(num_single, max_blocks)
         multi = []

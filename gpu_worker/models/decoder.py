@@ -260,13 +260,14 @@ class DecoderForCausalLM(nn.Module):
         )
         return DecoderLayer(config, attention, MLP(config, self.tp))
 
-    def use_cpu_kernels(self) -> int:
+    def use_cpu_kernels(self, *, greedy_head: bool = True) -> int:
         """bf16 on a CPU with the kernels: run matmuls, norms, rotary embeddings and the MLP's
         activation there. With AVX512_BF16 every linear's weights are packed once for the
         AVX-512 kernel (a tied lm_head gets its own packed copy; the embedding keeps its rows);
-        otherwise kernels/cpu_ops.py picks per call. With AVX512_VNNI too, and one rank, greedy
-        rows get their tokens from `greedy_head` (kernels.greedy_head), which keeps the head's
-        [N, K] rows and an int8 copy. Returns the modules switched."""
+        otherwise kernels/cpu_ops.py picks per call. With AVX512_VNNI too, one rank and
+        `greedy_head`, argmax-only rows get their tokens from `self.greedy_head`
+        (kernels.greedy_head), which keeps the head's [N, K] rows and an int8 copy. Returns the
+        modules switched."""
         weight = self.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return 0
@@ -294,7 +295,12 @@ class DecoderForCausalLM(nn.Module):
                 continue
             switched += 1
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
-        if pack and self.tp.world_size == 1 and screen_unsupported_reason(head) is None:
+        if (
+            greedy_head
+            and pack
+            and self.tp.world_size == 1
+            and screen_unsupported_reason(head) is None
+        ):
             self.greedy_head = GreedyHead(self.lm_head.weight.detach(), head)
         return switched
 

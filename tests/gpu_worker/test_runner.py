@@ -257,3 +257,23 @@ def test_greedy_rows_through_the_greedy_head_are_unchanged(
     greedy = [SamplingParams()] * 3
     assert generate(greedy, screened=True) == generate(greedy, screened=False)
     assert set(screened_rows) == {3}
+
+
+@pytest.mark.skipif(
+    not cpu_ops.has_avx512_vnni_bf16(), reason="this CPU lacks AVX512_BF16 + AVX512_VNNI"
+)
+def test_the_greedy_head_can_be_switched_off(model_dirs: dict[str, Path]) -> None:
+    """`RunnerConfig(greedy_head=False)` (the batcher's --no-greedy-head) builds no screen; the
+    batcher's flag reaches the runner's config."""
+    from batcher.__main__ import parse_args
+
+    def head(enabled: bool) -> object:
+        config = RunnerConfig(
+            str(model_dirs["llama3-gqa"]), dtype="bfloat16", num_blocks=8, greedy_head=enabled
+        )
+        return ModelRunner(config).loaded.model.greedy_head
+
+    assert isinstance(head(True), GreedyHead)
+    assert head(False) is None
+    assert parse_args(["--model-id", "m"]).greedy_head is True
+    assert parse_args(["--model-id", "m", "--no-greedy-head"]).greedy_head is False
