@@ -277,3 +277,44 @@ def test_the_greedy_head_can_be_switched_off(model_dirs: dict[str, Path]) -> Non
     assert head(False) is None
     assert parse_args(["--model-id", "m"]).greedy_head is True
     assert parse_args(["--model-id", "m", "--no-greedy-head"]).greedy_head is False
+
+
+@pytest.mark.skipif(not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16")
+@pytest.mark.parametrize(
+    "name", ["llama3-gqa", "llama2-tied-linear", "mistral-window", "qwen2-bias"]
+)
+def test_decode_steps_through_the_cpu_decode_path_are_unchanged(
+    name: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 decode-only steps run the layers as one flat loop over the kernels (GQA, tied
+    embeddings, a sliding window, qkv bias): tokens and logprobs are those of the modules'
+    forward, and only decode-only steps take it."""
+    prompts = [PROMPT, PROMPT[:4], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    params = [SamplingParams(logprobs=True), SEEDED, SamplingParams()]
+    steps: list[int] = []
+    call = decoder.CpuDecodePath.__call__
+
+    def counted(path: decoder.CpuDecodePath, x: torch.Tensor, *args: object) -> torch.Tensor:
+        steps.append(x.shape[0])
+        return call(path, x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decoder.CpuDecodePath, "__call__", counted)
+
+    def generate(fast: bool) -> list[tuple[list[int], list[float]]]:
+        runner = ModelRunner(RunnerConfig(str(model_dirs[name]), dtype="bfloat16", num_blocks=128))
+        model = runner.loaded.model
+        assert model.cpu_decode is not None
+        if not fast:
+            model.cpu_decode = None
+        out = OfflineEngine(runner).generate(prompts, params, max_new_tokens=6, chunk_size=5)
+        return [(g.token_ids, g.logprobs) for g in out]
+
+    assert generate(fast=True) == generate(fast=False)
+    # prompts of 9, 4 and 11 tokens in chunks of 5: the first steps mix prefill and decode
+    assert steps and max(steps) == 3 and min(steps) < 3
+
+
+@pytest.mark.skipif(not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16")
+def test_models_with_qk_norms_keep_the_modules(model_dirs: dict[str, Path]) -> None:
+    config = RunnerConfig(str(model_dirs["qwen3-qknorm"]), dtype="bfloat16", num_blocks=8)
+    assert ModelRunner(config).loaded.model.cpu_decode is None
