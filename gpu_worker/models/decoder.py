@@ -189,48 +189,51 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(hidden)
 
 
-@dataclass(frozen=True, slots=True)
-class _PackedMatmul:
-    weight: torch.Tensor  # Linear.pack_for_cpu's layout
-    bias: torch.Tensor | None
-    out_features: int
-
-    @classmethod
-    def of(cls, linear: Linear) -> _PackedMatmul:
-        return cls(linear.weight.detach(), linear.bias, linear.out_features)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.linear_bf16_packed(x, self.weight, self.out_features, self.bias)
-
-
-@dataclass(frozen=True, slots=True)
-class _CpuDecodeLayer:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    eps: float
-    qkv: _PackedMatmul
-    o: _PackedMatmul
-    gate_up: _PackedMatmul
-    down: _PackedMatmul
-    shape: AttentionShape
-    scale: float
-    window: int  # 0: none
-
-
 class CpuDecodePath:
-    """The decoder layers of a decode-only step (one token per sequence) on the CPU kernels, as
-    one flat loop over the kernels' ops with every argument captured at load: the same ops, in
-    the same order and on the same tensors as the modules' forward, so bit-identical to it.
+    """The decoder layers of a decode-only step (one token per sequence) on the CPU kernels, in
+    one op (`cpu_ops.decode_layers_`) over every weight captured at load: the same ops, in the
+    same order and on the same tensors as the modules' forward, so bit-identical to it.
 
-    What it saves is Python: the modules' calls, views, context and backend dispatch cost the
-    medium model's batch-1 step ~1 ms of its ~7 (measured in turns, 7.42 against 6.44 ms, best
-    of six). Built by `use_cpu_kernels` with packed weights on one rank, for models without q/k
-    norms; a step it does not serve (prefill chunks, another backend, more rows than one MLP
-    pass) takes the modules."""
+    What it saves is Python and op-call overhead: measured in turns against the modules, best
+    of six, the medium model's batch-1 step went 6.57 -> 5.56 ms and batch 16 11.99 -> 10.99 ms
+    (a flat Python loop over the same ops saved half of that: 5.70 -> 5.22 ms at batch 1).
+
+    Built by `use_cpu_kernels` with packed weights on one rank, for models without q/k norms
+    whose layers share one attention shape and norm eps; a step it does not serve (prefill
+    chunks, another backend, more rows than one MLP pass) takes the modules."""
 
     def __init__(self, layers: list[DecoderLayer]) -> None:
-        self.layers = [_capture(layer) for layer in layers]
-        self._mlp = layers[0].mlp
+        first = layers[0]
+        self.shape = first.self_attn.shape
+        self.eps = first.input_layernorm.eps
+        self.scale = first.self_attn.scale
+        self._mlp = first.mlp
+        self.norms: list[torch.Tensor] = []
+        self.weights: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor | None] = []
+        self.out_features: list[int] = []
+        self.windows: list[int] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            self.norms += [norm.weight.detach() for norm in norms]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                self.weights.append(linear.weight.detach())
+                self.biases.append(None if linear.bias is None else linear.bias.detach())
+                self.out_features.append(linear.out_features)
+            self.windows.append(attn.sliding_window or 0)
+
+    @staticmethod
+    def supports(layers: list[DecoderLayer]) -> bool:
+        first = layers[0]
+        return all(
+            layer.self_attn.use_cpu_kernel
+            and layer.self_attn.shape == first.self_attn.shape
+            and layer.self_attn.scale == first.self_attn.scale
+            and layer.input_layernorm.eps == first.input_layernorm.eps
+            and layer.post_attention_layernorm.eps == first.input_layernorm.eps
+            for layer in layers
+        )
 
     def serves(
         self, backend: AttentionBackend[Any], meta: AttentionMetadata, x: torch.Tensor
@@ -251,54 +254,15 @@ class CpuDecodePath:
         kv_caches: list[KVCache],
         meta: TorchMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        cos, sin = cos.view(num_tokens, -1), sin.view(num_tokens, -1)
-        delta: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            shape = layer.shape
-            hidden = (
-                cpu_ops.rms_norm(x, layer.input_norm, layer.eps)
-                if delta is None
-                else cpu_ops.add_rms_norm(x, delta, layer.input_norm, layer.eps)
-            )
-            qkv = layer.qkv(hidden)
-            cpu_ops.rotary_qk_(qkv, cos, sin, shape.num_heads + shape.num_kv_heads, shape.head_dim)
-            kv_end = shape.q_size + shape.kv_size
-            k = qkv[:, shape.q_size : kv_end].view(num_tokens, shape.num_kv_heads, shape.head_dim)
-            v = qkv[:, kv_end:].view(num_tokens, shape.num_kv_heads, shape.head_dim)
-            cpu_ops.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = cpu_ops.paged_decode_attention(
-                qkv[:, : shape.q_size].view(num_tokens, shape.num_heads, shape.head_dim),
-                k_cache,
-                v_cache,
-                meta.single_block_tables,
-                meta.single_kv_lens,
-                layer.scale,
-                layer.window,
-            )
-            attn = layer.o(out.view(num_tokens, shape.q_size))
-            hidden = cpu_ops.add_rms_norm(x, attn, layer.post_norm, layer.eps)
-            delta = layer.down(cpu_ops.silu_mul(layer.gate_up(hidden)))
-        return x if delta is None else x.add_(delta)
-
-
-def _capture(layer: DecoderLayer) -> _CpuDecodeLayer:
-    attn, mlp = layer.self_attn, layer.mlp
-    eps = layer.input_layernorm.eps
-    if layer.post_attention_layernorm.eps != eps:
-        raise ValueError("the CPU decode path needs one RMSNorm eps per layer")
-    return _CpuDecodeLayer(
-        input_norm=layer.input_layernorm.weight.detach(),
-        post_norm=layer.post_attention_layernorm.weight.detach(),
-        eps=eps,
-        qkv=_PackedMatmul.of(attn.qkv_proj),
-        o=_PackedMatmul.of(attn.o_proj),
-        gate_up=_PackedMatmul.of(mlp.gate_up_proj),
-        down=_PackedMatmul.of(mlp.down_proj),
-        shape=attn.shape,
-        scale=attn.scale,
-        window=attn.sliding_window or 0,
-    )
+        num_tokens, shape = x.shape[0], self.shape
+        cpu_ops.decode_layers_(
+            x, self.norms, self.weights, self.biases, self.out_features,
+            [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            cos.view(num_tokens, -1), sin.view(num_tokens, -1),
+            meta.slot_mapping, meta.single_block_tables, meta.single_kv_lens,
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, self.eps, self.scale, self.windows,
+        )  # fmt: skip
+        return x
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -411,7 +375,7 @@ class DecoderForCausalLM(nn.Module):
             switched += 1
         single = self.tp.world_size == 1
         layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
-        if pack and single and all(layer.self_attn.use_cpu_kernel for layer in layers):
+        if pack and single and CpuDecodePath.supports(layers):
             self.cpu_decode = CpuDecodePath(layers)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
         if greedy_head and pack and single and screen_unsupported_reason(head) is None:
