@@ -71,7 +71,10 @@ def build_screen(weight: torch.Tensor) -> GreedyScreen:
     if reason is not None:
         raise ValueError(f"greedy screen: {reason}")
     num_rows, k = weight.shape
-    gamma = k * 2.0**-24 / (1 - k * 2.0**-24) * 1.01  # K roundings of an fp32 sum
+    # K roundings of an fp32 sum, each within one unit in the last place (not only half of
+    # one: the bound holds whichever rounding the CPU's vdpbf16ps applies inside)
+    ulp = 2.0**-23
+    gamma = k * ulp / (1 - k * ulp) * 1.01
     quantized = torch.empty(num_rows, k, dtype=torch.int8)
     scale = torch.empty(num_rows, dtype=torch.float32)
     bound_x = torch.empty(num_rows, dtype=torch.float64)

@@ -8,7 +8,8 @@
 // S[n] = sx * s[n] * (xq . q[n]) (one exact integer dot product, vpdpbusd) is within
 //   (|x| + |ex|) |e[n]| + |ex| |w[n]|                                      (Cauchy-Schwarz)
 // of the true dot product, and the kernel's fp32 sum F[n] within gamma_K |x| |w[n]| of that
-// (K roundings of a sum of exact bf16 products), plus denormal flushes far below 2^-70. The
+// (K roundings of a sum of exact bf16 products, each within an ulp), plus denormal flushes far
+// below 2^-70. The
 // packer folds the per-column factors into bound_x[n] = |e[n]| + gamma_K |w[n]| and
 // bound_ex[n] = |e[n]| + |w[n]| (rounded up): B[n] = |x| bound_x[n] + |ex| bound_ex[n], widened
 // by 2^-10 for the roundings of this very computation, brackets F[n] in [S - B, S + B].
