@@ -186,13 +186,13 @@ def bench_greedy_head(rows: list[int], budget_s: float) -> None:
     if not cpu_ops.has_avx512_vnni_bf16():
         print("greedy head: this CPU lacks AVX512_BF16 + AVX512_VNNI")
         return
-    from kernels.greedy_head import GreedyHead
+    from kernels.greedy_head import GreedyHead, build_screen
 
     gen = torch.Generator().manual_seed(0)
     n, k = 32000, 768
     weight = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
     packed = cpu_ops.pack_weight_bf16(weight)
-    head = GreedyHead(packed, weight)
+    head = GreedyHead(packed, weight, build_screen(weight))
     for m in rows:
         x = torch.randn(m, k, generator=gen).bfloat16()
 

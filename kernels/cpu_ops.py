@@ -10,7 +10,6 @@ returns False and the reason is logged once and kept in `unavailable_reason()`.
 from __future__ import annotations
 
 import fcntl
-import functools
 import logging
 import os
 import platform
@@ -207,10 +206,9 @@ def has_avx512_bf16() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags()
 
 
-@functools.cache
 def has_avx512_vnni_bf16() -> bool:
     """Whether `greedy_head_argmax` runs here (AVX512_BF16 and AVX512_VNNI)."""
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"} <= _cpu_flags()
+    return has_avx512_bf16() and "avx512_vnni" in _cpu_flags()
 
 
 def greedy_head_argmax(
@@ -348,7 +346,7 @@ def decode_layers_(
     """Every decoder layer of a decode-only step (one token per row), then the last MLP output
     added to x: the ops the modules' forward runs on the CPU kernels (rms_norm / add_rms_norm,
     linear_bf16_packed, rotary_qk_, write_kv_, paged_decode_attention, silu_mul), in its order,
-    in one call (gpu_worker.models.decoder.CpuDecodePath)."""
+    in one call (gpu_worker.models.cpu_decode.CpuDecodePath)."""
     _ops().decode_layers_(
         x, norms, weights, biases, out_features, k_caches, v_caches, cos, sin, slot_mapping,
         block_tables, kv_lens, num_heads, num_kv_heads, head_dim, eps, scale, windows,

@@ -53,8 +53,11 @@ def screen_unsupported_reason(weight: torch.Tensor) -> str | None:
         return "needs a CPU with AVX512_BF16 and AVX512_VNNI"
     if weight.shape[1] % _QUAD != 0:
         return f"needs K a multiple of {_QUAD}, got {weight.shape[1]}"
-    if not bool(torch.isfinite(weight).all()) or float(weight.abs().max()) > MAX_WEIGHT:
-        return f"needs finite weights of magnitude <= {MAX_WEIGHT:g}"
+    # Row chunks: a whole-head abs() would be a second copy of the head (1 GiB for Llama 3's).
+    # A NaN makes its chunk's maximum NaN, which fails the comparison too.
+    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        if not float(weight[start : start + _ROWS_PER_CHUNK].abs().amax()) <= MAX_WEIGHT:
+            return f"needs finite weights of magnitude <= {MAX_WEIGHT:g}"
     return None
 
 
@@ -70,6 +73,10 @@ def build_screen(weight: torch.Tensor) -> GreedyScreen:
     reason = screen_unsupported_reason(weight)
     if reason is not None:
         raise ValueError(f"greedy screen: {reason}")
+    return _quantize(weight)
+
+
+def _quantize(weight: torch.Tensor) -> GreedyScreen:
     num_rows, k = weight.shape
     # K roundings of an fp32 sum, each within one unit in the last place (not only half of
     # one: the bound holds whichever rounding the CPU's vdpbf16ps applies inside)
@@ -111,14 +118,26 @@ class GreedyHead:
     def __init__(
         self,
         packed: torch.Tensor,  # pack_weight_bf16(weight)
-        weight: torch.Tensor,  # [N, K] bf16
+        weight: torch.Tensor,  # [N, K] bf16, contiguous
+        screen: GreedyScreen,  # build_screen(weight)
         max_candidates: int = MAX_CANDIDATES,
     ) -> None:
         self.packed = packed
-        self.weight = weight.contiguous()
+        self.weight = weight
         self.out_features = weight.shape[0]
-        self.screen = build_screen(weight)
+        self.screen = screen
         self.max_candidates = max_candidates
+
+    @classmethod
+    def build(
+        cls, packed: torch.Tensor, weight: torch.Tensor, max_candidates: int = MAX_CANDIDATES
+    ) -> GreedyHead | None:
+        """The head over `weight` and its packed copy; None where the screen cannot serve this
+        weight here (`screen_unsupported_reason`)."""
+        if screen_unsupported_reason(weight) is not None:
+            return None
+        weight = weight.contiguous()
+        return cls(packed, weight, _quantize(weight), max_candidates)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M] int64
         s = self.screen

@@ -30,7 +30,7 @@ from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
 from gpu_worker.parallel import SINGLE, TensorParallel
 from kernels import AttentionBackend, AttentionMetadata, cpu_ops
 from kernels.cpu_paged import CpuPagedAttention
-from kernels.greedy_head import GreedyHead, screen_unsupported_reason
+from kernels.greedy_head import GreedyHead
 from kernels.torch_paged import TorchMetadata
 
 # K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -353,9 +353,8 @@ class DecoderForCausalLM(nn.Module):
         if not cpu_ops.is_available():
             return 0
         pack = cpu_ops.has_avx512_bf16()
-        head = (
-            weight.detach()
-        )  # the [N, K] head, which packing releases; the screen is built from it
+        # The [N, K] head, which packing releases: the greedy head's screen is built from it.
+        head = weight.detach()
         switched = 0
         for module in self.modules():
             if isinstance(module, Linear):
@@ -378,8 +377,8 @@ class DecoderForCausalLM(nn.Module):
         if pack and single and CpuDecodePath.supports(layers):
             self.cpu_decode = CpuDecodePath(layers)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
-        if greedy_head and pack and single and screen_unsupported_reason(head) is None:
-            self.greedy_head = GreedyHead(self.lm_head.weight.detach(), head)
+        if greedy_head and pack and single:
+            self.greedy_head = GreedyHead.build(self.lm_head.weight.detach(), head)
         return switched
 
     def tie_weights(self) -> None:

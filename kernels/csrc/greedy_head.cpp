@@ -17,8 +17,6 @@ void check_column_vector(const at::Tensor& t, const char* name, at::ScalarType d
               " CPU tensor, got ", t.scalar_type(), " ", t.sizes());
 }
 
-bool vnni_bf16_available() { return cpu_has_avx512_vnni_bf16(); }
-
 at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& screen, const at::Tensor& scale,
                               const at::Tensor& q_sum, const at::Tensor& bound_x,
@@ -61,7 +59,6 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
-  m.def("has_avx512_vnni_bf16() -> bool", &vnni_bf16_available);
   m.def(
       "greedy_head_argmax(Tensor x, Tensor weight, Tensor screen, Tensor scale, Tensor q_sum, "
       "Tensor bound_x, Tensor bound_ex, int max_candidates) -> Tensor",

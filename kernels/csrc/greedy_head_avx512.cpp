@@ -235,7 +235,10 @@ void greedy_head_avx512(const GreedyHeadArgs& a) {
   // The rows' bytes, written as bytes (which may alias anything) and read as quads.
   std::vector<int32_t> xu8(M * K / kScreenQuad);
   std::vector<RowQuant> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = quantize_row(a.x + m * K, K, reinterpret_cast<uint8_t*>(xu8.data() + m * K / kScreenQuad));
+  for (int64_t m = 0; m < M; ++m) {
+    rows[m] = quantize_row(a.x + m * K, K,
+                           reinterpret_cast<uint8_t*>(xu8.data() + m * K / kScreenQuad));
+  }
   // Unusable rows are screened anyway (their output is ignored): one code path.
   std::vector<float> screen(M * N), tile_max(M * tiles);
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (M * K * kLanes));

@@ -19,7 +19,9 @@ def full_argmax(x: torch.Tensor, packed: torch.Tensor, num_columns: int) -> torc
 
 
 def head_of(weight: torch.Tensor, max_candidates: int = 1024) -> GreedyHead:
-    return GreedyHead(cpu_ops.pack_weight_bf16(weight), weight, max_candidates)
+    return GreedyHead(
+        cpu_ops.pack_weight_bf16(weight), weight, build_screen(weight), max_candidates
+    )
 
 
 def raw_argmax(head: GreedyHead, x: torch.Tensor, max_candidates: int) -> torch.Tensor:
@@ -113,6 +115,7 @@ def test_a_zero_row_ties_everywhere_and_gets_column_0() -> None:
         (torch.zeros(32, 64), "needs a 2-d bf16 CPU weight"),
         (torch.zeros(32, 66, dtype=BF16), "needs K a multiple of 4, got 66"),
         (torch.full((32, 64), float("inf"), dtype=BF16), "needs finite weights of magnitude"),
+        (torch.full((32, 64), float("nan"), dtype=BF16), "needs finite weights of magnitude"),
         (torch.full((32, 64), 2.0**17, dtype=BF16), "needs finite weights of magnitude"),
     ],
 )
@@ -121,6 +124,7 @@ def test_weights_the_screen_cannot_serve_are_refused(weight: torch.Tensor, reaso
     assert found is not None and found.startswith(reason)
     with pytest.raises(ValueError, match="greedy screen: " + reason):
         build_screen(weight)
+    assert GreedyHead.build(torch.empty(0), weight) is None  # the model then has no greedy head
 
 
 def test_bad_inputs_are_refused_with_exact_messages() -> None:
