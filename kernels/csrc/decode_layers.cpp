@@ -1,6 +1,6 @@
 // decode_layers_: every decoder layer of a decode-only step (one token per sequence) on the CPU
-// kernels, in one call. gpu_worker/models/decoder.py (CpuDecodePath) captures the layers' weights
-// at load and calls this instead of the modules' forward; it runs the same ops (through the
+// kernels, in one call. gpu_worker/models/cpu_decode.py (CpuDecodePath) captures the layers'
+// weights at load and calls this instead of the modules' forward; it runs the same ops (through the
 // dispatcher, as the Python path does), in the same order, on the same tensors, so the result is
 // bit-identical to the modules'. What it saves is the ~10 Python -> C++ op calls per layer and
 // their views: ~3 us each, a few percent of a batch-1 step.

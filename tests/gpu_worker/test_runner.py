@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.models import decoder
+from gpu_worker.models import cpu_decode, decoder
 from gpu_worker.offline import OfflineEngine
 from gpu_worker.plan import (
     NewSequence,
@@ -292,13 +292,13 @@ def test_decode_steps_through_the_cpu_decode_path_are_unchanged(
     prompts = [PROMPT, PROMPT[:4], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
     params = [SamplingParams(logprobs=True), SEEDED, SamplingParams()]
     steps: list[int] = []
-    call = decoder.CpuDecodePath.__call__
+    call = cpu_decode.CpuDecodePath.__call__
 
-    def counted(path: decoder.CpuDecodePath, x: torch.Tensor, *args: object) -> torch.Tensor:
+    def counted(path: cpu_decode.CpuDecodePath, x: torch.Tensor, *args: object) -> torch.Tensor:
         steps.append(x.shape[0])
         return call(path, x, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(decoder.CpuDecodePath, "__call__", counted)
+    monkeypatch.setattr(cpu_decode.CpuDecodePath, "__call__", counted)
 
     def generate(fast: bool) -> list[tuple[list[int], list[float]]]:
         runner = ModelRunner(RunnerConfig(str(model_dirs[name]), dtype="bfloat16", num_blocks=128))
