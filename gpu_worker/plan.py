@@ -56,6 +56,11 @@ class SamplingParams:
         return self.logprobs or self.top_n_logprobs > 0
 
     @property
+    def needs_only_argmax(self) -> bool:
+        """Greedy, with nothing that reads the other logits (penalties, logprobs)."""
+        return self.is_greedy and not self.has_penalties and not self.wants_logprobs
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

@@ -134,7 +134,7 @@ class ModelRunner:
         argmax_rows = [
             row
             for row, seq_id in enumerate(seq_ids)
-            if _needs_only_argmax(self.sequences[seq_id].sampling)
+            if self.sequences[seq_id].sampling.needs_only_argmax
         ]
         every_row = len(argmax_rows) == len(seq_ids)
         greedy = (
@@ -253,10 +253,6 @@ class ModelRunner:
                 top = [TokenLogprob(t, lp) for t, lp in pairs]
             sampled.append(SampledToken(seq_id, token_ids[row], logprob, top))
         return StepResult(sampled)
-
-
-def _needs_only_argmax(sampling: SamplingParams) -> bool:
-    return sampling.is_greedy and not sampling.has_penalties and not sampling.wants_logprobs
 
 
 def _merge_rows(
