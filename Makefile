@@ -19,12 +19,12 @@ $(STAMP): pyproject.toml constraints.txt
 # The service, embedded (SQLite, batcher in-process) unless DATABASE_URL / REDIS_URL are set;
 # the demo model unless MODEL_DIR is. Listens on http://127.0.0.1:3000 (HOSTNAME, PORT).
 run: $(STAMP)
-	MODEL_DIR=$${MODEL_DIR:-$$($(PY) -m devtools.demo)} \
+	MODEL_DIR=$${MODEL_DIR:-$$($(PY) -m tgq.devtools.demo)} \
 	DATABASE_URL=$${DATABASE_URL:-sqlite+aiosqlite:///.cache/tgq.db} AUTO_MIGRATE=$${AUTO_MIGRATE:-true} \
-	HOSTNAME=$${TGQ_HOSTNAME:-127.0.0.1} $(PY) -m api
+	HOSTNAME=$${TGQ_HOSTNAME:-127.0.0.1} $(PY) -m tgq.api
 
 generate: $(STAMP)
-	$(PY) -m gpu_worker.generate --demo --prompt "The Python language" --max-new-tokens 24
+	$(PY) -m tgq.gpu_worker.generate --demo --prompt "The Python language" --max-new-tokens 24
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

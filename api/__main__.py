@@ -1,4 +1,4 @@
-"""`python -m api`: the HTTP api under uvicorn, configured by environment variables (see
+"""`python -m tgq.api`: the HTTP api under uvicorn, configured by environment variables (see
 `api.settings.Settings`; `HOSTNAME` and `PORT` as TGI's launcher)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import sys
 import uvicorn
 from sse_starlette.sse import AppStatus
 
-from api.app import create_app
-from api.drain import GRACEFUL_CLOSE_S, DrainingServer
-from api.settings import Settings
-from batcher.logs import configure_logging
-from batcher.tracing import TracingUnavailableError
+from tgq.api.app import create_app
+from tgq.api.drain import GRACEFUL_CLOSE_S, DrainingServer
+from tgq.api.settings import Settings
+from tgq.batcher.logs import configure_logging
+from tgq.batcher.tracing import TracingUnavailableError
 
 
 def main() -> None:

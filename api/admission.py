@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from api.errors import OverloadedError
+from tgq.api.errors import OverloadedError
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,32 +24,36 @@ from fastapi import FastAPI, Request, Response
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.admission import Admission, Limits
-from api.batches.runner import BatchContext, run_batch
-from api.db import api_keys, create_engine, warm_up
-from api.db.migrate import check_schema, upgrade
-from api.drain import Drain, DrainMiddleware
-from api.errors import (
+from tgq.api.admission import Admission, Limits
+from tgq.api.batches.runner import BatchContext, run_batch
+from tgq.api.db import api_keys, create_engine, warm_up
+from tgq.api.db.migrate import check_schema, upgrade
+from tgq.api.drain import Drain, DrainMiddleware
+from tgq.api.errors import (
     UnavailableError,
     ValidationError,
     error_response,
     flavour_for_path,
     install_error_handlers,
 )
-from api.files.storage import FileStorage, LocalFileStorage
-from api.generation import Persister, Recorder, Running, cancel_and_wait
-from api.metrics import Metrics
-from api.observability import install_observability
-from api.reconciler import reconcile_once, resume_batches
-from api.security import install_security
-from api.service import Generation
-from api.settings import Settings
-from api.shedding import ShedOverload
-from api.tokenizer import ModelTokenizer
-from batcher import tracing
-from batcher.messages import FinalResult
-from batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport, ThreadedApiTransport
-from batcher.transport.base import StoredFinal
+from tgq.api.files.storage import FileStorage, LocalFileStorage
+from tgq.api.generation import Persister, Recorder, Running, cancel_and_wait
+from tgq.api.metrics import Metrics
+from tgq.api.observability import install_observability
+from tgq.api.reconciler import reconcile_once, resume_batches
+from tgq.api.security import install_security
+from tgq.api.service import Generation
+from tgq.api.settings import Settings
+from tgq.api.shedding import ShedOverload
+from tgq.api.tokenizer import ModelTokenizer
+from tgq.batcher import tracing
+from tgq.batcher.messages import FinalResult
+from tgq.batcher.transport.aio import (
+    AsyncApiTransport,
+    AsyncRedisApiTransport,
+    ThreadedApiTransport,
+)
+from tgq.batcher.transport.base import StoredFinal
 
 log = logging.getLogger("api")
 VERSION = "0.1.0"
@@ -102,7 +106,7 @@ class AppState:
         process (once per batch at a time). A runner that cannot start now is started by the
         reconciler once the batch's lease lapses."""
         if self.settings.batches_on_celery:
-            from bulk.celery_app import send_run_batch  # Celery only where batches go to it
+            from tgq.bulk.celery_app import send_run_batch  # Celery only where batches go to it
 
             try:
                 await asyncio.to_thread(send_run_batch, self.settings, batch_id)
@@ -167,7 +171,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
     install_security(app, settings, verify_key if settings.require_api_keys else None)
     install_observability(app, settings)
-    from api.routes import batches, files, job_events, jobs, openai, tgi  # they import `state_of`
+    from tgq.api.routes import (  # they import `state_of`
+        batches,
+        files,
+        job_events,
+        jobs,
+        openai,
+        tgi,
+    )
 
     app.include_router(tgi.router)
     app.include_router(openai.router)
@@ -225,8 +236,8 @@ async def _start(settings: Settings) -> AppState:
             settings.redis_url, settings.redis_prefix, max_connections=max_connections
         )
     else:
-        from batcher.embedded import EmbeddedBatcher
-        from batcher.transport.memory import MemoryTransport
+        from tgq.batcher.embedded import EmbeddedBatcher
+        from tgq.batcher.transport.memory import MemoryTransport
 
         memory = MemoryTransport()
         embedded = await asyncio.to_thread(EmbeddedBatcher, str(model_dir), memory)

@@ -23,8 +23,8 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import UnavailableError, error_response, flavour_for_path
-from batcher.heap import freeze_startup_heap
+from tgq.api.errors import UnavailableError, error_response, flavour_for_path
+from tgq.batcher.heap import freeze_startup_heap
 
 log = logging.getLogger("api")
 POLL_S = 0.05

@@ -29,8 +29,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.schemas.openai import OpenAIError, OpenAIErrorBody
-from api.schemas.tgi import ErrorResponse
+from tgq.api.schemas.openai import OpenAIError, OpenAIErrorBody
+from tgq.api.schemas.tgi import ErrorResponse
 
 Flavour = Literal["tgi", "openai"]
 

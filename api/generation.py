@@ -30,13 +30,13 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.db import store
-from api.errors import UnavailableError
-from batcher import tracing
-from batcher.logs import current_request_id
-from batcher.messages import FinalResult, SubmitRequest, TokenEvent
-from batcher.transport.aio import AsyncApiTransport
-from batcher.transport.base import StoredFinal
+from tgq.api.db import store
+from tgq.api.errors import UnavailableError
+from tgq.batcher import tracing
+from tgq.batcher.logs import current_request_id
+from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
+from tgq.batcher.transport.aio import AsyncApiTransport
+from tgq.batcher.transport.base import StoredFinal
 
 log = logging.getLogger(__name__)
 

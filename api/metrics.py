@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import ClassVar
 
-from batcher.messages import Heartbeat
+from tgq.batcher.messages import Heartbeat
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS_S = (

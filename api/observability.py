@@ -19,10 +19,10 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import ApiError, error_response, flavour_for_path
-from api.settings import Settings
-from batcher import tracing
-from batcher.logs import current_request_id
+from tgq.api.errors import ApiError, error_response, flavour_for_path
+from tgq.api.settings import Settings
+from tgq.batcher import tracing
+from tgq.batcher.logs import current_request_id
 
 REQUEST_ID_HEADER = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")

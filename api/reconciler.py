@@ -18,13 +18,13 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.db import batches as db_batches
-from api.db import store
-from api.settings import Settings
-from batcher.messages import SubmitRequest
-from batcher.request import Priority, StoppingParams
-from batcher.transport.aio import AsyncApiTransport
-from gpu_worker.plan import SamplingParams
+from tgq.api.db import batches as db_batches
+from tgq.api.db import store
+from tgq.api.settings import Settings
+from tgq.batcher.messages import SubmitRequest
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.transport.aio import AsyncApiTransport
+from tgq.gpu_worker.plan import SamplingParams
 
 log = logging.getLogger(__name__)
 

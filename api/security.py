@@ -16,14 +16,14 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import (
+from tgq.api.errors import (
     ApiError,
     PayloadTooLargeError,
     UnauthorizedError,
     error_response,
     flavour_for_path,
 )
-from api.settings import Settings
+from tgq.api.settings import Settings
 
 VerifyKey = Callable[[str], Awaitable[int | None]]  # a stored key's id, or None
 

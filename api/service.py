@@ -23,18 +23,18 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Receive
 
-from api.admission import Admission, Ticket
-from api.db import store
-from api.errors import ApiError, GenerationError, TemplateError, UnavailableError
-from api.generation import Recorder, follow, new_job_id, request_id_of
-from api.metrics import Metrics
-from api.settings import Settings
-from api.tokenizer import ModelTokenizer
-from api.validated import GenerationParams, ValidatedRequest
-from api.validation import validate_tokens
-from batcher.messages import FinalResult, SubmitRequest, TokenEvent
-from batcher.request import Priority
-from batcher.transport.aio import AsyncApiTransport
+from tgq.api.admission import Admission, Ticket
+from tgq.api.db import store
+from tgq.api.errors import ApiError, GenerationError, TemplateError, UnavailableError
+from tgq.api.generation import Recorder, follow, new_job_id, request_id_of
+from tgq.api.metrics import Metrics
+from tgq.api.settings import Settings
+from tgq.api.tokenizer import ModelTokenizer
+from tgq.api.validated import GenerationParams, ValidatedRequest
+from tgq.api.validation import validate_tokens
+from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.aio import AsyncApiTransport
 
 FAILED_REASONS = ("failed", "rejected")
 log = logging.getLogger(__name__)

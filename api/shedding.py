@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import OverloadedError, error_response, flavour_for_path
+from tgq.api.errors import OverloadedError, error_response, flavour_for_path
 
 # The routes that take an admission ticket (TGI's and OpenAI's generation routes).
 GENERATION_ROUTES = frozenset(

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from api.chat_template import ChatTemplate, NoChatTemplateError
-from gpu_worker.config import model_eos_token_ids  # torch-free: it reads config.json
+from tgq.api.chat_template import ChatTemplate, NoChatTemplateError
+from tgq.gpu_worker.config import model_eos_token_ids  # torch-free: it reads config.json
 
 T = TypeVar("T")
 TOKENIZER_FILE = "tokenizer.json"

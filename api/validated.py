@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batcher.request import Priority, StoppingParams
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.gpu_worker.plan import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

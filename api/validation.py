@@ -42,13 +42,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-from api.errors import RouteValidationError, ValidationError
-from api.schemas.openai import ChatCompletionRequest, CompletionRequest, ImagePart
-from api.schemas.tgi import GenerateParameters, default_parameters
-from api.settings import Settings
-from api.validated import GenerationParams, ValidatedRequest
-from batcher.request import Priority, StoppingParams
-from gpu_worker.plan import SamplingParams
+from tgq.api.errors import RouteValidationError, ValidationError
+from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest, ImagePart
+from tgq.api.schemas.tgi import GenerateParameters, default_parameters
+from tgq.api.settings import Settings
+from tgq.api.validated import GenerationParams, ValidatedRequest
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.gpu_worker.plan import SamplingParams
 
 T = TypeVar("T")
 MAX_PENALTY = 2.0  # frequency and presence penalties live in [-2, 2]

@@ -1,4 +1,4 @@
-"""`python -m batcher --model-id DIR --redis-url URL --batcher-id ID`: one batcher process.
+"""`python -m tgq.batcher --model-id DIR --redis-url URL --batcher-id ID`: one batcher process.
 
 Loads the model through `gpu_worker` (the only torch import, done here at start-up), connects to
 Redis and runs the batcher loop until SIGTERM or SIGINT, then drains and exits 0.
@@ -17,26 +17,26 @@ from types import FrameType
 
 import redis
 
-from batcher.config import SchedulerConfig
-from batcher.detokenize import HFTokenDecoder
-from batcher.engine import LLMEngine, StepRunner
-from batcher.faults import inject_fault
-from batcher.heap import freeze_startup_heap
-from batcher.logs import configure_logging
-from batcher.ranks import ShardConfig, ShardedRunner, WorkerLostError
-from batcher.service import BatcherService, ServiceConfig
-from batcher.tracing import TracingUnavailableError, configure_tracing, shutdown_tracing
-from batcher.transport.base import TransportConfig
-from batcher.transport.redis import RedisTransport
-from gpu_worker.config import model_eos_token_ids
-from gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.detokenize import HFTokenDecoder
+from tgq.batcher.engine import LLMEngine, StepRunner
+from tgq.batcher.faults import inject_fault
+from tgq.batcher.heap import freeze_startup_heap
+from tgq.batcher.logs import configure_logging
+from tgq.batcher.ranks import ShardConfig, ShardedRunner, WorkerLostError
+from tgq.batcher.service import BatcherService, ServiceConfig
+from tgq.batcher.tracing import TracingUnavailableError, configure_tracing, shutdown_tracing
+from tgq.batcher.transport.base import TransportConfig
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.gpu_worker.config import model_eos_token_ids
+from tgq.gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
 
 log = logging.getLogger("batcher")
 EXIT_RANK_LOST = 3  # a tensor-parallel rank died or hung: the supervisor restarts the batcher
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m batcher", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tgq.batcher", description=__doc__)
     parser.add_argument(
         "--model-id", required=True, help="local model directory or hub id (safetensors only)"
     )
@@ -86,7 +86,7 @@ def build_runner(args: argparse.Namespace) -> StepRunner:
             num_blocks=args.num_blocks, threads_per_rank=args.threads_per_rank,
         )  # fmt: skip
         return ShardedRunner(config)
-    from gpu_worker.runner import ModelRunner, RunnerConfig  # torch, at start-up only
+    from tgq.gpu_worker.runner import ModelRunner, RunnerConfig  # torch, at start-up only
 
     return ModelRunner(
         RunnerConfig(

@@ -1,5 +1,5 @@
 """A batcher inside another process (the api without Redis, `tgq serve`): the same loop as
-`python -m batcher`, on a thread, over the in-process transport. The model loads here, on start
+`python -m tgq.batcher`, on a thread, over the in-process transport. The model loads here, on start
 (torch is imported then, by `gpu_worker`, never by the caller's modules)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from batcher.__main__ import build_engine, build_runner, parse_args
-from batcher.service import BatcherService, ServiceConfig
-from batcher.transport.memory import MemoryTransport
+from tgq.batcher.__main__ import build_engine, build_runner, parse_args
+from tgq.batcher.service import BatcherService, ServiceConfig
+from tgq.batcher.transport.memory import MemoryTransport
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from batcher.config import SchedulerConfig
-from batcher.detokenize import TokenDecoder
-from batcher.request import Priority, Request, StoppingParams
-from batcher.scheduler import Scheduler
-from batcher.stopping import OutputText
-from gpu_worker.plan import SamplingParams, StepPlan, StepResult, TokenLogprob
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.detokenize import TokenDecoder
+from tgq.batcher.request import Priority, Request, StoppingParams
+from tgq.batcher.scheduler import Scheduler
+from tgq.batcher.stopping import OutputText
+from tgq.gpu_worker.plan import SamplingParams, StepPlan, StepResult, TokenLogprob
 
 GREEDY = SamplingParams()
 

@@ -1,4 +1,4 @@
-"""Fault injection, for reliability tests only: `python -m batcher --inject-fault engine_step:N`
+"""Fault injection, for reliability tests only: `python -m tgq.batcher --inject-fault engine_step:N`
 makes the runner raise on its Nth step, so a test sees what a real engine failure does to the
 requests in flight, to `/health` and to the batcher's exit code.
 
@@ -8,8 +8,8 @@ carries no test-only branch.
 
 from __future__ import annotations
 
-from batcher.engine import StepRunner
-from gpu_worker.plan import StepPlan, StepResult
+from tgq.batcher.engine import StepRunner
+from tgq.gpu_worker.plan import StepPlan, StepResult
 
 KINDS = ("engine_step",)
 

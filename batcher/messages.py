@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from batcher.request import Priority, StoppingParams
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.gpu_worker.plan import SamplingParams
 
 VERSION = 1
 

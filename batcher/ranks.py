@@ -1,5 +1,5 @@
 """The batcher's side of tensor parallelism: `ShardedRunner` starts `--num-shard` rank
-processes (`python -m gpu_worker.rank`) and drives them as one `StepRunner`. Torch-free: the
+processes (`python -m tgq.gpu_worker.rank`) and drives them as one `StepRunner`. Torch-free: the
 ranks hold the model; this process keeps scheduling.
 
 Start-up: every rank loads its slice of the model and reports how many KV blocks fit in its
@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_worker import rank_protocol as protocol
-from gpu_worker.plan import StepPlan, StepResult, to_wire
+from tgq.gpu_worker import rank_protocol as protocol
+from tgq.gpu_worker.plan import StepPlan, StepResult, to_wire
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # how often a wait checks that every rank is still alive
@@ -134,7 +134,7 @@ class ShardedRunner:
             answer_read, answer_write = os.pipe()
             beat_read, beat_write = os.pipe()
             command = [
-                sys.executable, "-m", "gpu_worker.rank", "--model-id", config.model_id,
+                sys.executable, "-m", "tgq.gpu_worker.rank", "--model-id", config.model_id,
                 "--device", config.device, "--block-size", str(config.block_size),
                 "--fd-in", str(plan_read), "--fd-out", str(answer_write),
                 "--fd-beat", str(beat_write),

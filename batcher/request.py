@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from batcher.stopping import OutputText
-from gpu_worker.plan import SamplingParams, TokenLogprob
+from tgq.batcher.stopping import OutputText
+from tgq.gpu_worker.plan import SamplingParams, TokenLogprob
 
 
 class RequestStatus(IntEnum):

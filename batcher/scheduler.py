@@ -20,11 +20,11 @@ import bisect
 import itertools
 from collections.abc import Callable, Sequence
 
-from batcher.config import SchedulerConfig
-from batcher.kv_manager import KVManager, expect_integrity
-from batcher.request import Priority, Request, RequestStatus
-from batcher.scheduler_output import SchedulerOutput, StepBuilder
-from gpu_worker.plan import NewSequence, ScheduledChunk, StepResult
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.kv_manager import KVManager, expect_integrity
+from tgq.batcher.request import Priority, Request, RequestStatus
+from tgq.batcher.scheduler_output import SchedulerOutput, StepBuilder
+from tgq.gpu_worker.plan import NewSequence, ScheduledChunk, StepResult
 
 
 class Scheduler:

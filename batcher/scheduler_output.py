@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpu_worker.plan import NewSequence, ScheduledChunk, StepPlan
+from tgq.gpu_worker.plan import NewSequence, ScheduledChunk, StepPlan
 
 
 @dataclass

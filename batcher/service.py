@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batcher import tracing
-from batcher.engine import LLMEngine, RequestOutput
-from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from batcher.ranks import WorkerLostError
-from batcher.request import Priority, Request
-from batcher.transport.base import BatcherTransport, Delivery
+from tgq.batcher import tracing
+from tgq.batcher.engine import LLMEngine, RequestOutput
+from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from tgq.batcher.ranks import WorkerLostError
+from tgq.batcher.request import Priority, Request
+from tgq.batcher.transport.base import BatcherTransport, Delivery
 
 log = logging.getLogger(__name__)
 

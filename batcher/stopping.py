@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from batcher.detokenize import IncrementalDetokenizer, TokenDecoder
+from tgq.batcher.detokenize import IncrementalDetokenizer, TokenDecoder
 
 
 class StopStringMatcher:

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from batcher.engine import RequestOutput
-    from batcher.messages import FinalResult, SubmitRequest
-    from batcher.request import Request
+    from tgq.batcher.engine import RequestOutput
+    from tgq.batcher.messages import FinalResult, SubmitRequest
+    from tgq.batcher.request import Request
 
 EXTRA_HINT = "install tgq's `otel` extra (pip install 'tgq[otel]')"
 TRACES_PATH = "/v1/traces"

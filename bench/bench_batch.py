@@ -47,8 +47,8 @@ from bench.bench_http import (
     text_model,
 )
 from bench.bench_scheduler import RESULTS
-from devtools.random_model import SHAPES
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.devtools.random_model import SHAPES
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 TARGET_RATIO = 0.90
 POLL_S = 0.25
@@ -153,7 +153,7 @@ def main() -> None:
         worker = None
         if args.runner == "celery":
             command = [
-                sys.executable, "-m", "celery", "-A", "bulk.celery_app", "worker",
+                sys.executable, "-m", "celery", "-A", "tgq.bulk.celery_app", "worker",
                 "--pool", "solo", "--concurrency", "1", "--loglevel", "INFO",
             ]  # fmt: skip
             worker = stack.spawn("worker", command, stack.service_env())

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import cpu_ops
+from tgq.kernels import cpu_ops
 
 LINEAR_SHAPES = [(2304, 768), (4096, 768), (768, 2048), (32000, 768)]  # (N, K)
 BATCH_ROWS = [1, 16, 64, 512]
@@ -148,7 +148,7 @@ def bench_decode(budget_s: float) -> None:
 def bench_prefill(budget_s: float) -> None:
     """One 512-token prompt's attention (12 heads x 64, bf16): the torch backend's gather + SDPA
     against the AVX-512 prefill kernel."""
-    from kernels.torch_paged import MultiQuery, attend_multi
+    from tgq.kernels.torch_paged import MultiQuery, attend_multi
 
     gen = torch.Generator().manual_seed(0)
     tokens, heads, dim, block_size = 512, 12, 64, 16
@@ -186,7 +186,7 @@ def bench_greedy_head(rows: list[int], budget_s: float) -> None:
     if not cpu_ops.has_avx512_vnni_bf16():
         print("greedy head: this CPU lacks AVX512_BF16 + AVX512_VNNI")
         return
-    from kernels.greedy_head import GreedyHead, build_screen
+    from tgq.kernels.greedy_head import GreedyHead, build_screen
 
     gen = torch.Generator().manual_seed(0)
     n, k = 32000, 768

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from devtools.random_model import make_config, write_model
-from gpu_worker.offline import OfflineEngine
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.offline import OfflineEngine
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 16

@@ -66,22 +66,22 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 from tokenizers import Tokenizer
 
-from api.chat_template import ChatTemplate
-from api.db import create_engine
-from api.db.migrate import upgrade
-from api.generation import request_id_of
-from batcher.config import SchedulerConfig
-from batcher.detokenize import HFTokenDecoder
-from batcher.engine import LLMEngine
-from batcher.request import StoppingParams
-from batcher.transport.redis import RedisTransport
 from bench.bench_scheduler import RESULTS, random_workload
 from bench.bench_transport import percentile
-from devtools.demo import add_chat_template
-from devtools.random_model import SHAPES, make_config, write_model
-from devtools.tokenizer import train_tokenizer
-from gpu_worker.config import model_eos_token_ids
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.api.chat_template import ChatTemplate
+from tgq.api.db import create_engine
+from tgq.api.db.migrate import upgrade
+from tgq.api.generation import request_id_of
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.detokenize import HFTokenDecoder
+from tgq.batcher.engine import LLMEngine
+from tgq.batcher.request import StoppingParams
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.devtools.demo import add_chat_template
+from tgq.devtools.random_model import SHAPES, make_config, write_model
+from tgq.devtools.tokenizer import train_tokenizer
+from tgq.gpu_worker.config import model_eos_token_ids
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN_URL = "postgresql+asyncpg://root@127.0.0.1:5432/postgres"
@@ -172,7 +172,7 @@ class Run:
 
 
 def run_offline(runner: ModelRunner, model_dir: Path, cases: list[ChatCase]) -> Run:
-    """The offline engine, configured as `python -m batcher` is (tokenizer and EOS ids too)."""
+    """The offline engine, configured as `python -m tgq.batcher` is (tokenizer and EOS ids too)."""
     decoder = HFTokenDecoder.from_file(str(model_dir / "tokenizer.json"))
     engine = LLMEngine(runner, SchedulerConfig(), decoder, model_eos_token_ids(model_dir))
     cpu = time.process_time()
@@ -336,7 +336,7 @@ class Stack:
         upgrade(self.database_url)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_batcher()
-        self.api = self.spawn("api", [sys.executable, "-m", "api"], self.service_env())
+        self.api = self.spawn("api", [sys.executable, "-m", "tgq.api"], self.service_env())
         self.wait_healthy()
 
     def service_env(self) -> dict[str, str]:
@@ -357,7 +357,7 @@ class Stack:
 
     def start_batcher(self) -> None:
         command = [
-            sys.executable, "-m", "batcher", "--model-id", str(self.model_dir),
+            sys.executable, "-m", "tgq.batcher", "--model-id", str(self.model_dir),
             "--redis-url", self.redis_url, "--prefix", self.prefix, "--batcher-id", "bench",
             "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
         ]  # fmt: skip

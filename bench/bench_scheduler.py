@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from batcher.config import SchedulerConfig
-from batcher.engine import LLMEngine
-from batcher.request import StoppingParams
-from devtools.random_model import make_config, write_model
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.engine import LLMEngine
+from tgq.batcher.request import StoppingParams
+from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 RESULTS = Path(__file__).parent / "results"
 VOCAB = 32000

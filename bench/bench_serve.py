@@ -28,7 +28,7 @@ import httpx
 from sqlalchemy import text
 from sqlalchemy.pool import NullPool
 
-from api.db import create_engine
+from tgq.api.db import create_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "bench"
@@ -68,7 +68,7 @@ def start_service(
         "PORT": str(port),
         "AUTO_MIGRATE": "true",
     }
-    command = [sys.executable, "-m", "cli", "serve"]
+    command = [sys.executable, "-m", "tgq.cli", "serve"]
     return subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT
     )
@@ -93,7 +93,7 @@ def run_bench(url: str, name: str, tokenizer: Path) -> dict[str, object]:
     out = OUT / name
     out.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "cli", "--url", url, "bench", *COMMON, *RUNS[name],
+        sys.executable, "-m", "tgq.cli", "--url", url, "bench", *COMMON, *RUNS[name],
         "--tokenizer", str(tokenizer), "--slo", SLO,
         "--output-json", str(out / "run.json"), "--plot-dir", str(out),
     ]  # fmt: skip
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=3900)
     parser.add_argument("--runs", nargs="*", default=list(RUNS))
     args = parser.parse_args()
-    from devtools.demo import demo_model  # trains it the first time
+    from tgq.devtools.demo import demo_model  # trains it the first time
 
     model_dir = demo_model()
     database_url = fresh_database(args.admin_url, "tgq_bench")

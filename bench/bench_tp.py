@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from batcher.engine import LLMEngine, StepRunner
-from batcher.ranks import ShardConfig, ShardedRunner
-from batcher.request import StoppingParams
 from bench.bench_engine import RESULTS, medium_model, prompts
-from gpu_worker.plan import StepPlan
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.batcher.engine import LLMEngine, StepRunner
+from tgq.batcher.ranks import ShardConfig, ShardedRunner
+from tgq.batcher.request import StoppingParams
+from tgq.gpu_worker.plan import StepPlan
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 NUM_BLOCKS = 1024
 NEW_TOKENS = 64

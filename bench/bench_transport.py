@@ -3,7 +3,7 @@ process, against the offline engine in the same run.
 
 Medium Llama shape, random bf16 weights, CPU, 2 threads. The offline engine runs the 64 mixed
 requests (prompts uniform in 32..512 tokens, outputs uniform in 16..256, EOS ignored) first; then
-a `python -m batcher` process runs the same requests submitted through Redis, while one reader
+a `python -m tgq.batcher` process runs the same requests submitted through Redis, while one reader
 thread per request follows its token stream as an api replica would (blocking XREAD).
 
 Reports tokens/s both ways (best of `--repeats` runs each, taken in turns) and their ratio;
@@ -29,11 +29,11 @@ from typing import Any
 import redis
 import torch
 
-from batcher.messages import SubmitRequest
-from batcher.request import StoppingParams
-from batcher.transport.redis import RedisTransport
 from bench.bench_scheduler import RESULTS, Tgq, Workload, medium_model, random_workload
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.messages import SubmitRequest
+from tgq.batcher.request import StoppingParams
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.gpu_worker.plan import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_BLOCKS = 4096
@@ -41,7 +41,7 @@ NUM_BLOCKS = 4096
 
 def start_batcher(model_dir: Path, redis_url: str, prefix: str) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "batcher", "--model-id", str(model_dir), "--redis-url", redis_url,
+        sys.executable, "-m", "tgq.batcher", "--model-id", str(model_dir), "--redis-url", redis_url,
         "--prefix", prefix, "--batcher-id", "bench", "--num-blocks", str(NUM_BLOCKS),
     ]  # fmt: skip
     return subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stderr=subprocess.DEVNULL)

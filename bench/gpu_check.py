@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from batcher.engine import LLMEngine
-from batcher.ranks import ShardConfig, ShardedRunner
-from batcher.request import StoppingParams
-from devtools.random_model import make_config, write_model
-from gpu_worker.offline import OfflineEngine
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from kernels import AttentionStep, SeqSpan, get_backend
+from tgq.batcher.engine import LLMEngine
+from tgq.batcher.ranks import ShardConfig, ShardedRunner
+from tgq.batcher.request import StoppingParams
+from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.offline import OfflineEngine
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.kernels import AttentionStep, SeqSpan, get_backend
 
 BLOCK_SIZE = 256  # flash-attn's paged mode needs a multiple of 256
 TOLERANCE = 2e-2  # bf16

@@ -1,4 +1,4 @@
-"""The Celery app of tgq's bulk work: `celery -A bulk.celery_app worker` and `... beat`.
+"""The Celery app of tgq's bulk work: `celery -A tgq.bulk.celery_app worker` and `... beat`.
 
 Redis is the broker (`REDIS_URL`, keys under `REDIS_PREFIX:celery:`), JSON is the only
 serializer a worker accepts, tasks are acknowledged late (after they ran) and handed back when
@@ -16,8 +16,8 @@ from typing import Any
 
 from celery import Celery, signals
 
-from api.settings import Settings
-from batcher.logs import configure_logging
+from tgq.api.settings import Settings
+from tgq.batcher.logs import configure_logging
 
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 
@@ -25,7 +25,7 @@ DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings()
     broker = settings.redis_url or DEFAULT_BROKER
-    app = Celery("tgq", broker=broker, backend=broker, include=["bulk.tasks"])
+    app = Celery("tgq", broker=broker, backend=broker, include=["tgq.bulk.tasks"])
     keyprefix = f"{settings.redis_prefix}:celery:"
     app.conf.update(
         task_serializer="json",

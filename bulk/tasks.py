@@ -8,17 +8,17 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.pool import NullPool
 
-from api.app import model_dir_of
-from api.batches.runner import BatchContext, run_batch
-from api.db import create_engine, store
-from api.db import files as db_files
-from api.files.storage import LocalFileStorage
-from api.reconciler import reconcile_once, resume_batches
-from api.settings import Settings
-from api.tokenizer import ModelTokenizer
-from batcher.transport.aio import AsyncRedisApiTransport
-from bulk.celery_app import DEFAULT_BROKER, app, send_run_batch
-from gpu_worker.config import model_eos_token_ids  # torch-free: it reads config.json
+from tgq.api.app import model_dir_of
+from tgq.api.batches.runner import BatchContext, run_batch
+from tgq.api.db import create_engine, store
+from tgq.api.db import files as db_files
+from tgq.api.files.storage import LocalFileStorage
+from tgq.api.reconciler import reconcile_once, resume_batches
+from tgq.api.settings import Settings
+from tgq.api.tokenizer import ModelTokenizer
+from tgq.batcher.transport.aio import AsyncRedisApiTransport
+from tgq.bulk.celery_app import DEFAULT_BROKER, app, send_run_batch
+from tgq.gpu_worker.config import model_eos_token_ids  # torch-free: it reads config.json
 
 
 @app.task(name="tgq.run_batch")  # type: ignore[untyped-decorator]  # celery has no types

@@ -1,7 +1,7 @@
-"""`python -m cli`: the same as the `tgq` script."""
+"""`python -m tgq.cli`: the same as the `tgq` script."""
 
 import sys
 
-from cli.main import main
+from tgq.cli.main import main
 
 sys.exit(main())

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from cli import INTERRUPTED, CommandError
+from tgq.cli import INTERRUPTED, CommandError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 FINISHED = ("completed", "failed", "expired", "cancelled")

@@ -11,8 +11,8 @@ import argparse
 
 from huggingface_hub.utils import enable_progress_bars
 
-from cli import CommandError
-from gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
+from tgq.cli import CommandError
+from tgq.gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
 
 
 def download(args: argparse.Namespace) -> int:

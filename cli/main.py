@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
-from cli import INTERRUPTED, CommandError, batch, bench, download, serve, service
-from cli.service import BATCHER_FLAGS, LOG_FLAGS, SETTING_FLAGS, add_flags
+from tgq.cli import INTERRUPTED, CommandError, batch, bench, download, serve, service
+from tgq.cli.service import BATCHER_FLAGS, LOG_FLAGS, SETTING_FLAGS, add_flags
 
 DEFAULT_URL = "http://127.0.0.1:3000"
 USAGE_ERROR = 2  # argparse's own exit code for bad arguments; tgq uses it for server errors too
@@ -69,11 +69,11 @@ def _add_batch(commands: Commands) -> None:
 
 
 def _add_services(commands: Commands) -> None:
-    api = commands.add_parser("api", help="run the api (`python -m api`)")
+    api = commands.add_parser("api", help="run the api (`python -m tgq.api`)")
     add_flags(api, [*SETTING_FLAGS, *LOG_FLAGS])
     api.set_defaults(handler=service.api)
 
-    batcher = commands.add_parser("batcher", help="run one batcher (`python -m batcher`)")
+    batcher = commands.add_parser("batcher", help="run one batcher (`python -m tgq.batcher`)")
     add_flags(batcher, [SETTING_FLAGS[0], *BATCHER_FLAGS, *LOG_FLAGS])
     batcher.set_defaults(handler=service.batcher)
 

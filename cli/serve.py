@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
-from batcher.logs import configure_logging
-from cli import CommandError
-from cli.service import (
+from tgq.batcher.logs import configure_logging
+from tgq.cli import CommandError
+from tgq.cli.service import (
     BATCHER_FLAGS,
     LOG_FLAGS,
     SETTING_FLAGS,
@@ -72,18 +72,20 @@ def _with_model(flags: Mapping[str, str], environ: Environ) -> dict[str, str]:
 
 def _demo_model() -> str:
     log.info("no --model-id (MODEL_ID) or MODEL_DIR: serving the demo model")
-    command = [sys.executable, "-m", "devtools.demo"]  # torch: in the child, not here
+    command = [sys.executable, "-m", "tgq.devtools.demo"]  # torch: in the child, not here
     done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True)
     return done.stdout.strip().splitlines()[-1]
 
 
 def _embedded(flags: Mapping[str, str], environ: Environ) -> int:
     Path(".cache").mkdir(exist_ok=True)  # the SQLite file's and the uploads' folder
-    return Supervisor({"api": [sys.executable, "-m", "api"]}, embedded_env(flags, environ)).run()
+    return Supervisor(
+        {"api": [sys.executable, "-m", "tgq.api"]}, embedded_env(flags, environ)
+    ).run()
 
 
 def _supervised(flags: Mapping[str, str], environ: Environ) -> int:
-    from api.db.migrate import current_revision, upgrade
+    from tgq.api.db.migrate import current_revision, upgrade
 
     env = settings_env(flags, environ)
     upgrade(env["DATABASE_URL"])
@@ -91,8 +93,8 @@ def _supervised(flags: Mapping[str, str], environ: Environ) -> int:
     BEAT_SCHEDULE.parent.mkdir(exist_ok=True)
     worker_options = ["-B", "-s", str(BEAT_SCHEDULE), "-c", str(WORKER_CONCURRENCY)]
     commands = {
-        "api": [sys.executable, "-m", "api"],
-        "batcher": [sys.executable, "-m", "batcher", *batcher_argv(flags, env)],
+        "api": [sys.executable, "-m", "tgq.api"],
+        "batcher": [sys.executable, "-m", "tgq.batcher", *batcher_argv(flags, env)],
         "worker": celery_argv("worker", worker_options),
     }
     return Supervisor(commands, env).run()

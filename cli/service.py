@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from cli import CommandError
+from tgq.cli import CommandError
 
 Environ = Mapping[str, str]
 
@@ -50,7 +50,7 @@ SETTING_FLAGS = (
     Flag("--max-total-tokens", "prompt plus generated tokens, at most", int),
     Flag("--api-key", "require `Authorization: Bearer KEY` on non-public routes"),
 )
-# Flags of `python -m batcher` (not api settings): `--model-id` also goes there, as a directory.
+# Flags of `python -m tgq.batcher` (not api settings): `--model-id` also goes there, as a directory.
 BATCHER_FLAGS = (
     Flag("--num-shard", "tensor-parallel ranks of the batcher", int),
     Flag("--max-batch-size", "requests in one batcher step", int),
@@ -91,7 +91,7 @@ def settings_env(flags: Mapping[str, str], environ: Environ) -> dict[str, str]:
 
 
 def batcher_argv(flags: Mapping[str, str], environ: Environ) -> list[str]:
-    """`python -m batcher`'s arguments: each flag given, else its environment variable. The
+    """`python -m tgq.batcher`'s arguments: each flag given, else its environment variable. The
     model is `--model-id`, else `MODEL_DIR`, else `MODEL_ID` (a directory either way)."""
     env = settings_env(flags, environ)
     model_dir = flags.get("MODEL_ID") or env.get("MODEL_DIR") or env.get("MODEL_ID")
@@ -119,17 +119,17 @@ def is_on(value: str) -> bool:
 def celery_argv(role: str, extra: Sequence[str] = ()) -> list[str]:
     """`celery ... ROLE`, with `extra` (`tgq worker -- -c 4`: what follows `--`) appended."""
     extra = extra[1:] if extra[:1] == ["--"] else extra
-    return [sys.executable, "-m", "celery", "-A", "bulk.celery_app", role, "-l", "INFO", *extra]
+    return [sys.executable, "-m", "celery", "-A", "tgq.bulk.celery_app", role, "-l", "INFO", *extra]
 
 
 def api(args: argparse.Namespace) -> int:
     env = settings_env(given(args, (*SETTING_FLAGS, *LOG_FLAGS)), os.environ)
-    replace_process([sys.executable, "-m", "api"], env)
+    replace_process([sys.executable, "-m", "tgq.api"], env)
 
 
 def batcher(args: argparse.Namespace) -> int:
     argv = batcher_argv(given(args, (*SETTING_FLAGS, *BATCHER_FLAGS, *LOG_FLAGS)), os.environ)
-    replace_process([sys.executable, "-m", "batcher", *argv], dict(os.environ))
+    replace_process([sys.executable, "-m", "tgq.batcher", *argv], dict(os.environ))
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -146,7 +146,7 @@ def migrate(args: argparse.Namespace) -> int:
     """Upgrade the database to the head revision; print the revision before and after."""
     from sqlalchemy.engine import make_url
 
-    from api.db import migrate as migrations  # alembic and SQLAlchemy: only for this command
+    from tgq.api.db import migrate as migrations  # alembic and SQLAlchemy: only for this command
 
     url = args.database_url or migrations.default_url()
     before = migrations.current_revision(url)

@@ -4,7 +4,7 @@ topics in key order, then the docstrings of a fixed list of stdlib modules, dedu
 (never in set or dict order, which `PYTHONHASHSEED` changes).
 
 Libraries patch stdlib objects when imported (torch replaces `inspect.getfile`, transformers adds
-methods to `logging.Logger`), so `python -m devtools.corpus` builds the corpus in a process that
+methods to `logging.Logger`), so `python -m tgq.devtools.corpus` builds the corpus in a process that
 imported nothing else, and prints it as JSON; `load_corpus` runs it in a child."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def corpus_texts() -> list[str]:
 
 def load_corpus() -> list[str]:
     """`corpus_texts()` from a fresh interpreter, untouched by what this process imported."""
-    command = [sys.executable, "-m", "devtools.corpus"]
+    command = [sys.executable, "-m", "tgq.devtools.corpus"]
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=root)
     texts: list[str] = json.loads(done.stdout)

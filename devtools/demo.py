@@ -1,6 +1,6 @@
 """The demo model: a small Llama trained on Python's bundled documentation (`devtools.train_demo`,
 minutes on the CPU), with a chat template, built once under `.cache/demo/tiny-llama` (no hub
-needed). `python -m devtools.demo` builds it if needed and prints only its path on stdout.
+needed). `python -m tgq.devtools.demo` builds it if needed and prints only its path on stdout.
 
 A version stamp file marks a finished build of the current recipe: a dir without it (an older
 random-weight demo, or a build that was interrupted) is rebuilt from scratch."""
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from devtools.train_demo import TrainConfig
+    from tgq.devtools.train_demo import TrainConfig
 
 DEMO_DIR = Path(".cache/demo/tiny-llama")
 DEMO_VERSION = "trained-1"  # bump when the corpus, tokenizer or training recipe changes
@@ -40,7 +40,7 @@ def is_current(path: Path) -> bool:
 def demo_model(path: Path = DEMO_DIR, config: TrainConfig | None = None) -> Path:
     """`path`, trained first unless it holds the current version (`config`: for tests)."""
     if not is_current(path):
-        from devtools.train_demo import TrainConfig, build
+        from tgq.devtools.train_demo import TrainConfig, build
 
         shutil.rmtree(path, ignore_errors=True)
         build(path, config or TrainConfig())

@@ -1,6 +1,6 @@
 """Train the demo model: a small Llama on Python's bundled documentation, on the CPU, in minutes.
 
-`python -m devtools.train_demo [--steps N] [--out DIR]` trains a byte-level BPE tokenizer and a
+`python -m tgq.devtools.train_demo [--steps N] [--out DIR]` trains a byte-level BPE tokenizer and a
 `LlamaForCausalLM` on `devtools.corpus`, then writes a Hugging Face model dir (bf16 safetensors,
 tokenizer with the chat template, generation config). Progress goes to stderr. Everything is
 seeded, and the thread count is fixed, so a rerun on the same machine gives the same weights.
@@ -22,9 +22,9 @@ import torch
 from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from devtools.corpus import load_corpus
-from devtools.demo import add_chat_template
-from devtools.tokenizer import train_tokenizer
+from tgq.devtools.corpus import load_corpus
+from tgq.devtools.demo import add_chat_template
+from tgq.devtools.tokenizer import train_tokenizer
 
 BOS_ID, EOS_ID = 1, 2  # devtools.tokenizer.SPECIAL_TOKENS
 CLI_FIELDS = ("steps", "batch_size", "lr", "seed", "num_threads")  # TrainConfig's, as flags

@@ -1,4 +1,4 @@
-"""Offline generation from the command line: `python -m gpu_worker.generate --model-id DIR`.
+"""Offline generation from the command line: `python -m tgq.gpu_worker.generate --model-id DIR`.
 
 `--demo` uses the demo model: a tiny Llama trained (once, under .cache/demo, a few minutes) on
 Python's bundled documentation, so the example runs with no hub.
@@ -11,9 +11,9 @@ import time
 
 from tokenizers import Tokenizer
 
-from gpu_worker.offline import OfflineEngine
-from gpu_worker.plan import SamplingParams
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.gpu_worker.offline import OfflineEngine
+from tgq.gpu_worker.plan import SamplingParams
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     if not args.model_id and not args.demo:
         parser.error("give --model-id or --demo")
     if args.demo:
-        from devtools.demo import demo_model
+        from tgq.devtools.demo import demo_model
 
         model_id = str(demo_model())
     else:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.config import ModelConfig
-from gpu_worker.models.decoder import KVCache
+from tgq.gpu_worker.config import ModelConfig
+from tgq.gpu_worker.models.decoder import KVCache
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

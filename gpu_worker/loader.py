@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.config import ModelConfig, resolve_dtype
-from gpu_worker.hub import resolve_model_dir
-from gpu_worker.models import model_class
-from gpu_worker.models.decoder import DecoderForCausalLM
-from gpu_worker.parallel import SINGLE, TensorParallel
-from gpu_worker.weights import Checkpoint
+from tgq.gpu_worker.config import ModelConfig, resolve_dtype
+from tgq.gpu_worker.hub import resolve_model_dir
+from tgq.gpu_worker.models import model_class
+from tgq.gpu_worker.models.decoder import DecoderForCausalLM
+from tgq.gpu_worker.parallel import SINGLE, TensorParallel
+from tgq.gpu_worker.weights import Checkpoint
 
 log = logging.getLogger(__name__)
 

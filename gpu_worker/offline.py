@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan
-from gpu_worker.runner import ModelRunner
+from tgq.gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from tgq.gpu_worker.runner import ModelRunner
 
 GREEDY = SamplingParams()
 

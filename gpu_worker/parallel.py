@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpu_worker.config import ModelConfig
+from tgq.gpu_worker.config import ModelConfig
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering fails the others' collectives
 

@@ -1,4 +1,4 @@
-"""`python -m gpu_worker.rank`: one tensor-parallel rank, started by the batcher (never by hand).
+"""`python -m tgq.gpu_worker.rank`: one tensor-parallel rank, started by the batcher (not by hand).
 
 It joins the group of the torch.distributed contract (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT; LOCAL_RANK picks the GPU), loads its slice of the model, reports how many KV
@@ -21,19 +21,19 @@ from typing import Any
 
 import torch
 
-from gpu_worker import rank_protocol as protocol
-from gpu_worker.kv_cache import num_blocks_for_budget
-from gpu_worker.loader import LoadedModel, load_model
-from gpu_worker.parallel import TensorParallel
-from gpu_worker.plan import plan_from_wire
-from gpu_worker.runner import ModelRunner, RunnerConfig, kv_budget
+from tgq.gpu_worker import rank_protocol as protocol
+from tgq.gpu_worker.kv_cache import num_blocks_for_budget
+from tgq.gpu_worker.loader import LoadedModel, load_model
+from tgq.gpu_worker.parallel import TensorParallel
+from tgq.gpu_worker.plan import plan_from_wire
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig, kv_budget
 
 log = logging.getLogger("gpu_worker.rank")
 PR_SET_PDEATHSIG = 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m gpu_worker.rank", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tgq.gpu_worker.rank", description=__doc__)
     parser.add_argument("--model-id", required=True)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU per LOCAL_RANK)")
     parser.add_argument("--dtype", default=None)

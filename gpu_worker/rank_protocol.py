@@ -21,7 +21,7 @@ import select
 import struct
 from typing import Any
 
-from gpu_worker.plan import SampledToken, StepResult, TokenLogprob
+from tgq.gpu_worker.plan import SampledToken, StepResult, TokenLogprob
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 1 << 30

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.host_memory import keep_freed_memory
-from gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
-from gpu_worker.loader import LoadedModel, load_model
-from gpu_worker.parallel import SINGLE, TensorParallel
-from gpu_worker.plan import (
+from tgq.gpu_worker.host_memory import keep_freed_memory
+from tgq.gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from tgq.gpu_worker.loader import LoadedModel, load_model
+from tgq.gpu_worker.parallel import SINGLE, TensorParallel
+from tgq.gpu_worker.plan import (
     SampledToken,
     SamplingParams,
     ScheduledChunk,
@@ -26,8 +26,8 @@ from gpu_worker.plan import (
     StepResult,
     TokenLogprob,
 )
-from gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs
-from kernels import AttentionStep, SeqSpan, get_backend
+from tgq.gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs
+from tgq.kernels import AttentionStep, SeqSpan, get_backend
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.plan import SamplingParams
-from kernels import cpu_ops
+from tgq.gpu_worker.plan import SamplingParams
+from tgq.kernels import cpu_ops
 
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from gpu_worker.hub import ModelNotFoundError
+from tgq.gpu_worker.hub import ModelNotFoundError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kernels.interface import AttentionBackend, AttentionMetadata, AttentionStep, SeqSpan
+from tgq.kernels.interface import AttentionBackend, AttentionMetadata, AttentionStep, SeqSpan
 
 __all__ = [
     "AttentionBackend",
@@ -25,19 +25,19 @@ __all__ = [
 
 
 def _torch_backend() -> AttentionBackend[Any]:
-    from kernels.torch_paged import TorchPagedAttention
+    from tgq.kernels.torch_paged import TorchPagedAttention
 
     return TorchPagedAttention()
 
 
 def _cpu_backend() -> AttentionBackend[Any]:
-    from kernels.cpu_paged import CpuPagedAttention
+    from tgq.kernels.cpu_paged import CpuPagedAttention
 
     return CpuPagedAttention()
 
 
 def _flash_backend() -> AttentionBackend[Any]:
-    from kernels.flash import FlashAttention
+    from tgq.kernels.flash import FlashAttention
 
     return FlashAttention()
 
@@ -67,11 +67,11 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend[Any]:
 
 def _auto_backend(device: torch.device) -> str:
     if device.type == "cuda":
-        from kernels.flash import is_flash_available
+        from tgq.kernels.flash import is_flash_available
 
         return "flash" if is_flash_available() else "torch"
     if device.type == "cpu":
-        from kernels import cpu_ops
+        from tgq.kernels import cpu_ops
 
         return "cpu" if cpu_ops.is_available() else "torch"
     return "torch"

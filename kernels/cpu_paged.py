@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ops
-from kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention
+from tgq.kernels import cpu_ops
+from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention
 
 
 class CpuPagedAttention(TorchPagedAttention):

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from kernels.interface import AttentionStep
-from kernels.kv_write import write_kv_slots
+from tgq.kernels.interface import AttentionStep
+from tgq.kernels.kv_write import write_kv_slots
 
 _FLASH_BLOCK_MULTIPLE = 256
 

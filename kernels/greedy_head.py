@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_ops
+from tgq.kernels import cpu_ops
 
 # Candidates past this many per row: the row is computed in full (measured on the medium random
 # model: a few dozen per row).

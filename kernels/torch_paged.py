@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.interface import AttentionStep
-from kernels.kv_write import write_kv_slots
+from tgq.kernels.interface import AttentionStep
+from tgq.kernels.kv_write import write_kv_slots
 
 
 @dataclass(frozen=True, slots=True)

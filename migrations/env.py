@@ -13,9 +13,9 @@ from alembic import context
 from sqlalchemy import Connection, pool
 from sqlalchemy.ext.asyncio import async_engine_from_config
 
-from api.db import normalize_url
-from api.db.migrate import default_url
-from api.db.models import metadata
+from tgq.api.db import normalize_url
+from tgq.api.db.migrate import default_url
+from tgq.api.db.models import metadata
 
 config = context.config
 target_metadata = metadata

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from devtools.random_model import make_config, write_model
+from tgq.devtools.random_model import make_config, write_model
 
 torch.set_num_threads(2)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from api.settings import Settings
-from batcher.__main__ import parse_args
+from tgq.api.settings import Settings
+from tgq.batcher.__main__ import parse_args
 
 yaml = pytest.importorskip("yaml")
 

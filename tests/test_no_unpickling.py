@@ -12,8 +12,8 @@ import ast
 import re
 from pathlib import Path
 
-from api.settings import Settings
-from bulk.celery_app import make_app
+from tgq.api.settings import Settings
+from tgq.bulk.celery_app import make_app
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (

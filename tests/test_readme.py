@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from api.settings import Settings
-from cli.main import build_parser
+from tgq.api.settings import Settings
+from tgq.cli.main import build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

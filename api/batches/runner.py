@@ -30,23 +30,23 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.chat_template import TemplateError as RenderError
-from api.chat_template import normalize_messages
-from api.db import batches as db_batches
-from api.db import files as db_files
-from api.db import store
-from api.errors import ApiError
-from api.files.storage import FileStorage
-from api.generation import new_job_id, request_id_of
-from api.reconciler import rebuild_request
-from api.schemas.openai import ChatCompletionRequest, CompletionRequest
-from api.service import job_params
-from api.settings import Settings
-from api.tokenizer import ModelTokenizer
-from api.validated import ValidatedRequest
-from api.validation import chat_params, completion_params, validate_tokens
-from batcher.request import Priority
-from batcher.transport.aio import AsyncApiTransport
+from tgq.api.chat_template import TemplateError as RenderError
+from tgq.api.chat_template import normalize_messages
+from tgq.api.db import batches as db_batches
+from tgq.api.db import files as db_files
+from tgq.api.db import store
+from tgq.api.errors import ApiError
+from tgq.api.files.storage import FileStorage
+from tgq.api.generation import new_job_id, request_id_of
+from tgq.api.reconciler import rebuild_request
+from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
+from tgq.api.service import job_params
+from tgq.api.settings import Settings
+from tgq.api.tokenizer import ModelTokenizer
+from tgq.api.validated import ValidatedRequest
+from tgq.api.validation import chat_params, completion_params, validate_tokens
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.aio import AsyncApiTransport
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25

@@ -12,8 +12,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from api.db import models as db
-from api.db.store import as_records, record_columns, utc_now
+from tgq.api.db import models as db
+from tgq.api.db.store import as_records, record_columns, utc_now
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)  # `last_used_at` is written at most this often
 

@@ -10,8 +10,8 @@ from typing import Any
 from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from api.db import models as db
-from api.db.store import ItemRecord, as_records, item_rows, record_columns, utc_now
+from tgq.api.db import models as db
+from tgq.api.db.store import ItemRecord, as_records, item_rows, record_columns, utc_now
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 # The timestamp column each status sets when a batch enters it.

@@ -14,9 +14,9 @@ from typing import Any, Literal
 from sqlalchemy import Select, and_, delete, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from api.db import models as db
-from api.db.batches import TERMINAL as BATCH_TERMINAL
-from api.db.store import as_records, record_columns, utc_now
+from tgq.api.db import models as db
+from tgq.api.db.batches import TERMINAL as BATCH_TERMINAL
+from tgq.api.db.store import as_records, record_columns, utc_now
 
 Order = Literal["asc", "desc"]
 

@@ -1,5 +1,5 @@
 """Alembic, driven from code: `upgrade`, `current_revision`, the start-up `check_schema`, and the
-`python -m api.db.migrate [--url URL] [--revision REV]` command.
+`python -m tgq.api.db.migrate [--url URL] [--revision REV]` command.
 
 The revisions live in `migrations/` at the top of the repository; `migrations/env.py` takes the
 URL from `Config.attributes["url"]`, then `-x url=...`, then `DATABASE_URL`.
@@ -20,8 +20,8 @@ from sqlalchemy import Connection
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.db import create_engine, normalize_url
-from api.settings import Settings
+from tgq.api.db import create_engine, normalize_url
+from tgq.api.settings import Settings
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -86,12 +86,12 @@ async def check_schema(engine: AsyncEngine) -> None:
     if current != head:
         raise SchemaNotMigratedError(
             f"database schema is at revision {current or 'none'}, this tgq needs {head}: "
-            "run `tgq migrate` (or `python -m api.db.migrate`)"
+            "run `tgq migrate` (or `python -m tgq.api.db.migrate`)"
         )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m api.db.migrate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tgq.api.db.migrate", description=__doc__)
     parser.add_argument("--url", help="database URL (default: DATABASE_URL, else tgq's SQLite)")
     parser.add_argument("--revision", default="head", help="target revision (default: head)")
     args = parser.parse_args(argv)

@@ -38,7 +38,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Result
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from api.db import models as db
+from tgq.api.db import models as db
 
 OPEN_STATUSES = ("queued", "running")
 TERMINAL_STATUSES = ("succeeded", "failed", "cancelled")

@@ -12,12 +12,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict
 
-from api.app import AppState, state_of
-from api.db import batches as db_batches
-from api.db import files as db_files
-from api.db import store
-from api.errors import NotFoundError, ValidationError
-from api.routes.files import BATCH_URLS
+from tgq.api.app import AppState, state_of
+from tgq.api.db import batches as db_batches
+from tgq.api.db import files as db_files
+from tgq.api.db import store
+from tgq.api.errors import NotFoundError, ValidationError
+from tgq.api.routes.files import BATCH_URLS
 
 router = APIRouter(tags=["Batches"])
 # OpenAI accepts "24h" only; tgq takes any `<n>s|m|h` (a short window is how expiry is tested).

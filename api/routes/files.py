@@ -22,9 +22,9 @@ from pydantic import BaseModel
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from api.app import AppState, state_of
-from api.db import files as db_files
-from api.errors import NotFoundError, PayloadTooLargeError, ValidationError
+from tgq.api.app import AppState, state_of
+from tgq.api.db import files as db_files
+from tgq.api.errors import NotFoundError, PayloadTooLargeError, ValidationError
 
 router = APIRouter(tags=["Files"])
 MAX_PAGE = 10_000  # OpenAI's bound (and default) for `GET /v1/files`

@@ -17,13 +17,13 @@ from typing import Any
 from fastapi import APIRouter, Header, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from api.app import AppState, state_of
-from api.db import store
-from api.errors import ApiError, NotFoundError, ValidationError
-from api.generation import request_id_of
-from api.routes.jobs import JobItemResult, get_visible_job, item_result, view
-from api.sse import STREAM_RESPONSES, dump_json, sse_response
-from batcher.messages import FinalResult
+from tgq.api.app import AppState, state_of
+from tgq.api.db import store
+from tgq.api.errors import ApiError, NotFoundError, ValidationError
+from tgq.api.generation import request_id_of
+from tgq.api.routes.jobs import JobItemResult, get_visible_job, item_result, view
+from tgq.api.sse import STREAM_RESPONSES, dump_json, sse_response
+from tgq.batcher.messages import FinalResult
 
 router = APIRouter(tags=["Jobs"])
 EVENT_POLL_S = 2.0  # how long one wait for tokens lasts before the item's row is looked at

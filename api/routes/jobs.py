@@ -19,15 +19,15 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.app import AppState, state_of
-from api.db import store
-from api.errors import NotFoundError, RouteValidationError, ValidationError
-from api.generation import new_job_id, request_id_of
-from api.schemas.tgi import GenerateParameters
-from api.service import job_params
-from api.validation import check_inputs, tgi_params
-from batcher.messages import SubmitRequest
-from batcher.request import Priority
+from tgq.api.app import AppState, state_of
+from tgq.api.db import store
+from tgq.api.errors import NotFoundError, RouteValidationError, ValidationError
+from tgq.api.generation import new_job_id, request_id_of
+from tgq.api.schemas.tgi import GenerateParameters
+from tgq.api.service import job_params
+from tgq.api.validation import check_inputs, tgi_params
+from tgq.batcher.messages import SubmitRequest
+from tgq.batcher.request import Priority
 
 router = APIRouter(tags=["Jobs"])
 MAX_PAGE = 100

@@ -14,12 +14,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from api.app import VERSION, AppState, state_of
-from api.chat_template import InvalidMessageError, NoChatTemplateError, normalize_messages
-from api.chat_template import TemplateError as RenderError
-from api.errors import ApiError, GenerationError, TemplateError, ValidationError, error_body
-from api.routes.tgi import output_text
-from api.schemas.openai import (
+from tgq.api.app import VERSION, AppState, state_of
+from tgq.api.chat_template import InvalidMessageError, NoChatTemplateError, normalize_messages
+from tgq.api.chat_template import TemplateError as RenderError
+from tgq.api.errors import ApiError, GenerationError, TemplateError, ValidationError, error_body
+from tgq.api.routes.tgi import output_text
+from tgq.api.schemas.openai import (
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -38,11 +38,11 @@ from api.schemas.openai import (
     TopLogprob,
     Usage,
 )
-from api.service import Run, check_failed
-from api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
-from api.validated import GenerationParams
-from api.validation import chat_params, completion_params, completion_prompts
-from batcher.messages import FinalResult, TokenEvent
+from tgq.api.service import Run, check_failed
+from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
+from tgq.api.validated import GenerationParams
+from tgq.api.validation import chat_params, completion_params, completion_prompts
+from tgq.batcher.messages import FinalResult, TokenEvent
 
 router = APIRouter(tags=["OpenAI"])
 FINGERPRINT = f"{VERSION}-native"

@@ -16,11 +16,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from api.app import VERSION, AppState, state_of
-from api.db import batches, store
-from api.errors import ApiError, GenerationError, error_body
-from api.metrics import CONTENT_TYPE
-from api.schemas.tgi import (
+from tgq.api.app import VERSION, AppState, state_of
+from tgq.api.db import batches, store
+from tgq.api.errors import ApiError, GenerationError, error_body
+from tgq.api.metrics import CONTENT_TYPE
+from tgq.api.schemas.tgi import (
     BestOfSequence,
     CompatGenerateRequest,
     Details,
@@ -33,10 +33,10 @@ from api.schemas.tgi import (
     StreamResponse,
     Token,
 )
-from api.service import Run, check_failed
-from api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
-from api.validation import check_inputs, tgi_params
-from batcher.messages import FinalResult, TokenEvent
+from tgq.api.service import Run, check_failed
+from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
+from tgq.api.validation import check_inputs, tgi_params
+from tgq.batcher.messages import FinalResult, TokenEvent
 
 router = APIRouter(tags=["Text Generation Inference"])
 

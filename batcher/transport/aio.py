@@ -22,10 +22,17 @@ import redis
 import redis.asyncio as aioredis
 from redis.driver_info import DriverInfo
 
-from batcher.messages import AbortRequest, FinalResult, Heartbeat, SubmitRequest, TokenEvent, encode
-from batcher.request import Priority
-from batcher.transport.base import ApiTransport, StoredFinal, TransportConfig
-from batcher.transport.redis import (
+from tgq.batcher.messages import (
+    AbortRequest,
+    FinalResult,
+    Heartbeat,
+    SubmitRequest,
+    TokenEvent,
+    encode,
+)
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.base import ApiTransport, StoredFinal, TransportConfig
+from tgq.batcher.transport.redis import (
     MAX_ABORT_LOG,
     decode_event,
     decode_final,
@@ -33,7 +40,13 @@ from batcher.transport.redis import (
     entry_id_str,
     started_ids,
 )
-from batcher.transport.redis_keys import AFTER_EVENTS_ID, END_ID, PERSISTERS, RedisKeys, event_id
+from tgq.batcher.transport.redis_keys import (
+    AFTER_EVENTS_ID,
+    END_ID,
+    PERSISTERS,
+    RedisKeys,
+    event_id,
+)
 
 _T = TypeVar("_T")
 

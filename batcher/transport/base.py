@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from batcher.request import Priority
+from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from tgq.batcher.request import Priority
 
 MAX_STARTED_LOG = 100_000  # the started log keeps about this many of the latest ids
 

@@ -12,9 +12,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from batcher.request import Priority
-from batcher.transport.base import (
+from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.base import (
     MAX_STARTED_LOG,
     Delivery,
     StoredFinal,

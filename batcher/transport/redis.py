@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import redis
 from redis.typing import EncodableT, KeyT, StreamIdT
 
-from batcher.messages import (
+from tgq.batcher.messages import (
     AbortRequest,
     FinalResult,
     Heartbeat,
@@ -26,15 +26,15 @@ from batcher.messages import (
     decode,
     encode,
 )
-from batcher.request import Priority
-from batcher.transport.base import (
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.base import (
     MAX_STARTED_LOG,
     Delivery,
     StoredFinal,
     TransportConfig,
     failed_result,
 )
-from batcher.transport.redis_keys import (
+from tgq.batcher.transport.redis_keys import (
     AFTER_EVENTS_ID,
     END_ID,
     GROUP,

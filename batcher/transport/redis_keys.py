@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batcher.request import Priority
+from tgq.batcher.request import Priority
 
 GROUP = "batchers"  # the one consumer group on each queue stream
 PERSISTERS = "persisters"  # the consumer group on the finals stream

@@ -15,7 +15,7 @@ parsing), `load` (arrivals, sending), `records` (one request's timings), `report
 table, JSON, plots), `flags`, and `command` (the `bench` handler).
 """
 
-from cli.bench.command import bench
-from cli.bench.flags import add_arguments
+from tgq.cli.bench.command import bench
+from tgq.cli.bench.flags import add_arguments
 
 __all__ = ["add_arguments", "bench"]

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cli.bench.datasets import Prompt
-from cli.bench.records import StreamEvent
+from tgq.cli.bench.datasets import Prompt
+from tgq.cli.bench.records import StreamEvent
 
 
 @dataclass(frozen=True)

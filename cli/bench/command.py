@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cli import CommandError
-from cli.bench.backends import BACKENDS
-from cli.bench.datasets import DATASETS, Words, build_prompts, load_tokenizer
-from cli.bench.load import poisson_arrivals, run_load
-from cli.bench.report import (
+from tgq.cli import CommandError
+from tgq.cli.bench.backends import BACKENDS
+from tgq.cli.bench.datasets import DATASETS, Words, build_prompts, load_tokenizer
+from tgq.cli.bench.load import poisson_arrivals, run_load
+from tgq.cli.bench.report import (
     format_summary,
     require_matplotlib,
     summarize,

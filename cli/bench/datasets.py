@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli import CommandError
+from tgq.cli import CommandError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

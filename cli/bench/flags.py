@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cli.bench.backends import BACKENDS
-from cli.bench.datasets import DATASETS
-from cli.bench.report import parse_slos
+from tgq.cli.bench.backends import BACKENDS
+from tgq.cli.bench.datasets import DATASETS
+from tgq.cli.bench.report import parse_slos
 
 ENV_PREFIX = "BENCH_"
 

@@ -14,9 +14,9 @@ from typing import TextIO
 
 import httpx
 
-from cli.bench.backends import BACKENDS, sse_data
-from cli.bench.datasets import Prompt
-from cli.bench.records import RequestRecord, RequestTimer
+from tgq.cli.bench.backends import BACKENDS, sse_data
+from tgq.cli.bench.datasets import Prompt
+from tgq.cli.bench.records import RequestRecord, RequestTimer
 
 
 def poisson_arrivals(num: int, rate: float, rng: random.Random) -> list[float]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from cli import CommandError
-from cli.bench.records import RequestRecord
+from tgq.cli import CommandError
+from tgq.cli.bench.records import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 SLO_NAMES = {"ttft": "ttft", "tpot": "tpot", "e2e": "e2e", "e2el": "e2e"}  # e2el: vLLM's name

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_ops
+from tgq.kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from gpu_worker.config import ModelConfig
-from gpu_worker.models.decoder import DecoderForCausalLM
+from tgq.gpu_worker.config import ModelConfig
+from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 
 # architecture name -> module under gpu_worker.models that defines a class of that name
 _ARCHITECTURES = {
@@ -27,6 +27,6 @@ def model_class(config: ModelConfig) -> type[DecoderForCausalLM]:
             f"unsupported architecture {config.architecture!r}; tgq supports: "
             + ", ".join(supported_architectures())
         )
-    module = importlib.import_module(f"gpu_worker.models.{module_name}")
+    module = importlib.import_module(f"tgq.gpu_worker.models.{module_name}")
     cls: type[DecoderForCausalLM] = getattr(module, config.architecture)
     return cls

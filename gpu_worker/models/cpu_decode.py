@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels import AttentionBackend, AttentionMetadata, cpu_ops
-from kernels.cpu_paged import CpuPagedAttention
-from kernels.torch_paged import TorchMetadata
+from tgq.kernels import AttentionBackend, AttentionMetadata, cpu_ops
+from tgq.kernels.cpu_paged import CpuPagedAttention
+from tgq.kernels.torch_paged import TorchMetadata
 
 if TYPE_CHECKING:  # decoder.py builds this class, so imports it
-    from gpu_worker.models.decoder import DecoderLayer, KVCache
+    from tgq.gpu_worker.models.decoder import DecoderLayer, KVCache
 
 
 class CpuDecodePath:

@@ -23,15 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.config import ModelConfig
-from gpu_worker.layers.linear import Linear
-from gpu_worker.layers.norm import RMSNorm
-from gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
-from gpu_worker.models.cpu_decode import CpuDecodePath
-from gpu_worker.parallel import SINGLE, TensorParallel
-from kernels import AttentionBackend, AttentionMetadata, cpu_ops
-from kernels.greedy_head import GreedyHead
-from kernels.torch_paged import TorchMetadata
+from tgq.gpu_worker.config import ModelConfig
+from tgq.gpu_worker.layers.linear import Linear
+from tgq.gpu_worker.layers.norm import RMSNorm
+from tgq.gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
+from tgq.gpu_worker.models.cpu_decode import CpuDecodePath
+from tgq.gpu_worker.parallel import SINGLE, TensorParallel
+from tgq.kernels import AttentionBackend, AttentionMetadata, cpu_ops
+from tgq.kernels.greedy_head import GreedyHead
+from tgq.kernels.torch_paged import TorchMetadata
 
 # K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -3,7 +3,7 @@ the config)."""
 
 from __future__ import annotations
 
-from gpu_worker.models.decoder import DecoderForCausalLM
+from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gpu_worker.config import ModelConfig
-from gpu_worker.models.decoder import DecoderForCausalLM
+from tgq.gpu_worker.config import ModelConfig
+from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

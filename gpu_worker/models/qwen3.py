@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gpu_worker.models.decoder import DecoderForCausalLM
+from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

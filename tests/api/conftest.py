@@ -21,10 +21,10 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
 
-from api.db import create_engine
-from api.db.migrate import upgrade
-from api.db.models import metadata
 from tests.api.stack import Stack
+from tgq.api.db import create_engine
+from tgq.api.db.migrate import upgrade
+from tgq.api.db.models import metadata
 
 ADMIN_URL = os.environ.get("TGQ_TEST_POSTGRES", "postgresql+asyncpg://root@127.0.0.1:5432/postgres")
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import redis
 
-from devtools.demo import add_chat_template
-from devtools.random_model import make_config, write_model
-from devtools.tokenizer import train_tokenizer
+from tgq.devtools.demo import add_chat_template
+from tgq.devtools.random_model import make_config, write_model
+from tgq.devtools.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -73,7 +73,7 @@ class Stack:
 
     def start_batcher(self, batcher_id: str = "b0") -> subprocess.Popen[bytes]:
         command = [
-            sys.executable, "-m", "batcher", "--model-id", str(self.model_dir),
+            sys.executable, "-m", "tgq.batcher", "--model-id", str(self.model_dir),
             "--redis-url", REDIS_URL, "--prefix", self.prefix, "--batcher-id", batcher_id,
             "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
             "--max-batch-size", "64", "--heartbeat-ttl-s", "4", *self.batcher_options,
@@ -99,7 +99,7 @@ class Stack:
     def start_worker(self, name: str = "w0") -> subprocess.Popen[bytes]:
         """A Celery worker (one task at a time) that runs this stack's batches."""
         command = [
-            sys.executable, "-m", "celery", "-A", "bulk.celery_app", "worker", "--pool", "solo",
+            sys.executable, "-m", "celery", "-A", "tgq.bulk.celery_app", "worker", "--pool", "solo",
             "--concurrency", "1", "--loglevel", "INFO", "--hostname", f"{name}@{self.prefix}",
         ]  # fmt: skip
         log = open(self.log_dir / f"worker-{name}.log", "wb")  # noqa: SIM115
@@ -112,7 +112,7 @@ class Stack:
     def start_beat(self) -> subprocess.Popen[bytes]:
         """Celery beat: the reconciler (and retention) on their schedule."""
         command = [
-            sys.executable, "-m", "celery", "-A", "bulk.celery_app", "beat", "--loglevel",
+            sys.executable, "-m", "celery", "-A", "tgq.bulk.celery_app", "beat", "--loglevel",
             "INFO", "--schedule", str(self.log_dir / "beat-schedule"),
         ]  # fmt: skip
         log = open(self.log_dir / "beat.log", "wb")  # noqa: SIM115
@@ -131,7 +131,7 @@ class Stack:
         env = {**self.service_env(), "PORT": str(self.port)}
         log = open(self.log_dir / f"{self.name}.log", "wb")  # noqa: SIM115
         self.api = subprocess.Popen(
-            [sys.executable, "-m", "api"], cwd=ROOT, env=env, stdout=log, stderr=log
+            [sys.executable, "-m", "tgq.api"], cwd=ROOT, env=env, stdout=log, stderr=log
         )
         self.wait_healthy(timeout_s, healthy=healthy)
 

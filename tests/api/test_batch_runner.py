@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.batches.runner import BatchContext, run_batch
-from api.db import batches as db_batches
-from api.db import files as db_files
-from api.db import store
-from api.files.storage import LocalFileStorage
-from api.settings import Settings
-from api.tokenizer import ModelTokenizer
-from batcher.transport.aio import ThreadedApiTransport
-from batcher.transport.memory import MemoryTransport
+from tgq.api.batches.runner import BatchContext, run_batch
+from tgq.api.db import batches as db_batches
+from tgq.api.db import files as db_files
+from tgq.api.db import store
+from tgq.api.files.storage import LocalFileStorage
+from tgq.api.settings import Settings
+from tgq.api.tokenizer import ModelTokenizer
+from tgq.batcher.transport.aio import ThreadedApiTransport
+from tgq.batcher.transport.memory import MemoryTransport
 
 pytestmark = pytest.mark.timeout(60)
 CHAT = "/v1/chat/completions"

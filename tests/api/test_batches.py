@@ -16,9 +16,9 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from api.db import create_engine
 from tests.api.conftest import running_stack
 from tests.api.stack import Stack
+from tgq.api.db import create_engine
 
 pytestmark = pytest.mark.timeout(300)
 CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"

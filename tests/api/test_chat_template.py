@@ -12,7 +12,7 @@ import jinja2
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from api.chat_template import (
+from tgq.api.chat_template import (
     NO_TEMPLATE_MESSAGE,
     ChatTemplate,
     InvalidMessageError,
@@ -20,7 +20,7 @@ from api.chat_template import (
     TemplateError,
     normalize_messages,
 )
-from devtools.tokenizer import train_tokenizer
+from tgq.devtools.tokenizer import train_tokenizer
 
 # Qwen2-Instruct (ChatML).
 CHATML = (

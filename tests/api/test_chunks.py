@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from api.routes.openai import _content_chunk
-from api.schemas.openai import ChatCompletionChunk, ChunkChoice, Delta
-from api.sse import data_event
+from tgq.api.routes.openai import _content_chunk
+from tgq.api.schemas.openai import ChatCompletionChunk, ChunkChoice, Delta
+from tgq.api.sse import data_event
 
 
 def chunk(choices: list[ChunkChoice]) -> bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.drain import Drain, DrainMiddleware
+from tgq.api.drain import Drain, DrainMiddleware
 
 
 def app_with(drain: Drain) -> tuple[FastAPI, list[str]]:

@@ -18,15 +18,15 @@ from sqlalchemy import func, inspect, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import NullPool
 
-from api.db import api_keys, create_engine, models
-from api.db import files as db_files
-from api.db.migrate import current_revision, downgrade, head_revision, main, upgrade
-from api.errors import ApiError, PayloadTooLargeError, ValidationError
-from api.files.storage import LocalFileStorage
-from api.routes.files import EMPTY_FILE_MESSAGE, BatchInputChecker
-from api.settings import Settings
 from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import Stack
+from tgq.api.db import api_keys, create_engine, models
+from tgq.api.db import files as db_files
+from tgq.api.db.migrate import current_revision, downgrade, head_revision, main, upgrade
+from tgq.api.errors import ApiError, PayloadTooLargeError, ValidationError
+from tgq.api.files.storage import LocalFileStorage
+from tgq.api.routes.files import EMPTY_FILE_MESSAGE, BatchInputChecker
+from tgq.api.settings import Settings
 
 pytestmark = pytest.mark.timeout(300)
 SMALL_MAX_BYTES = 1000

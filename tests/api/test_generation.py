@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
 
-from api.admission import Admission, Limits
-from api.app import Health
-from api.db import create_engine, store
-from api.errors import OverloadedError, UnavailableError
-from api.generation import (
+from tgq.api.admission import Admission, Limits
+from tgq.api.app import Health
+from tgq.api.db import create_engine, store
+from tgq.api.errors import OverloadedError, UnavailableError
+from tgq.api.generation import (
     RECANCEL_S,
     Persister,
     Recorder,
@@ -24,12 +24,12 @@ from api.generation import (
     parse_request_id,
     request_id_of,
 )
-from batcher.messages import FinalResult, SubmitRequest
-from batcher.request import StoppingParams
-from batcher.transport.aio import ThreadedApiTransport
-from batcher.transport.base import TransportConfig
-from batcher.transport.memory import MemoryTransport
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.messages import FinalResult, SubmitRequest
+from tgq.batcher.request import StoppingParams
+from tgq.batcher.transport.aio import ThreadedApiTransport
+from tgq.batcher.transport.base import TransportConfig
+from tgq.batcher.transport.memory import MemoryTransport
+from tgq.gpu_worker.plan import SamplingParams
 
 
 def job_of(num_items: int = 1) -> tuple[store.NewJob, list[SubmitRequest]]:

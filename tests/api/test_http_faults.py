@@ -9,11 +9,11 @@ import httpx
 import pytest
 import redis
 
-from api.db.migrate import upgrade
-from batcher.request import Priority
-from batcher.transport.redis_keys import RedisKeys
 from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import REDIS_URL, Stack
+from tgq.api.db.migrate import upgrade
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.timeout(120)
 

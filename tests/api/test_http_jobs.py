@@ -12,8 +12,8 @@ import httpx
 import pytest
 import redis
 
-from batcher.transport.redis import RedisTransport
 from tests.api.stack import REDIS_URL, Stack
+from tgq.batcher.transport.redis import RedisTransport
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,11 +24,11 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from api.chat_template import ChatTemplate
-from api.security import INVALID_KEY, MISSING_KEY
-from api.validation import EMPTY_PROMPTS_MESSAGE, SUFFIX_MESSAGE
-from devtools.demo import CHAT_TEMPLATE
 from tests.api.stack import Stack
+from tgq.api.chat_template import ChatTemplate
+from tgq.api.security import INVALID_KEY, MISSING_KEY
+from tgq.api.validation import EMPTY_PROMPTS_MESSAGE, SUFFIX_MESSAGE
+from tgq.devtools.demo import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.timeout(300)
 StartApi = Callable[..., Stack]  # (log name, **env) -> a started api on the stack's prefix
@@ -655,7 +655,7 @@ def test_refuses_an_unmigrated_database(
         assert api.api is not None and api.api.returncode != 0
         log = api.api_log()
         assert "database schema is at revision none" in log
-        assert "run `tgq migrate` (or `python -m api.db.migrate`)" in log
+        assert "run `tgq migrate` (or `python -m tgq.api.db.migrate`)" in log
     finally:
         api.stop()
 

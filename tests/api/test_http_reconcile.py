@@ -15,10 +15,10 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from api.db import create_engine
-from api.db.migrate import upgrade
 from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import REDIS_URL, Stack
+from tgq.api.db import create_engine
+from tgq.api.db.migrate import upgrade
 
 pytestmark = pytest.mark.timeout(240)
 NUM_JOBS = 12

@@ -16,17 +16,17 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from api.chat_template import ChatTemplate
-from api.db import create_engine
-from batcher.config import SchedulerConfig
-from batcher.detokenize import HFTokenDecoder
-from batcher.engine import LLMEngine
-from batcher.request import StoppingParams
-from batcher.transport.redis import RedisTransport
-from devtools.demo import CHAT_TEMPLATE
-from gpu_worker.config import model_eos_token_ids
-from gpu_worker.runner import ModelRunner, RunnerConfig
 from tests.api.stack import BLOCK_SIZE, NUM_BLOCKS, REDIS_URL, Stack
+from tgq.api.chat_template import ChatTemplate
+from tgq.api.db import create_engine
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.detokenize import HFTokenDecoder
+from tgq.batcher.engine import LLMEngine
+from tgq.batcher.request import StoppingParams
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.devtools.demo import CHAT_TEMPLATE
+from tgq.gpu_worker.config import model_eos_token_ids
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [

@@ -32,11 +32,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.observability import RequestIdMiddleware
-from batcher.logs import JsonFormatter
-from cli.main import build_parser
-from cli.service import LOG_FLAGS, SETTING_FLAGS, batcher_argv, given
 from tests.api.stack import ROOT, Stack, free_port
+from tgq.api.observability import RequestIdMiddleware
+from tgq.batcher.logs import JsonFormatter
+from tgq.cli.main import build_parser
+from tgq.cli.service import LOG_FLAGS, SETTING_FLAGS, batcher_argv, given
 
 NEW_ID = re.compile(r"[0-9a-f]{32}")
 BODY = {"inputs": "The Python language", "parameters": {"max_new_tokens": 4}}

@@ -6,8 +6,8 @@ import threading
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.metrics import JOB_STATUSES, LATENCY_BUCKETS_S, Metrics
-from batcher.messages import Heartbeat
+from tgq.api.metrics import JOB_STATUSES, LATENCY_BUCKETS_S, Metrics
+from tgq.batcher.messages import Heartbeat
 
 TGI_TYPES = {
     "tgi_request_count": "counter",

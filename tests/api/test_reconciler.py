@@ -12,18 +12,18 @@ import pytest
 import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.db import store
-from api.generation import new_job_id, request_id_of
-from api.reconciler import rebuild_request, reconcile_once
-from api.service import job_params
-from api.settings import Settings
-from api.validated import GenerationParams
-from api.validation import validate_tokens
-from batcher.messages import SubmitRequest
-from batcher.request import Priority
-from batcher.transport.aio import AsyncRedisApiTransport
-from batcher.transport.redis import RedisTransport
-from gpu_worker.plan import SamplingParams
+from tgq.api.db import store
+from tgq.api.generation import new_job_id, request_id_of
+from tgq.api.reconciler import rebuild_request, reconcile_once
+from tgq.api.service import job_params
+from tgq.api.settings import Settings
+from tgq.api.validated import GenerationParams
+from tgq.api.validation import validate_tokens
+from tgq.batcher.messages import SubmitRequest
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.aio import AsyncRedisApiTransport
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.gpu_worker.plan import SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SETTINGS = Settings.model_validate({})

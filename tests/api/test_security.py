@@ -18,10 +18,10 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Message
 
-from api.db import api_keys, models
-from api.errors import install_error_handlers
-from api.security import VerifyKey, install_security
-from api.settings import Settings
+from tgq.api.db import api_keys, models
+from tgq.api.errors import install_error_handlers
+from tgq.api.security import VerifyKey, install_security
+from tgq.api.settings import Settings
 
 LIMIT = 100
 ORIGIN = "https://ui.example"

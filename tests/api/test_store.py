@@ -19,8 +19,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import NullPool
 
-from api.db import api_keys, create_engine, models, normalize_url, store, warm_up
-from api.db.migrate import (
+from tgq.api.db import api_keys, create_engine, models, normalize_url, store, warm_up
+from tgq.api.db.migrate import (
     SchemaNotMigratedError,
     check_schema,
     current_revision,
@@ -28,7 +28,7 @@ from api.db.migrate import (
     head_revision,
     upgrade,
 )
-from api.db.store import JobRecord, NewJob, NewResult
+from tgq.api.db.store import JobRecord, NewJob, NewResult
 
 T = TypeVar("T")
 
@@ -121,7 +121,7 @@ def test_check_schema_refuses_an_unmigrated_database(empty_pg_url: str) -> None:
         asyncio.run(check_schema(engine))
     assert str(raised.value) == (
         f"database schema is at revision none, this tgq needs {head_revision()}: "
-        "run `tgq migrate` (or `python -m api.db.migrate`)"
+        "run `tgq migrate` (or `python -m tgq.api.db.migrate`)"
     )
     upgrade(empty_pg_url)
     asyncio.run(check_schema(engine))

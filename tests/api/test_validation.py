@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.errors import (
+from tgq.api.errors import (
     ApiError,
     GenerationError,
     NotFoundError,
@@ -28,11 +28,11 @@ from api.errors import (
     install_error_handlers,
     stream_error_event,
 )
-from api.schemas.openai import ChatCompletionRequest, CompletionRequest
-from api.schemas.tgi import Details, GenerateParameters, GenerateRequest, StreamResponse, Token
-from api.settings import Settings
-from api.validated import GenerationParams
-from api.validation import (
+from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
+from tgq.api.schemas.tgi import Details, GenerateParameters, GenerateRequest, StreamResponse, Token
+from tgq.api.settings import Settings
+from tgq.api.validated import GenerationParams
+from tgq.api.validation import (
     chat_params,
     check_inputs,
     completion_params,
@@ -40,7 +40,7 @@ from api.validation import (
     tgi_params,
     validate_tokens,
 )
-from batcher.request import Priority
+from tgq.batcher.request import Priority
 
 SETTINGS = Settings.model_validate({"max_input_tokens": 6, "max_total_tokens": 10})
 USER = [{"role": "user", "content": "hi"}]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpu_worker.plan import SampledToken, StepPlan, StepResult
+from tgq.gpu_worker.plan import SampledToken, StepPlan, StepResult
 
 VOCAB_SIZE = 50
 

@@ -11,13 +11,17 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 import redis
 
-from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from batcher.request import StoppingParams
-from batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport, ThreadedApiTransport
-from batcher.transport.base import Transport, TransportConfig
-from batcher.transport.memory import MemoryTransport
-from batcher.transport.redis import RedisTransport
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from tgq.batcher.request import StoppingParams
+from tgq.batcher.transport.aio import (
+    AsyncApiTransport,
+    AsyncRedisApiTransport,
+    ThreadedApiTransport,
+)
+from tgq.batcher.transport.base import Transport, TransportConfig
+from tgq.batcher.transport.memory import MemoryTransport
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.gpu_worker.plan import SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 CONFIG = TransportConfig(lease_s=0.05, heartbeat_ttl_s=0.5)

@@ -16,11 +16,6 @@ from typing import Any
 import pytest
 import redis
 
-from batcher.messages import FinalResult, SubmitRequest
-from batcher.request import Priority, StoppingParams
-from batcher.transport.redis import RedisTransport
-from batcher.transport.redis_keys import GROUP
-from gpu_worker.plan import SamplingParams
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
     follow,
@@ -28,6 +23,11 @@ from tests.batcher.test_batcher_process import (
     offline_tokens,
     start_batcher,
 )
+from tgq.batcher.messages import FinalResult, SubmitRequest
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.redis_keys import GROUP
+from tgq.gpu_worker.plan import SamplingParams
 
 STOPPING = StoppingParams(max_new_tokens=64, ignore_eos=True)
 FAST_FAILOVER = ("--heartbeat-ttl-s", "1", "--lease-s", "1", "--max-batch-size", "6")

@@ -11,9 +11,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from batcher.messages import SubmitRequest
-from batcher.transport.redis import RedisTransport
-from gpu_worker.plan import SamplingParams
 from tests.batcher import test_batcher_process
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
@@ -24,6 +21,9 @@ from tests.batcher.test_batcher_process import (
     start_batcher,
 )
 from tests.gpu_worker.test_loading import hub_cache
+from tgq.batcher.messages import SubmitRequest
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.gpu_worker.plan import SamplingParams
 
 REPO = "tgq-test/tiny-llama"
 redis_prefix = test_batcher_process.redis_prefix  # the fixture: a fresh key prefix per test

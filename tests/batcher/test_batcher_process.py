@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from batcher.config import SchedulerConfig
-from batcher.engine import LLMEngine
-from batcher.messages import SubmitRequest
-from batcher.request import Priority, StoppingParams
-from batcher.transport.redis import RedisTransport
-from gpu_worker.config import model_eos_token_ids
-from gpu_worker.plan import SamplingParams
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.engine import LLMEngine
+from tgq.batcher.messages import SubmitRequest
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.gpu_worker.config import model_eos_token_ids
+from tgq.gpu_worker.plan import SamplingParams
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 NUM_REQUESTS = 50
@@ -62,7 +62,7 @@ def start_batcher(
     model_dir: Path, prefix: str, batcher_id: str, *options: str, redis_url: str = REDIS_URL
 ) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "batcher", "--model-id", str(model_dir), "--redis-url", redis_url,
+        sys.executable, "-m", "tgq.batcher", "--model-id", str(model_dir), "--redis-url", redis_url,
         "--prefix", prefix, "--batcher-id", batcher_id, "--num-blocks", str(NUM_BLOCKS),
         "--block-size", str(BLOCK_SIZE), "--max-batch-size", "16", *options,
     ]  # fmt: skip

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from batcher.detokenize import HFTokenDecoder, IncrementalDetokenizer
 from tests.batcher.tokenizer_zoo import load
+from tgq.batcher.detokenize import HFTokenDecoder, IncrementalDetokenizer
 
 BYTE_LEVEL = ["bpe", "llama3"]
 SENTENCEPIECE = ["sentencepiece", "mistral"]

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from batcher.config import SchedulerConfig
-from batcher.engine import Generation, LLMEngine
-from batcher.request import StoppingParams
-from gpu_worker.loader import LoadedModel, load_model
-from gpu_worker.offline import Generation as Reference
-from gpu_worker.plan import SamplingParams
-from gpu_worker.runner import ModelRunner, RunnerConfig
 from tests.gpu_worker.test_parity import LOGPROB_TOL, hf_generate, prompts
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.engine import Generation, LLMEngine
+from tgq.batcher.request import StoppingParams
+from tgq.gpu_worker.loader import LoadedModel, load_model
+from tgq.gpu_worker.offline import Generation as Reference
+from tgq.gpu_worker.plan import SamplingParams
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 VARIANT = "llama3-gqa"
 NUM_NEW = 8

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from batcher.detokenize import HFTokenDecoder
-from batcher.engine import LLMEngine, RequestOutput
-from batcher.request import StoppingParams
-from gpu_worker.config import model_eos_token_ids
-from gpu_worker.plan import SampledToken, StepPlan, StepResult
 from tests.batcher import tokenizer_zoo
+from tgq.batcher.detokenize import HFTokenDecoder
+from tgq.batcher.engine import LLMEngine, RequestOutput
+from tgq.batcher.request import StoppingParams
+from tgq.gpu_worker.config import model_eos_token_ids
+from tgq.gpu_worker.plan import SampledToken, StepPlan, StepResult
 
 PROMPT_TEXT = "The answer is"
 OUTPUT_TEXT = " forty-two, said the computer. 你好 — café ✓ and then nothing more at all"

@@ -9,7 +9,7 @@ import sys
 
 CHILD = """
 import gc, json, logging, time
-from batcher.heap import freeze_startup_heap
+from tgq.batcher.heap import freeze_startup_heap
 
 logging.basicConfig(level=logging.INFO)
 startup = [{"row": [i]} for i in range(300_000)]  # long-lived, like the api's models and pools

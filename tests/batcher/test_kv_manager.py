@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from batcher.kv_manager import KVManager
+from tgq.batcher.kv_manager import KVManager
 
 
 def _computed(kv: KVManager, request_id: str, token_ids: list[int], num_cached: int = 0) -> None:

@@ -11,10 +11,10 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from batcher.logs import HumanFormatter, JsonFormatter, current_request_id
-from batcher.messages import MessageError, SubmitRequest, decode, encode
-from batcher.request import StoppingParams
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.logs import HumanFormatter, JsonFormatter, current_request_id
+from tgq.batcher.messages import MessageError, SubmitRequest, decode, encode
+from tgq.batcher.request import StoppingParams
+from tgq.gpu_worker.plan import SamplingParams
 
 
 def record(message: str = "request %s pulled", *args: object, **extra: object) -> logging.LogRecord:

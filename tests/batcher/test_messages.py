@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from batcher.messages import (
+from tgq.batcher.messages import (
     VERSION,
     AbortRequest,
     FinalResult,
@@ -18,8 +18,8 @@ from batcher.messages import (
     decode,
     encode,
 )
-from batcher.request import Priority, StoppingParams
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.gpu_worker.plan import SamplingParams
 
 SUBMIT = SubmitRequest(
     "req-1",

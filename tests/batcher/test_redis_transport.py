@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import redis
 
-from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from batcher.request import StoppingParams
-from batcher.transport.redis import RedisTransport
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from tgq.batcher.request import StoppingParams
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.gpu_worker.plan import SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

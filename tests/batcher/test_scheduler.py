@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from batcher.config import SchedulerConfig
-from batcher.engine import LLMEngine, RequestOutput
-from batcher.request import Priority, Request, RequestStatus, StoppingParams
 from tests.batcher.fake_runner import VOCAB_SIZE, FakeRunner, solo_output
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.engine import LLMEngine, RequestOutput
+from tgq.batcher.request import Priority, Request, RequestStatus, StoppingParams
 
 
 def make_engine(num_blocks: int = 256, block_size: int = 4, **limits: Any) -> LLMEngine:

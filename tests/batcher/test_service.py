@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-from batcher.config import SchedulerConfig
-from batcher.engine import LLMEngine
-from batcher.messages import FinalResult, SubmitRequest, TokenEvent
-from batcher.request import Priority, StoppingParams
-from batcher.service import BatcherService, ServiceConfig
-from batcher.transport.base import TransportConfig
-from batcher.transport.memory import MemoryTransport
-from gpu_worker.plan import SamplingParams, StepPlan, StepResult
 from tests.batcher.fake_runner import FakeRunner
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.engine import LLMEngine
+from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.service import BatcherService, ServiceConfig
+from tgq.batcher.transport.base import TransportConfig
+from tgq.batcher.transport.memory import MemoryTransport
+from tgq.gpu_worker.plan import SamplingParams, StepPlan, StepResult
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batcher.detokenize import HFTokenDecoder
-from batcher.stopping import OutputText, StopStringMatcher
 from tests.batcher.test_detokenize import ALL, SENTENCEPIECE, continuation, encode
 from tests.batcher.tokenizer_zoo import load
+from tgq.batcher.detokenize import HFTokenDecoder
+from tgq.batcher.stopping import OutputText, StopStringMatcher
 
 
 def reference(text: str, stop_strings: Sequence[str]) -> tuple[str, str | None]:

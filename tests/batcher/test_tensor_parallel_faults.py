@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from batcher.transport.redis import RedisTransport
 from tests.batcher.test_batcher_failover import (
     FAST_FAILOVER,
     STOPPING,
@@ -32,6 +31,7 @@ from tests.batcher.test_batcher_process import (
     offline_tokens,
     start_batcher,
 )
+from tgq.batcher.transport.redis import RedisTransport
 
 __all__ = ["processes"]  # the fixture
 SHARDED = ("--num-shard", "2", "--threads-per-rank", "1")

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from batcher.request import Priority, StoppingParams
-from batcher.transport.base import Transport, TransportConfig
-from batcher.transport.memory import MemoryTransport
-from batcher.transport.redis import RedisTransport
-from gpu_worker.plan import SamplingParams
+from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
+from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.transport.base import Transport, TransportConfig
+from tgq.batcher.transport.memory import MemoryTransport
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.gpu_worker.plan import SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 LEASE_S = 0.05

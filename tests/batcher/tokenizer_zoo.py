@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from devtools.tokenizer import SPECIAL_TOKENS, bundled_text, train_tokenizer
+from tgq.devtools.tokenizer import SPECIAL_TOKENS, bundled_text, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"

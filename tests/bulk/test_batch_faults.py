@@ -20,11 +20,11 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from api.db import create_engine
-from api.db.migrate import upgrade
-from batcher.transport.redis import RedisTransport
 from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import REDIS_URL, Stack
+from tgq.api.db import create_engine
+from tgq.api.db.migrate import upgrade
+from tgq.batcher.transport.redis import RedisTransport
 
 pytestmark = pytest.mark.timeout(300)
 CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"

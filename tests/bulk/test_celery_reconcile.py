@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 import redis
 
-from api.db import create_engine, store
-from api.db.migrate import upgrade
-from api.generation import new_job_id, request_id_of
-from api.service import job_params
-from api.settings import Settings
-from api.validated import GenerationParams
-from batcher.request import Priority
-from batcher.transport.redis import RedisTransport
-from bulk.celery_app import make_app
-from gpu_worker.plan import SamplingParams
 from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import REDIS_URL, ROOT
+from tgq.api.db import create_engine, store
+from tgq.api.db.migrate import upgrade
+from tgq.api.generation import new_job_id, request_id_of
+from tgq.api.service import job_params
+from tgq.api.settings import Settings
+from tgq.api.validated import GenerationParams
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.redis import RedisTransport
+from tgq.bulk.celery_app import make_app
+from tgq.gpu_worker.plan import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +56,16 @@ def deployment(text_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]
 
 
 def start(kind: str, env: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "celery", "-A", "bulk.celery_app", kind, "--loglevel", "INFO"]
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "tgq.bulk.celery_app",
+        kind,
+        "--loglevel",
+        "INFO",
+    ]
     if kind == "worker":
         command += ["--pool", "solo", "--concurrency", "1"]
     else:

@@ -12,13 +12,13 @@ from pathlib import Path
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from api.db import batches as db_batches
-from api.db import files as db_files
-from api.db import models as db
-from api.db import store
-from api.files.storage import LocalFileStorage
-from api.settings import Settings
-from bulk.tasks import delete_expired
+from tgq.api.db import batches as db_batches
+from tgq.api.db import files as db_files
+from tgq.api.db import models as db
+from tgq.api.db import store
+from tgq.api.files.storage import LocalFileStorage
+from tgq.api.settings import Settings
+from tgq.bulk.tasks import delete_expired
 
 
 def new_job(job_id: str) -> store.NewJob:

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from cli.batch import ProgressBar, progress_line
 from tests.api.stack import ROOT, Stack, free_port
+from tgq.cli.batch import ProgressBar, progress_line
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "cli-test-key"
@@ -37,7 +37,7 @@ def request_line(custom_id: str, url: str = CHAT, **body: Any) -> str:
 
 def tgq(url: str, *args: str, api_key: str | None = KEY) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cli", "--url", url, *args],
+        [sys.executable, "-m", "tgq.cli", "--url", url, *args],
         check=False,
         cwd=ROOT,
         env=cli_env(api_key),
@@ -233,7 +233,7 @@ def test_ctrl_c_while_waiting_leaves_the_batch_running(server: Stack, tmp_path: 
     path = tmp_path / "slow.jsonl"
     rows = [request_line(f"s-{i}", max_tokens=1000, ignore_eos=True) for i in range(32)]
     path.write_text("\n".join(rows))
-    command = [sys.executable, "-m", "cli", "--url", server.url, "batch", "submit", str(path)]
+    command = [sys.executable, "-m", "tgq.cli", "--url", server.url, "batch", "submit", str(path)]
     process = subprocess.Popen(
         [*command, "--wait"],
         cwd=ROOT,

@@ -17,15 +17,15 @@ from typing import Any
 import httpx
 import pytest
 
-from cli import CommandError
-from cli.bench.backends import sse_data
-from cli.bench.datasets import Prompt, Words, build_prompts, load_tokenizer
-from cli.bench.load import poisson_arrivals, send
-from cli.bench.records import RequestRecord, RequestTimer, StreamEvent
-from cli.bench.report import parse_slos, stats_ms, summarize, throughput_over_time
-from cli.main import build_parser, main
 from tests.api.conftest import running_stack
 from tests.api.stack import Stack
+from tgq.cli import CommandError
+from tgq.cli.bench.backends import sse_data
+from tgq.cli.bench.datasets import Prompt, Words, build_prompts, load_tokenizer
+from tgq.cli.bench.load import poisson_arrivals, send
+from tgq.cli.bench.records import RequestRecord, RequestTimer, StreamEvent
+from tgq.cli.bench.report import parse_slos, stats_ms, summarize, throughput_over_time
+from tgq.cli.main import build_parser, main
 
 pytestmark = pytest.mark.timeout(180)
 TOKEN = StreamEvent(is_token=True)

@@ -15,12 +15,15 @@ import httpx
 import pytest
 import redis
 
-from api.db.migrate import head_revision
-from api.settings import Settings
-from cli import CommandError
-from cli.main import build_parser, main
-from cli.serve import embedded_env
-from cli.service import (
+from tests.api.conftest import _create_database, _drop_database
+from tests.api.stack import free_port
+from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
+from tgq.api.db.migrate import head_revision
+from tgq.api.settings import Settings
+from tgq.cli import CommandError
+from tgq.cli.main import build_parser, main
+from tgq.cli.serve import embedded_env
+from tgq.cli.service import (
     BATCHER_FLAGS,
     SETTING_FLAGS,
     batcher_argv,
@@ -28,9 +31,6 @@ from cli.service import (
     given,
     settings_env,
 )
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import free_port
-from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -115,7 +115,7 @@ def test_download_refuses_pickle_weights(
 def _serve(cwd: Path, env: dict[str, str], *flags: str) -> subprocess.Popen[bytes]:
     inherited = ("HOSTNAME", "PORT", "REDIS_URL", "DATABASE_URL", "MODEL_ID", "MODEL_DIR")
     base = {k: v for k, v in os.environ.items() if k not in inherited}
-    command = [sys.executable, "-m", "cli", "serve", *flags]
+    command = [sys.executable, "-m", "tgq.cli", "serve", *flags]
     log = open(cwd / "serve.log", "wb")  # noqa: SIM115
     full_env = {**base, "OMP_NUM_THREADS": "1", **env}
     return subprocess.Popen(command, cwd=cwd, env=full_env, stdout=log, stderr=log)

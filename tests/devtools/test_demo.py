@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from devtools.demo import DEMO_VERSION, VERSION_FILE, demo_model
-from devtools.random_model import make_config, write_model
-from devtools.tokenizer import train_tokenizer
-from devtools.train_demo import TrainConfig, TrainResult, build
-from gpu_worker.loader import load_model
-from gpu_worker.offline import OfflineEngine
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.devtools.demo import DEMO_VERSION, VERSION_FILE, demo_model
+from tgq.devtools.random_model import make_config, write_model
+from tgq.devtools.tokenizer import train_tokenizer
+from tgq.devtools.train_demo import TrainConfig, TrainResult, build
+from tgq.gpu_worker.loader import load_model
+from tgq.gpu_worker.offline import OfflineEngine
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 TINY = TrainConfig(
     steps=20,
@@ -37,7 +37,7 @@ TINY = TrainConfig(
 
 def corpus_json(hash_seed: str) -> str:
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-    command = [sys.executable, "-m", "devtools.corpus"]
+    command = [sys.executable, "-m", "tgq.devtools.corpus"]
     return subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.loader import load_model
-from gpu_worker.parallel import TensorParallel
+from tgq.gpu_worker.loader import load_model
+from tgq.gpu_worker.parallel import TensorParallel
 
 
 def anonymous_bytes() -> int:

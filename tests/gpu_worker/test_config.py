@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpu_worker.config import ModelConfig, extra_eos_token_ids, resolve_dtype
+from tgq.gpu_worker.config import ModelConfig, extra_eos_token_ids, resolve_dtype
 
 LLAMA3_SCALING = {
     "factor": 8.0,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from devtools.random_model import make_config, write_model
-from gpu_worker.hub import PickleWeightsError
-from gpu_worker.loader import load_model
-from gpu_worker.offline import OfflineEngine
-from gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.hub import PickleWeightsError
+from tgq.gpu_worker.loader import load_model
+from tgq.gpu_worker.offline import OfflineEngine
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 CPU = torch.device("cpu")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

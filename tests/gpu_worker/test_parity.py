@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from devtools.random_model import make_config, write_model
-from gpu_worker.offline import Generation, OfflineEngine
-from gpu_worker.plan import SamplingParams
-from gpu_worker.runner import ModelRunner, RunnerConfig
 from tests.conftest import VARIANTS
+from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.offline import Generation, OfflineEngine
+from tgq.gpu_worker.plan import SamplingParams
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 NUM_NEW = 12
 LOGPROB_TOL = 1e-4

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.models import cpu_decode, decoder
-from gpu_worker.offline import OfflineEngine
-from gpu_worker.plan import (
+from tests.gpu_worker.test_parity import hf_generate
+from tgq.gpu_worker.models import cpu_decode, decoder
+from tgq.gpu_worker.offline import OfflineEngine
+from tgq.gpu_worker.plan import (
     NewSequence,
     SamplingParams,
     ScheduledChunk,
@@ -19,10 +20,9 @@ from gpu_worker.plan import (
     plan_from_wire,
     to_wire,
 )
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from kernels import cpu_ops
-from kernels.greedy_head import GreedyHead
-from tests.gpu_worker.test_parity import hf_generate
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.kernels import cpu_ops
+from tgq.kernels.greedy_head import GreedyHead
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5]
 SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, top_n_logprobs=3)
@@ -265,7 +265,7 @@ def test_greedy_rows_through_the_greedy_head_are_unchanged(
 def test_the_greedy_head_can_be_switched_off(model_dirs: dict[str, Path]) -> None:
     """`RunnerConfig(greedy_head=False)` (the batcher's --no-greedy-head) builds no screen; the
     batcher's flag reaches the runner's config."""
-    from batcher.__main__ import parse_args
+    from tgq.batcher.__main__ import parse_args
 
     def head(enabled: bool) -> object:
         config = RunnerConfig(

@@ -14,8 +14,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from gpu_worker.plan import SamplingParams
-from gpu_worker.sampling import (
+from tgq.gpu_worker.plan import SamplingParams
+from tgq.gpu_worker.sampling import (
     Sampler,
     SamplingInputs,
     apply_frequency_presence,

@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from batcher.engine import LLMEngine
-from batcher.ranks import ShardConfig, ShardedRunner
-from batcher.request import StoppingParams
-from devtools.random_model import make_config, write_model
-from gpu_worker.loader import load_model
-from gpu_worker.parallel import TensorParallel
-from gpu_worker.plan import SamplingParams
-from gpu_worker.runner import ModelRunner, RunnerConfig
 from tests.gpu_worker.test_parity import prompts
+from tgq.batcher.engine import LLMEngine
+from tgq.batcher.ranks import ShardConfig, ShardedRunner
+from tgq.batcher.request import StoppingParams
+from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.loader import load_model
+from tgq.gpu_worker.parallel import TensorParallel
+from tgq.gpu_worker.plan import SamplingParams
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gpu_worker.hub import (
+from tgq.gpu_worker.hub import (
     ModelNotFoundError,
     PickleWeightsError,
     is_hub_offline,
     resolve_model_dir,
 )
-from gpu_worker.weights import Checkpoint
+from tgq.gpu_worker.weights import Checkpoint
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels import cpu_ops
+from tgq.kernels import cpu_ops
 
 _REASON = cpu_ops.hardware_unsupported_reason()
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.layers.norm import RMSNorm
-from gpu_worker.layers.rotary import apply_rotary
-from gpu_worker.loader import load_model
-from gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan
-from gpu_worker.runner import ModelRunner, RunnerConfig
-from kernels import cpu_ops
 from tests.kernels.markers import requires_kernels
+from tgq.gpu_worker.layers.norm import RMSNorm
+from tgq.gpu_worker.layers.rotary import apply_rotary
+from tgq.gpu_worker.loader import load_model
+from tgq.gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.kernels import cpu_ops
 
 EPS = 1e-6
 CPU = torch.device("cpu")

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.kv_write import write_kv_slots
 from tests.kernels.markers import requires_kernels
 from tests.kernels.numerics import rel_err
+from tgq.kernels import cpu_ops
+from tgq.kernels.kv_write import write_kv_slots
 
 
 @requires_kernels

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.greedy_head import GreedyHead, build_screen, screen_unsupported_reason
+from tgq.kernels import cpu_ops
+from tgq.kernels.greedy_head import GreedyHead, build_screen, screen_unsupported_reason
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.has_avx512_vnni_bf16(), reason="this CPU lacks AVX512_BF16 + AVX512_VNNI"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
 from tests.kernels.markers import requires_kernels
 from tests.kernels.numerics import rel_err
+from tgq.kernels import cpu_ops
 
 _AVX512 = pytest.mark.skipif(
     not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16 (the avx512 decode kernel)"

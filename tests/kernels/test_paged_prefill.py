@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import AttentionStep, SeqSpan, cpu_ops
-from kernels.cpu_paged import CpuPagedAttention
-from kernels.torch_paged import MultiQuery, TorchPagedAttention, attend_multi
 from tests.kernels.markers import requires_kernels
 from tests.kernels.numerics import rel_err
+from tgq.kernels import AttentionStep, SeqSpan, cpu_ops
+from tgq.kernels.cpu_paged import CpuPagedAttention
+from tgq.kernels.torch_paged import MultiQuery, TorchPagedAttention, attend_multi
 
 pytestmark = [
     requires_kernels,

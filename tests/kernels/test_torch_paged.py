@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import AttentionStep, SeqSpan, get_backend
-from kernels.torch_paged import TorchPagedAttention
+from tgq.kernels import AttentionStep, SeqSpan, get_backend
+from tgq.kernels.torch_paged import TorchPagedAttention
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -105,7 +105,7 @@ def test_single_query_spans_are_counted_from_the_front() -> None:
 def test_registry_names_the_choices() -> None:
     with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; choose one of: auto"):
         get_backend("nope", torch.device("cpu"))
-    from kernels import cpu_ops
+    from tgq.kernels import cpu_ops
 
     expected = "cpu" if cpu_ops.is_available() else "torch"
     assert get_backend("auto", torch.device("cpu")).name == expected

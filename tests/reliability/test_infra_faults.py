@@ -31,13 +31,13 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from api.db import create_engine
-from batcher.request import Priority
-from batcher.transport.redis_keys import GROUP, RedisKeys
 from tests.api.conftest import migrated_database
 from tests.api.stack import REDIS_URL, Stack
 from tests.batcher.test_batcher_failover import free_port, start_redis, wait_for
 from tests.reliability.tcp_proxy import TcpProxy
+from tgq.api.db import create_engine
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.redis_keys import GROUP, RedisKeys
 
 NUM_JOBS = 1000
 SHORT = {"max_new_tokens": 4, "ignore_eos": True}  # 1,000 jobs in well under a minute

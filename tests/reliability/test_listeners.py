@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml  # type: ignore[import-untyped]
 
-from api.settings import Settings
 from tests.api.stack import ROOT, Stack
+from tgq.api.settings import Settings
 
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 

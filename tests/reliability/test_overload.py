@@ -28,9 +28,6 @@ import httpx
 import pytest
 import redis
 
-from api.metrics import JOB_STATUSES
-from batcher.request import Priority
-from batcher.transport.redis_keys import RedisKeys
 from tests.api.stack import REDIS_URL, Stack
 from tests.api.test_http_limits import (
     CHAT,
@@ -42,6 +39,9 @@ from tests.api.test_http_limits import (
     sibling_api,
     tgi_error,
 )
+from tgq.api.metrics import JOB_STATUSES
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -32,16 +32,16 @@ import redis.asyncio as aioredis
 from sqlalchemy import Row, text
 from sqlalchemy.pool import NullPool
 
-from api.db import create_engine
-from batcher.faults import FailingRunner, InjectedFaultError, inject_fault, parse_fault
-from batcher.messages import FinalResult, Heartbeat
-from batcher.request import Priority
-from batcher.transport.redis import decode_final, decode_heartbeat
-from batcher.transport.redis_keys import RedisKeys
 from tests.api.conftest import migrated_database
 from tests.api.stack import NUM_BLOCKS, REDIS_URL, Stack, write_text_model
 from tests.api.test_http_limits import paused
 from tests.batcher.test_batcher_failover import wait_for
+from tgq.api.db import create_engine
+from tgq.batcher.faults import FailingRunner, InjectedFaultError, inject_fault, parse_fault
+from tgq.batcher.messages import FinalResult, Heartbeat
+from tgq.batcher.request import Priority
+from tgq.batcher.transport.redis import decode_final, decode_heartbeat
+from tgq.batcher.transport.redis_keys import RedisKeys
 
 FAST_BEATS = ("--heartbeat-ttl-s", "1")  # a heartbeat every 0.25 s: KV state seen promptly
 NUM_USABLE_BLOCKS = NUM_BLOCKS - 1  # block 0 is reserved
