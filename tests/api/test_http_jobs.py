@@ -49,7 +49,10 @@ def parse_events(raw: str) -> list[dict[str, Any]]:
 
 
 def test_post_poll_results(client: httpx.Client) -> None:
-    body = {"prompt": ["one", "two", "three"], "parameters": {"max_new_tokens": 5}}
+    body = {
+        "prompt": ["one", "two", "three"],
+        "parameters": {"max_new_tokens": 5, "ignore_eos": True},
+    }
     response = client.post("/v1/jobs", json=body)
     assert response.status_code == 202, response.text
     job = response.json()
@@ -119,7 +122,7 @@ def test_cancel_a_running_job_frees_its_blocks(client: httpx.Client, stack: Stac
 
 
 def test_events_resume_with_last_event_id(client: httpx.Client, stack: Stack) -> None:
-    body = {"prompt": ["first", "second"], "parameters": {"max_new_tokens": 6}}
+    body = {"prompt": ["first", "second"], "parameters": {"max_new_tokens": 6, "ignore_eos": True}}
     job = client.post("/v1/jobs", json=body).json()
     everything = parse_events(client.get(f"/v1/jobs/{job['id']}/events").text)
     kinds = [e["event"] for e in everything]
@@ -167,7 +170,7 @@ def test_events_continue_on_another_api_process(client: httpx.Client, stack: Sta
 
 
 def test_idempotency_key_gives_one_job_and_one_execution(client: httpx.Client) -> None:
-    body = {"prompt": "once", "parameters": {"max_new_tokens": 3}}
+    body = {"prompt": "once", "parameters": {"max_new_tokens": 3, "ignore_eos": True}}
     headers = {"Idempotency-Key": f"key-{time.time_ns()}"}
     first = client.post("/v1/jobs", json=body, headers=headers)
     second = client.post("/v1/jobs", json=body, headers=headers)

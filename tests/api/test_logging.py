@@ -39,7 +39,7 @@ from tgq.cli.main import build_parser
 from tgq.cli.service import LOG_FLAGS, SETTING_FLAGS, batcher_argv, given
 
 NEW_ID = re.compile(r"[0-9a-f]{32}")
-BODY = {"inputs": "The Python language", "parameters": {"max_new_tokens": 4}}
+BODY = {"inputs": "The Python language", "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
 
 
 # --- the middleware on a tiny app ------------------------------------------------------------

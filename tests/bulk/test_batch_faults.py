@@ -187,19 +187,24 @@ def test_redis_emptied_mid_batch(deployment: Stack) -> None:
 
 
 def ttft_s(stack: Stack, content: str) -> float:
-    """Seconds from sending a streaming chat to its first content chunk."""
+    """Seconds from sending a streaming chat to its first token. The first token is the first
+    chunk with logprobs: with `logprobs` every token sends a chunk, even one whose text is empty
+    (a special token, half of a UTF-8 character), and `ignore_eos` keeps a sampled EOS from
+    ending the stream before any token; what the random model emits does not matter."""
     body = {
-        "model": "tgq-test", "stream": True, "max_tokens": 4,
+        "model": "tgq-test", "stream": True, "max_tokens": 4, "ignore_eos": True, "logprobs": True,
         "messages": [{"role": "user", "content": content}],
     }  # fmt: skip
     start = time.perf_counter()
     with httpx.stream("POST", f"{stack.url}{CHAT}", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 choices = json.loads(line.removeprefix("data: "))["choices"]
-                if choices and choices[0]["delta"].get("content"):  # not the role chunk
+                logprobs = choices[0].get("logprobs") if choices else None
+                if logprobs and logprobs["content"]:  # a token, not the role chunk
                     return time.perf_counter() - start
-    raise AssertionError("the stream had no content")
+    raise AssertionError("the stream ended before its first token")
 
 
 def test_interactive_requests_are_served_ahead_of_a_running_batch(deployment: Stack) -> None:
