@@ -41,10 +41,12 @@ class ShardConfig:
     num_shard: int
     device: str = "cpu"
     dtype: str | None = None
-    block_size: int = 16
+    block_size: int | None = None  # None: the attention backend's default (the ranks say)
     num_blocks: int | None = None  # None: what fits on every rank
     kv_cache_bytes: int | None = None  # per rank
     threads_per_rank: int | None = None  # CPU: torch threads of each rank
+    attention_backend: str = "auto"
+    custom_kernels: bool = True  # False: torch attention and plain torch ops on every rank
     start_timeout_s: float = 600.0  # loading the model
     step_timeout_s: float = 120.0  # one step (longer than the ranks' collective timeout)
     hang_timeout_s: float = 5.0  # a rank without a heartbeat this long is hung
@@ -74,6 +76,10 @@ class ShardedRunner:
                 self._expect(rank, "ready", config.start_timeout_s) for rank in self._ranks
             ]
             self._num_blocks = config.num_blocks or min(m["num_blocks"] for m in capacities)
+            block_sizes = {m["block_size"] for m in capacities}
+            if len(block_sizes) != 1:
+                raise WorkerLostError(f"the ranks chose different KV block sizes: {block_sizes}")
+            self._block_size: int = block_sizes.pop()
             log.info("ranks' KV capacities %s: allocating %d blocks each",
                      [m["num_blocks"] for m in capacities], self._num_blocks)  # fmt: skip
             self._send_all(protocol.encode({"type": "allocate", "num_blocks": self._num_blocks}))
@@ -89,7 +95,7 @@ class ShardedRunner:
 
     @property
     def block_size(self) -> int:
-        return self.config.block_size
+        return self._block_size
 
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
@@ -135,18 +141,21 @@ class ShardedRunner:
             beat_read, beat_write = os.pipe()
             command = [
                 sys.executable, "-m", "tgq.gpu_worker.rank", "--model-id", config.model_id,
-                "--device", config.device, "--block-size", str(config.block_size),
+                "--device", config.device,
                 "--fd-in", str(plan_read), "--fd-out", str(answer_write),
-                "--fd-beat", str(beat_write),
+                "--fd-beat", str(beat_write), "--attention-backend", config.attention_backend,
             ]  # fmt: skip
             for flag, value in (
                 ("--dtype", config.dtype),
+                ("--block-size", config.block_size),
                 ("--num-blocks", config.num_blocks),
                 ("--kv-cache-bytes", config.kv_cache_bytes),
                 ("--threads", config.threads_per_rank),
             ):
                 if value is not None:
                     command += [flag, str(value)]
+            if not config.custom_kernels:
+                command.append("--disable-custom-kernels")
             env = {
                 **os.environ,
                 "RANK": str(index),

@@ -32,6 +32,7 @@ class LoadedModel:
     model_dir: Path
     dtype: torch.dtype
     tp: TensorParallel = SINGLE
+    num_cpu_kernel_modules: int = 0  # modules on the C++ CPU kernels (0: plain torch ops)
 
     @property
     def local_config(self) -> ModelConfig:
@@ -78,7 +79,7 @@ def load_model(
         tp.world_size,
         num_fast,
     )
-    return LoadedModel(model, config, model_dir, torch_dtype, tp)
+    return LoadedModel(model, config, model_dir, torch_dtype, tp, num_fast)
 
 
 def fill_parameters(model: DecoderForCausalLM, checkpoint: Checkpoint) -> None:

@@ -26,7 +26,7 @@ from tgq.gpu_worker.kv_cache import num_blocks_for_budget
 from tgq.gpu_worker.loader import LoadedModel, load_model
 from tgq.gpu_worker.parallel import TensorParallel
 from tgq.gpu_worker.plan import plan_from_wire
-from tgq.gpu_worker.runner import ModelRunner, RunnerConfig, kv_budget
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig, kv_budget, pick_attention
 
 log = logging.getLogger("gpu_worker.rank")
 PR_SET_PDEATHSIG = 1
@@ -37,10 +37,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-id", required=True)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU per LOCAL_RANK)")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="default: the attention backend's"
+    )
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    parser.add_argument("--attention-backend", default="auto", help="a kernels registry key")
+    parser.add_argument(
+        "--disable-custom-kernels",
+        action="store_true",
+        help="torch attention and plain torch ops (RunnerConfig.custom_kernels=False)",
+    )
     parser.add_argument("--fd-in", type=int, required=True, help="the batcher's plans")
     parser.add_argument("--fd-out", type=int, required=True, help="this rank's answers")
     parser.add_argument("--fd-beat", type=int, required=True, help="this rank's heartbeats")
@@ -81,15 +89,21 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
         torch.cuda.set_device(device)
     tp = TensorParallel.from_env(device)
-    loaded = load_model(args.model_id, device=device, dtype=args.dtype, tp=tp)
+    custom_kernels = not args.disable_custom_kernels
+    loaded = load_model(
+        args.model_id, device=device, dtype=args.dtype, cpu_kernels=custom_kernels, tp=tp
+    )
     config = RunnerConfig(
         args.model_id, dtype=args.dtype, device=str(device), block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        attention_backend=args.attention_backend, custom_kernels=custom_kernels,
     )  # fmt: skip
+    _, block_size = pick_attention(config, device)
     capacity = args.num_blocks or num_blocks_for_budget(
-        loaded.local_config, args.block_size, loaded.dtype, kv_budget(config, device)
+        loaded.local_config, block_size, loaded.dtype, kv_budget(config, device)
     )
-    protocol.write(args.fd_out, protocol.encode({"type": "ready", "num_blocks": capacity}))
+    ready = {"type": "ready", "num_blocks": capacity, "block_size": block_size}
+    protocol.write(args.fd_out, protocol.encode(ready))
     try:
         serve(args, config, loaded, tp)
     except protocol.PipeClosedError:

@@ -2,7 +2,8 @@
 it). One pipe each way per rank; each message is a 4-byte little-endian length and a JSON
 object with a `type`. Nothing is pickled.
 
-    rank -> batcher   {"type": "ready", "num_blocks": N}       loaded; N = KV blocks that fit
+    rank -> batcher   {"type": "ready", "num_blocks": N,       loaded; N = KV blocks that fit,
+                       "block_size": B}                        B = its backend's block size
     batcher -> rank   {"type": "allocate", "num_blocks": M}    M = the minimum over the ranks
     rank -> batcher   {"type": "allocated"}
     batcher -> rank   {"type": "step", "plan": {...}}          the same plan to every rank

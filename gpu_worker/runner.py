@@ -11,6 +11,7 @@ KV cache, executing the same plans; rank 0 samples and its tokens are broadcast 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from tgq.gpu_worker.plan import (
     TokenLogprob,
 )
 from tgq.gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs
-from tgq.kernels import AttentionStep, SeqSpan, get_backend
+from tgq.kernels import AttentionBackend, AttentionStep, SeqSpan, block_size_rule, get_backend
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -39,13 +40,16 @@ class RunnerConfig:
     cache_dir: str | None = None
     dtype: str | None = None  # None/"auto": the checkpoint's (bf16 instead of fp16 on CPU)
     device: str = "cpu"
-    block_size: int = 16
+    block_size: int | None = None  # None: the attention backend's default (kernels registry)
     num_blocks: int | None = None  # None: as many as `kv_cache_bytes` holds
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
     attention_backend: str = "auto"
     # bf16 on AVX512_BF16 + VNNI CPUs: argmax-only rows from the int8-screened lm_head
     # (kernels.greedy_head; same tokens, costs N x K bytes and keeps an untied head's rows).
     greedy_head: bool = True
+    # False (TGI's --disable-custom-kernels): the torch attention backend and plain torch ops,
+    # none of the C++ CPU kernels (linear, norms, greedy head, decode path) nor flash-attn.
+    custom_kernels: bool = True
 
 
 @dataclass
@@ -69,17 +73,12 @@ class ModelRunner:
             dtype=config.dtype,
             revision=config.revision,
             cache_dir=config.cache_dir,
+            cpu_kernels=config.custom_kernels,
             greedy_head=config.greedy_head,
             tp=tp,
         )
         self.tp = self.loaded.tp
-        self.backend = get_backend(config.attention_backend, self.device)
-        self.block_size = config.block_size
-        if self.block_size % self.backend.block_size_multiple():
-            raise ValueError(
-                f"attention backend {self.backend.name!r} needs a block size that is a multiple"
-                f" of {self.backend.block_size_multiple()}, got {self.block_size}"
-            )
+        self.backend, self.block_size = pick_attention(config, self.device)
         local = self.loaded.local_config  # this rank's KV heads
         self.num_blocks = config.num_blocks or num_blocks_for_budget(
             local, self.block_size, self.loaded.dtype, kv_budget(config, self.device)
@@ -281,6 +280,22 @@ def _merge_rows(
         spread(sampled.top_token_ids),
         spread(sampled.top_logprobs),
     )
+
+
+def pick_attention(config: RunnerConfig, device: torch.device) -> tuple[AttentionBackend[Any], int]:
+    """The attention backend and the KV block size it reads: the configured size when the
+    backend can read it (else a ValueError stating its rule), else the backend's default."""
+    name = config.attention_backend
+    if not config.custom_kernels:
+        if name not in ("auto", "torch"):
+            raise ValueError(
+                f"attention backend {name!r} is a custom kernel; custom kernels are disabled"
+            )
+        name = "torch"
+    backend = get_backend(name, device)
+    rule = block_size_rule(backend.name)
+    block_size = rule.default if config.block_size is None else config.block_size
+    return backend, rule.check(backend.name, block_size)
 
 
 def kv_budget(config: RunnerConfig, device: torch.device) -> int:

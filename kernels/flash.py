@@ -2,8 +2,8 @@
 
 flash-attn is an optional GPU extra (`pip install tgq[gpu]`); this module imports it lazily and
 only on CUDA. Its paged mode reads K/V through a block table and requires the KV block size to be
-a multiple of 256. Causal masking with more keys than queries is aligned bottom-right, which is
-exactly "new tokens come after the cached prefix".
+a multiple of 256 (the rule in the registry, `tgq.kernels`). Causal masking with more keys than
+queries is aligned bottom-right, which is exactly "new tokens come after the cached prefix".
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import torch
 
 from tgq.kernels.interface import AttentionStep
 from tgq.kernels.kv_write import write_kv_slots
-
-_FLASH_BLOCK_MULTIPLE = 256
 
 
 def is_flash_available() -> bool:
@@ -54,9 +52,6 @@ class FlashAttention:
 
     def __init__(self) -> None:
         self._varlen = _varlen_func()
-
-    def block_size_multiple(self) -> int:
-        return _FLASH_BLOCK_MULTIPLE
 
     def prepare(self, step: AttentionStep, device: torch.device) -> FlashMetadata:
         query_lens = [span.query_len for span in step.spans]

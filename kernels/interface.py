@@ -15,9 +15,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: configuration code reads `BlockSizeRule` without it
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSizeRule:
+    """The KV block sizes a backend can read: multiples of `multiple`, `default` when the user
+    names none."""
+
+    default: int
+    multiple: int = 1
+
+    def check(self, backend: str, block_size: int) -> int:
+        """`block_size`, or a ValueError that states the rule of `backend`."""
+        if block_size < 1 or block_size % self.multiple:
+            raise ValueError(
+                f"attention backend {backend!r} needs a KV block size that is a multiple of"
+                f" {self.multiple} (its default: {self.default}), got {block_size}"
+            )
+        return block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +77,6 @@ class AttentionBackend(Protocol[MetaT]):
     """`MetaT` is the backend's own metadata type, made by `prepare` and read by the others."""
 
     name: str
-
-    def block_size_multiple(self) -> int:
-        """The KV block size must be a multiple of this."""
-        ...
 
     def prepare(self, step: AttentionStep, device: torch.device) -> MetaT: ...
 

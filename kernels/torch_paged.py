@@ -87,9 +87,6 @@ def attend_multi(
 class TorchPagedAttention:
     name = "torch"
 
-    def block_size_multiple(self) -> int:
-        return 1
-
     def prepare(self, step: AttentionStep, device: torch.device) -> TorchMetadata:
         num_single = step.num_single
         singles = step.spans[:num_single]

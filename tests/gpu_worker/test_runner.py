@@ -21,7 +21,7 @@ from tgq.gpu_worker.plan import (
     to_wire,
 )
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
-from tgq.kernels import cpu_ops
+from tgq.kernels import block_size_rule, cpu_ops
 from tgq.kernels.greedy_head import GreedyHead
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5]
@@ -318,3 +318,51 @@ def test_decode_steps_through_the_cpu_decode_path_are_unchanged(
 def test_models_with_qk_norms_keep_the_modules(model_dirs: dict[str, Path]) -> None:
     config = RunnerConfig(str(model_dirs["qwen3-qknorm"]), dtype="bfloat16", num_blocks=8)
     assert ModelRunner(config).loaded.model.cpu_decode is None
+
+
+def test_the_block_size_follows_the_attention_backend(model_dirs: dict[str, Path]) -> None:
+    """No block size: the backend's default (kernels registry); one it cannot read is refused
+    with its rule."""
+    model_dir = str(model_dirs["llama3-gqa"])
+    runner = ModelRunner(RunnerConfig(model_dir, num_blocks=8))
+    assert runner.block_size == block_size_rule(runner.backend.name).default == 16
+    assert ModelRunner(RunnerConfig(model_dir, num_blocks=8, block_size=4)).block_size == 4
+    with pytest.raises(ValueError) as caught:
+        ModelRunner(RunnerConfig(model_dir, num_blocks=8, block_size=0, attention_backend="torch"))
+    assert str(caught.value) == (
+        "attention backend 'torch' needs a KV block size that is a multiple of 1"
+        " (its default: 16), got 0"
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_custom_kernels_off_runs_plain_torch_ops(dtype: str, model_dirs: dict[str, Path]) -> None:
+    """`custom_kernels=False` (--disable-custom-kernels): the torch attention backend, no module
+    on the C++ CPU kernels, no greedy head, no decode path; in fp32 (where both paths are
+    token-exact with transformers) the same greedy tokens as with the kernels."""
+    prompts = [PROMPT, PROMPT[:4], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+
+    def run(custom_kernels: bool) -> tuple[ModelRunner, list[list[int]]]:
+        config = RunnerConfig(
+            str(model_dirs["llama3-gqa"]), dtype=dtype, num_blocks=64, custom_kernels=custom_kernels
+        )
+        runner = ModelRunner(config)
+        out = OfflineEngine(runner).generate(prompts, max_new_tokens=12, chunk_size=5)
+        return runner, [g.token_ids for g in out]
+
+    (default, tokens), (plain, plain_tokens) = run(True), run(False)
+    model = plain.loaded.model
+    assert (plain.backend.name, plain.loaded.num_cpu_kernel_modules) == ("torch", 0)
+    assert model.greedy_head is None and model.cpu_decode is None
+    assert default.backend.name == ("cpu" if cpu_ops.is_available() else "torch")
+    if dtype == "bfloat16" and cpu_ops.is_available():
+        assert default.loaded.num_cpu_kernel_modules > 0
+    if dtype == "float32":
+        assert plain_tokens == tokens
+    with pytest.raises(ValueError, match="custom kernels are disabled"):
+        ModelRunner(
+            RunnerConfig(
+                str(model_dirs["llama3-gqa"]), attention_backend="cpu", custom_kernels=False
+            ),
+            loaded=plain.loaded,
+        )
