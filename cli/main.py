@@ -14,8 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
+from tgq.api.settings import Settings
+from tgq.batcher.flags import add_flags
+from tgq.batcher.options import BatcherOptions
 from tgq.cli import INTERRUPTED, CommandError, batch, bench, download, serve, service
-from tgq.cli.service import BATCHER_FLAGS, LOG_FLAGS, SETTING_FLAGS, add_flags
 
 DEFAULT_URL = "http://127.0.0.1:3000"
 USAGE_ERROR = 2  # argparse's own exit code for bad arguments; tgq uses it for server errors too
@@ -70,16 +72,16 @@ def _add_batch(commands: Commands) -> None:
 
 def _add_services(commands: Commands) -> None:
     api = commands.add_parser("api", help="run the api (`python -m tgq.api`)")
-    add_flags(api, [*SETTING_FLAGS, *LOG_FLAGS])
+    add_flags(api, Settings)
     api.set_defaults(handler=service.api)
 
     batcher = commands.add_parser("batcher", help="run one batcher (`python -m tgq.batcher`)")
-    add_flags(batcher, [SETTING_FLAGS[0], *BATCHER_FLAGS, *LOG_FLAGS])
+    add_flags(batcher, BatcherOptions)
     batcher.set_defaults(handler=service.batcher)
 
     for role, handler in (("worker", service.worker), ("beat", service.beat)):
         celery = commands.add_parser(role, help=f"run the Celery {role} of bulk work")
-        add_flags(celery, [*SETTING_FLAGS, *LOG_FLAGS])
+        add_flags(celery, Settings)
         celery.add_argument(
             "celery_args", nargs=argparse.REMAINDER, metavar="-- ...", help="passed to Celery"
         )
@@ -88,7 +90,7 @@ def _add_services(commands: Commands) -> None:
     everything = commands.add_parser(
         "serve", help="the whole service: embedded, or api + batcher + worker with Redis"
     )
-    add_flags(everything, [*SETTING_FLAGS, *BATCHER_FLAGS, *LOG_FLAGS])
+    add_flags(everything, Settings)
     everything.set_defaults(handler=serve.serve)
 
 

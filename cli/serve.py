@@ -22,21 +22,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
+from tgq.api.settings import Settings
+from tgq.batcher.flags import DEST_PREFIX
 from tgq.batcher.logs import configure_logging
 from tgq.cli import CommandError
-from tgq.cli.service import (
-    BATCHER_FLAGS,
-    LOG_FLAGS,
-    SETTING_FLAGS,
-    Environ,
-    batcher_argv,
-    celery_argv,
-    given,
-    is_on,
-    settings_env,
-)
+from tgq.cli.service import celery_argv, set_environment
 
-EMBEDDED_DATABASE_URL = "sqlite+aiosqlite:///.cache/tgq.db"  # as `make run`
+EMBEDDED_DEFAULTS = {"DATABASE_URL": "sqlite+aiosqlite:///.cache/tgq.db", "AUTO_MIGRATE": "true"}
 BEAT_SCHEDULE = Path(".cache/celerybeat-schedule")
 WORKER_CONCURRENCY = 2  # Celery's default (one process per core) is too many beside a batcher
 STOP_TIMEOUT_S = 45.0  # past the api's and the batcher's 30 s drains; then SIGKILL
@@ -46,28 +38,24 @@ log = logging.getLogger("tgq")
 
 
 def serve(args: argparse.Namespace) -> int:
-    flags = given(args, (*SETTING_FLAGS, *BATCHER_FLAGS, *LOG_FLAGS))
-    configure_logging(json_output=is_on(settings_env(flags, os.environ).get("JSON_OUTPUT", "")))
-    env = _with_model(flags, os.environ)
-    if not env.get("DATABASE_URL") and not env.get("REDIS_URL"):
-        return _embedded(flags, env)
-    if not env.get("DATABASE_URL") or not env.get("REDIS_URL"):
+    """Every flag reaches every child: each reads the same settings from the environment
+    (the api and its in-process batcher, or the api, the batcher and the Celery worker)."""
+    if not _given(args, "MODEL_ID") and not _given(args, "MODEL_DIR"):
+        os.environ["MODEL_DIR"] = _demo_model()
+    has_database, has_redis = _given(args, "DATABASE_URL"), _given(args, "REDIS_URL")
+    if has_database != has_redis:
         raise CommandError("set both DATABASE_URL and REDIS_URL (or neither: embedded mode)")
-    return _supervised(flags, env)
+    settings = set_environment(args, Settings, None if has_redis else EMBEDDED_DEFAULTS)
+    configure_logging(json_output=settings.json_output)
+    if not has_redis:
+        Path(".cache").mkdir(exist_ok=True)  # the SQLite file's and the uploads' folder
+        return Supervisor({"api": [sys.executable, "-m", "tgq.api"]}).run()
+    return _supervised(settings)
 
 
-def embedded_env(flags: Mapping[str, str], environ: Environ) -> dict[str, str]:
-    """The api's environment in embedded mode: `make run`'s defaults under what is set."""
-    defaults = {"DATABASE_URL": EMBEDDED_DATABASE_URL, "AUTO_MIGRATE": "true"}
-    return settings_env(flags, {**defaults, **environ})
-
-
-def _with_model(flags: Mapping[str, str], environ: Environ) -> dict[str, str]:
-    """`environ`, with the demo model as `MODEL_DIR` when no model is given at all."""
-    env = dict(environ)
-    if not (flags.get("MODEL_ID") or env.get("MODEL_ID") or env.get("MODEL_DIR")):
-        env["MODEL_DIR"] = _demo_model()
-    return env
+def _given(args: argparse.Namespace, name: str) -> bool:
+    """Whether setting `name` is set, by its flag or its environment variable."""
+    return bool(getattr(args, DEST_PREFIX + name.lower(), None) or os.environ.get(name))
 
 
 def _demo_model() -> str:
@@ -77,35 +65,26 @@ def _demo_model() -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-def _embedded(flags: Mapping[str, str], environ: Environ) -> int:
-    Path(".cache").mkdir(exist_ok=True)  # the SQLite file's and the uploads' folder
-    return Supervisor(
-        {"api": [sys.executable, "-m", "tgq.api"]}, embedded_env(flags, environ)
-    ).run()
-
-
-def _supervised(flags: Mapping[str, str], environ: Environ) -> int:
+def _supervised(settings: Settings) -> int:
     from tgq.api.db.migrate import current_revision, upgrade
 
-    env = settings_env(flags, environ)
-    upgrade(env["DATABASE_URL"])
-    log.info("database at revision %s", current_revision(env["DATABASE_URL"]))
+    upgrade(settings.database_url)
+    log.info("database at revision %s", current_revision(settings.database_url))
     BEAT_SCHEDULE.parent.mkdir(exist_ok=True)
     worker_options = ["-B", "-s", str(BEAT_SCHEDULE), "-c", str(WORKER_CONCURRENCY)]
     commands = {
         "api": [sys.executable, "-m", "tgq.api"],
-        "batcher": [sys.executable, "-m", "tgq.batcher", *batcher_argv(flags, env)],
+        "batcher": [sys.executable, "-m", "tgq.batcher"],
         "worker": celery_argv("worker", worker_options),
     }
-    return Supervisor(commands, env).run()
+    return Supervisor(commands).run()
 
 
 class Supervisor:
     """Child processes started together and stopped together."""
 
-    def __init__(self, commands: Mapping[str, list[str]], env: Mapping[str, str]) -> None:
+    def __init__(self, commands: Mapping[str, list[str]]) -> None:
         self.commands = commands
-        self.env = dict(env)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.signum: int | None = None
 
@@ -127,7 +106,7 @@ class Supervisor:
     def _start(self, argv: list[str]) -> subprocess.Popen[bytes]:
         # Its own process group, so a terminal's Ctrl-C reaches the children once (from here).
         return subprocess.Popen(
-            argv, env=self.env, stdin=subprocess.DEVNULL, process_group=0,
+            argv, stdin=subprocess.DEVNULL, process_group=0,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 (the supervisor runs no threads)
         )  # fmt: skip
 

@@ -18,6 +18,8 @@ import pytest
 
 from tgq.api.settings import Settings
 from tgq.batcher.__main__ import parse_args
+from tgq.batcher.options import BatcherOptions
+from tgq.kernels import block_size_rule, resolve_block_size
 
 yaml = pytest.importorskip("yaml")
 
@@ -70,11 +72,44 @@ def test_command_module_exists(services: dict[str, Any], name: str) -> None:
     assert importlib.util.find_spec(module) is not None, module
 
 
-def test_batcher_flags_parse(services: dict[str, Any]) -> None:
-    args = parse_args(command_of(services["batcher"])[3:])
-    assert args.device == "cuda"
-    assert args.redis_url == "redis://redis:6379/0"
-    assert args.num_shard == 1
+def compose_batcher_options(
+    services: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> BatcherOptions:
+    """The compose batcher's effective options: its command's flags over its environment."""
+    batcher = services["batcher"]
+    for name in Settings.model_fields:  # nothing from the test's own environment
+        monkeypatch.delenv(name.upper(), raising=False)
+    for name, value in batcher["environment"].items():
+        monkeypatch.setenv(name, interpolate(str(value)))
+    return parse_args(command_of(batcher)[3:])
+
+
+def test_batcher_options_resolve(services: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    options = compose_batcher_options(services, monkeypatch)
+    assert options.device == "cuda"
+    assert options.redis_url == "redis://redis:6379/0"
+    assert options.redis_prefix == services["api"]["environment"]["REDIS_PREFIX"]
+    assert options.model_path == "/models/model"
+    assert options.num_shard == 1
+
+
+def test_gpu_batcher_passes_the_flash_backends_checks(
+    services: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU image runs flash-attn: the block size the compose batcher ends up with must be
+    one flash reads (a multiple of 256), and its dtype one flash computes in (not fp32)."""
+    options = compose_batcher_options(services, monkeypatch)
+    assert not options.disable_custom_kernels
+    block_size = resolve_block_size("flash", options.device, options.block_size)
+    assert block_size_rule("flash").check("flash", block_size) == block_size
+    assert block_size % 256 == 0
+    assert options.dtype != "float32"
+
+
+def test_the_old_block_size_is_refused_by_flash() -> None:
+    """What the compose batcher had before (16): the check above is not vacuous."""
+    with pytest.raises(ValueError, match="256"):
+        resolve_block_size("flash", "cuda", 16)
 
 
 @pytest.mark.parametrize("name", TGQ_SERVICES)

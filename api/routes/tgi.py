@@ -19,6 +19,7 @@ from sse_starlette import EventSourceResponse
 from tgq.api.app import VERSION, AppState, state_of
 from tgq.api.db import batches, store
 from tgq.api.errors import ApiError, GenerationError, error_body
+from tgq.api.limits import served_dtype
 from tgq.api.metrics import CONTENT_TYPE
 from tgq.api.schemas.tgi import (
     BestOfSequence,
@@ -310,6 +311,7 @@ async def info(request: Request) -> Info:
     return Info(
         model_id=settings.model_id,
         model_pipeline_tag="text-generation",
+        model_dtype=f"torch.{served_dtype(settings)}",
         max_concurrent_requests=settings.max_concurrent_requests,
         max_best_of=settings.max_best_of,
         max_stop_sequences=settings.max_stop_sequences,
@@ -326,12 +328,15 @@ async def info(request: Request) -> Info:
 @router.get("/ping", include_in_schema=False)
 @router.get("/", include_in_schema=False)
 async def health(request: Request) -> Response:
-    """200 when a batcher is alive and the engine is not failing, else 503."""
-    problem = state_of(request).health.problem
+    """200 when the database answers, Redis is reachable, a batcher is alive and the engine is
+    not failing; else 503 naming the problem."""
+    state = state_of(request)
+    problem = await state.health.check()
     if problem is None:
         return Response(status_code=200)
     body = {"error": f"unhealthy: {problem}", "error_type": "healthcheck"}
-    return JSONResponse(body, status_code=503)
+    headers = {"Retry-After": str(state.settings.retry_after_s)}
+    return JSONResponse(body, status_code=503, headers=headers)
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -199,6 +199,7 @@ class Info(BaseModel):
         default=None, examples=["e985a63cdc139290c5f700ff1929f0b5942cced2"]
     )
     model_pipeline_tag: str | None = Field(default=None, examples=["text-generation"])
+    model_dtype: str | None = Field(default=None, examples=["torch.float16"])
     max_concurrent_requests: int = Field(ge=0, description="Router Parameters", examples=[128])
     max_best_of: int = Field(ge=0, examples=[2])
     max_stop_sequences: int = Field(ge=0, examples=[4])

@@ -47,8 +47,13 @@ def free_port() -> int:
 def _env(**extra: str) -> dict[str, str]:
     inherited = ("HOSTNAME", "PORT", "REDIS_URL", "DATABASE_URL")
     env = {k: v for k, v in os.environ.items() if k not in inherited}
-    # A test's api that stops waits at most 5 s for requests still admitted (30 s by default).
-    quick = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DRAIN_TIMEOUT_S": "5"}
+    # A test's api that stops waits at most 5 s for requests still admitted (30 s by default),
+    # and takes 1024 tokens per sequence, not the test model's whole context (4096): the
+    # messages the tests spell, and short default generations.
+    quick = {
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DRAIN_TIMEOUT_S": "5",
+        "MAX_TOTAL_TOKENS": "1024",
+    }  # fmt: skip
     return {**env, **quick, **extra}
 
 

@@ -34,9 +34,11 @@ from fastapi.testclient import TestClient
 
 from tests.api.stack import ROOT, Stack, free_port
 from tgq.api.observability import RequestIdMiddleware
+from tgq.api.settings import Settings
+from tgq.batcher.flags import as_env, given
 from tgq.batcher.logs import JsonFormatter
+from tgq.batcher.options import BatcherOptions
 from tgq.cli.main import build_parser
-from tgq.cli.service import LOG_FLAGS, SETTING_FLAGS, batcher_argv, given
 
 NEW_ID = re.compile(r"[0-9a-f]{32}")
 BODY = {"inputs": "The Python language", "parameters": {"max_new_tokens": 4, "ignore_eos": True}}
@@ -389,19 +391,19 @@ def test_tracing_off_imports_no_tracing() -> None:
 
 
 def test_log_flags_reach_every_service() -> None:
+    """The log flags are settings like any other: `tgq serve` writes them into the environment
+    every child (api, batcher, worker) reads its options from."""
     args = build_parser().parse_args(
         ["serve", "--json-output", "--otlp-endpoint", "http://c:4318", "--otlp-service-name", "s"]
     )
-    flags = given(args, [*SETTING_FLAGS, *LOG_FLAGS])
-    assert flags == {
+    env = as_env(given(args, Settings))
+    assert env == {
         "JSON_OUTPUT": "true",
         "OTLP_ENDPOINT": "http://c:4318",
         "OTLP_SERVICE_NAME": "s",
     }
-    assert batcher_argv(flags, {"MODEL_DIR": "/m"}) == [
-        "--model-id", "/m", "--json-output", "--otlp-endpoint", "http://c:4318",
-        "--otlp-service-name", "s",
-    ]  # fmt: skip
-    from_env = {"MODEL_DIR": "/m", "JSON_OUTPUT": "false", "OTLP_ENDPOINT": ""}
-    assert batcher_argv({}, from_env) == ["--model-id", "/m"]
-    assert given(build_parser().parse_args(["api"]), LOG_FLAGS) == {}
+    options = BatcherOptions(**given(args, BatcherOptions))
+    assert (options.json_output, options.otlp_endpoint, options.otlp_service_name) == (
+        True, "http://c:4318", "s",
+    )  # fmt: skip
+    assert given(build_parser().parse_args(["api"]), Settings) == {}

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,66 +21,104 @@ from tests.api.stack import free_port
 from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
 from tgq.api.db.migrate import head_revision
 from tgq.api.settings import Settings
+from tgq.batcher.__main__ import parse_args
+from tgq.batcher.flags import as_env, given
+from tgq.batcher.options import BatcherOptions
 from tgq.cli import CommandError
 from tgq.cli.main import build_parser, main
-from tgq.cli.serve import embedded_env
-from tgq.cli.service import (
-    BATCHER_FLAGS,
-    SETTING_FLAGS,
-    batcher_argv,
-    celery_argv,
-    given,
-    settings_env,
-)
+from tgq.cli.service import celery_argv, set_environment
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def test_every_setting_flag_is_a_settings_field() -> None:
-    fields = {name.upper() for name in Settings.model_fields}
-    assert {flag.env for flag in SETTING_FLAGS} <= fields
-    assert not {flag.env for flag in BATCHER_FLAGS} & fields  # those are the batcher's own
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    """`set_environment` writes the flags into this process's environment, as `tgq` does."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
-def test_flags_become_the_childs_environment() -> None:
+def test_flags_are_the_settings_fields() -> None:
+    """One model: `tgq serve`, `api`, `worker` and `beat` take every setting; `tgq batcher` and
+    `python -m tgq.batcher` the batcher's options, which the settings extend."""
+    assert set(BatcherOptions.model_fields) < set(Settings.model_fields)
+    for command in ("serve", "api", "worker", "beat"):
+        args = build_parser().parse_args([command])
+        assert set(vars(args)) >= {f"option_{name}" for name in Settings.model_fields}, command
+    args = build_parser().parse_args(["batcher"])
+    assert {key for key in vars(args) if key.startswith("option_")} == {
+        f"option_{name}" for name in BatcherOptions.model_fields
+    }
+
+
+def test_flags_become_the_childs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PORT", "3000")
+    monkeypatch.setenv("API_KEY", "k")
     args = build_parser().parse_args(
         ["api", "--model-id", "/m", "--port", "8080", "--max-total-tokens", "2048"]
     )
-    flags = given(args, SETTING_FLAGS)
-    assert flags == {"MODEL_ID": "/m", "PORT": "8080", "MAX_TOTAL_TOKENS": "2048"}
-    env = settings_env(flags, {"PORT": "3000", "API_KEY": "k"})
-    assert env == {**flags, "API_KEY": "k"}  # a flag beats its variable; the rest falls back
+    assert as_env(given(args, Settings)) == {
+        "MODEL_ID": "/m", "PORT": "8080", "MAX_TOTAL_TOKENS": "2048",
+    }  # fmt: skip
+    settings = set_environment(args, Settings)
+    assert os.environ["PORT"] == "8080" and os.environ["API_KEY"] == "k"  # a flag beats its var
+    assert (settings.port, settings.api_key, settings.max_input_tokens) == (8080, "k", 2047)
+
+
+def test_switches_lists_and_sizes_reach_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(
+        [
+            "serve", "--no-greedy-head", "--disable-custom-kernels", "--cors-allow-origin",
+            "http://a", "http://b", "--kv-cache-memory", "2GiB", "--dtype", "float32",
+        ]
+    )  # fmt: skip
+    env = as_env(given(args, Settings))
+    assert env == {
+        "GREEDY_HEAD": "false", "DISABLE_CUSTOM_KERNELS": "true",
+        "CORS_ALLOW_ORIGIN": '["http://a", "http://b"]', "KV_CACHE_MEMORY": "2GiB",
+        "DTYPE": "float32",
+    }  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings(model_dir="/nowhere")
+    assert settings.cors_allow_origin == ("http://a", "http://b")
+    assert (settings.greedy_head, settings.disable_custom_kernels) == (False, True)
+    assert settings.kv_cache_memory == 2 << 30 and settings.dtype == "float32"
+
+
+def test_bad_values_are_refused_in_tgq_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["api", "--max-input-tokens", "9", "--max-total-tokens", "9"])
+    with pytest.raises(CommandError, match="`max_input_tokens` must be < `max_total_tokens`"):
+        set_environment(args, Settings)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "float8"])
 
 
 def test_the_servers_api_key_is_not_the_clients() -> None:
     args = build_parser().parse_args(["--api-key", "client", "api", "--api-key", "server"])
     assert args.api_key == "client"
-    assert given(args, SETTING_FLAGS) == {"API_KEY": "server"}
+    assert given(args, Settings) == {"api_key": "server"}
 
 
-def test_batcher_flags_fall_back_to_the_environment() -> None:
-    args = build_parser().parse_args(["batcher", "--max-batch-size", "8"])
-    flags = given(args, [SETTING_FLAGS[0], *BATCHER_FLAGS])
-    environ = {"MODEL_DIR": "/d", "MODEL_ID": "x", "NUM_SHARD": "2", "REDIS_PREFIX": "p"}
-    assert batcher_argv(flags, environ) == [
-        "--model-id", "/d", "--prefix", "p", "--num-shard", "2", "--max-batch-size", "8",
-    ]  # fmt: skip
-    assert batcher_argv({"MODEL_ID": "/flag"}, environ)[:2] == ["--model-id", "/flag"]
-    with pytest.raises(CommandError, match="needs a model directory"):
-        batcher_argv({}, {})
+def test_the_batcher_reads_its_options_from_flags_and_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MODEL_DIR", "/d")
+    monkeypatch.setenv("NUM_SHARD", "2")
+    monkeypatch.setenv("REDIS_PREFIX", "p")
+    args = build_parser().parse_args(["batcher", "--max-batch-size", "8", "--batcher-id", "b1"])
+    options = set_environment(args, BatcherOptions)
+    assert (options.model_path, options.num_shard, options.redis_prefix) == ("/d", 2, "p")
+    assert (options.max_batch_size, options.batcher_id) == (8, "b1")
+    assert parse_args(["--prefix", "q"]).redis_prefix == "q"  # the older spelling
 
 
 def test_celery_options_follow_a_double_dash() -> None:
     args = build_parser().parse_args(["worker", "--port", "1", "--", "-c", "2"])
     assert celery_argv("worker", args.celery_args)[-4:] == ["-l", "INFO", "-c", "2"]
-    assert given(args, SETTING_FLAGS) == {"PORT": "1"}
-
-
-def test_embedded_defaults_are_make_runs() -> None:
-    env = embedded_env({"PORT": "1"}, {"AUTO_MIGRATE": "false"})
-    assert env == {
-        "DATABASE_URL": "sqlite+aiosqlite:///.cache/tgq.db", "AUTO_MIGRATE": "false", "PORT": "1",
-    }  # fmt: skip
+    assert given(args, Settings) == {"port": 1}
 
 
 def test_migrate_a_fresh_database(capsys: pytest.CaptureFixture[str]) -> None:

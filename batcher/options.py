@@ -1,0 +1,139 @@
+"""The batcher's options: the first half of tgq's one configuration model (torch-free).
+
+Each option is defined here once, with its default and its help text; `api.settings.Settings`
+extends this model with the api's own, so `tgq serve` (both modes), `tgq api`, `tgq batcher`,
+`python -m tgq.batcher` and the api's in-process batcher read the same fields. A field is an
+environment variable of its upper-cased name and a flag of its dashed name (`max_batch_size`:
+`MAX_BATCH_SIZE`, `--max-batch-size`; see `batcher.flags`). TGI's launcher names where TGI has
+the flag.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ByteSize, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.transport.base import TransportConfig
+
+_SCHEDULER = SchedulerConfig()  # the engine's defaults are the options' defaults
+_TRANSPORT = TransportConfig()
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+class BatcherOptions(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", frozen=True)
+
+    # The model.
+    model_id: str = Field("tgq-demo", description="the served model: a local directory or hub id")
+    model_dir: str | None = Field(
+        None, description="a local directory with the model's files (default: MODEL_ID's)"
+    )
+    revision: str | None = Field(None, description="hub revision of MODEL_ID (branch, tag, sha)")
+    dtype: Dtype = Field(
+        "auto", description="weights' dtype (auto: the checkpoint's; float16 runs bf16 on CPU)"
+    )
+
+    # Transport.
+    redis_url: str | None = Field(
+        None, description="Redis; none: the api runs its batcher in-process (embedded mode)"
+    )
+    redis_prefix: str = Field("tgq", description="prefix of every Redis key")
+    batcher_id: str | None = Field(
+        None, description="this batcher's name in Redis (default: the host name)"
+    )
+    heartbeat_ttl_s: float = Field(
+        _TRANSPORT.heartbeat_ttl_s, gt=0, description="a batcher silent this long is dead"
+    )
+    lease_s: float = Field(
+        _TRANSPORT.lease_s, gt=0, description="a request a batcher holds this long is reclaimed"
+    )
+    max_attempts: int = Field(
+        _TRANSPORT.max_attempts, ge=1, description="runs of a request before it fails"
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM, in-flight requests finish within this long"
+    )
+
+    # The engine.
+    device: str = Field("cpu", description="torch device of the model (cpu, cuda, cuda:1)")
+    num_shard: int = Field(1, ge=1, description="tensor-parallel ranks (>1: one process each)")
+    threads_per_rank: int | None = Field(None, ge=1, description="CPU torch threads of a rank")
+    kv_cache_memory: ByteSize | None = Field(
+        None, description="KV cache size, e.g. 2GiB (default: 1 GiB on CPU, 90% of free GPU)"
+    )
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks (default: what KV_CACHE_MEMORY holds)"
+    )
+    block_size: int | None = Field(
+        None, ge=1, description="tokens per KV block (default: the attention backend's choice)"
+    )
+    disable_custom_kernels: bool = Field(
+        False, description="pure-PyTorch attention, no C++ or flash kernels"
+    )
+    greedy_head: bool = Field(
+        True, description="bf16 CPUs: greedy rows read an int8 screen of the lm_head"
+    )
+
+    # The scheduler (TGI's meanings).
+    max_batch_size: int = Field(_SCHEDULER.max_batch_size, ge=1, description="requests in one step")
+    max_batch_prefill_tokens: int = Field(
+        _SCHEDULER.max_batch_prefill_tokens, ge=1, description="tokens computed in one step"
+    )
+    max_batch_total_tokens: int | None = Field(
+        _SCHEDULER.max_batch_total_tokens,
+        ge=1,
+        description="KV tokens of the whole batch (default: the whole KV cache)",
+    )
+    waiting_served_ratio: float = Field(
+        _SCHEDULER.waiting_served_ratio,
+        ge=0,
+        description="waiting requests join a running batch once this ratio of it can",
+    )
+    max_waiting_tokens: int = Field(
+        _SCHEDULER.max_waiting_tokens,
+        ge=0,
+        description="steps after which waiting requests join whatever the ratio",
+    )
+
+    # Logs and traces, as TGI's launcher.
+    json_output: bool = Field(False, description="log one JSON object per line")
+    otlp_endpoint: str | None = Field(
+        None, description="export OpenTelemetry traces to this OTLP/HTTP collector"
+    )
+    otlp_service_name: str = Field("tgq", description="service name of the exported traces")
+    inject_fault: str | None = Field(
+        None, description="reliability tests: engine_step:N makes the Nth engine step raise"
+    )
+
+    @property
+    def model_path(self) -> str:
+        """Where the model's files are: `model_dir`, else `model_id` (a directory or hub id)."""
+        return self.model_dir or self.model_id
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_batch_total_tokens=self.max_batch_total_tokens,
+            max_batch_prefill_tokens=self.max_batch_prefill_tokens,
+            max_batch_size=self.max_batch_size,
+            waiting_served_ratio=self.waiting_served_ratio,
+            max_waiting_tokens=self.max_waiting_tokens,
+        )
+
+    def transport_config(self) -> TransportConfig:
+        return TransportConfig(
+            max_attempts=self.max_attempts,
+            lease_s=self.lease_s,
+            heartbeat_ttl_s=self.heartbeat_ttl_s,
+        )
+
+    @model_validator(mode="after")
+    def _check_scheduler(self) -> BatcherOptions:
+        if self.max_batch_prefill_tokens < self.max_batch_size:
+            raise ValueError(
+                "`max_batch_prefill_tokens` must be >= `max_batch_size` (one decode each). "
+                f"Given: {self.max_batch_prefill_tokens} and {self.max_batch_size}"
+            )
+        return self
