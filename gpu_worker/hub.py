@@ -7,6 +7,7 @@ a message saying so.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,6 +26,8 @@ HUB_ALLOW_PATTERNS = [
 # Mistral repos ship a second full copy as `consolidated.safetensors`, Llama repos an `original/`
 # folder; both duplicate the HF-format weights that `Checkpoint` reads.
 HUB_IGNORE_PATTERNS = ["consolidated*", "original/*"]
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 _TRUTHY = ("1", "true", "yes", "on")
 
 
@@ -111,3 +114,17 @@ def _raise_no_safetensors(where: str, files: Iterable[str]) -> NoReturn:
             "and never unpickles. Convert the checkpoint to safetensors first."
         )
     raise ModelNotFoundError(f"no *.safetensors weights in {where}")
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The index's files if sharded, else `model.safetensors`, else every `*.safetensors`."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files

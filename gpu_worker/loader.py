@@ -18,6 +18,7 @@ from tgq.gpu_worker.hub import resolve_model_dir
 from tgq.gpu_worker.models import model_class
 from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
+from tgq.gpu_worker.quantization import refuse_quantized_checkpoint
 from tgq.gpu_worker.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def load_model(
     With `tp`, the rank's slice of the model: only that slice of each tensor is read from the
     files."""
     model_dir = resolve_model_dir(model_id, revision=revision, cache_dir=cache_dir)
+    refuse_quantized_checkpoint(model_dir)  # config.json and headers: no weight read yet
     config = ModelConfig.from_dir(model_dir)
     cls = model_class(config)
     torch_dtype = _DTYPES[resolve_dtype(dtype, config.dtype, device.type)]

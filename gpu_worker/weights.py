@@ -8,17 +8,13 @@ materialised and a tensor-parallel rank reads only its shard.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from tgq.gpu_worker.hub import ModelNotFoundError
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+from tgq.gpu_worker.hub import weight_files
 
 
 class Checkpoint:
@@ -30,7 +26,7 @@ class Checkpoint:
 
     @classmethod
     def open(cls, model_dir: str | Path) -> Checkpoint:
-        paths = _weight_files(Path(model_dir))
+        paths = weight_files(Path(model_dir))
         handles: list[Any] = [safe_open(str(path), framework="pt") for path in paths]
         handle_by_name: dict[str, Any] = {}
         for handle in handles:
@@ -91,20 +87,6 @@ class Checkpoint:
 
     def _slice(self, name: str) -> Any:
         return self._handle(name).get_slice(name)
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    """The index's files if sharded, else `model.safetensors`, else every `*.safetensors`."""
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    if (model_dir / SINGLE_FILE).is_file():
-        return [model_dir / SINGLE_FILE]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
-    return files
 
 
 def _slice_plan(
