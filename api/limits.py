@@ -1,11 +1,12 @@
-"""Token limits from the model (torch-free): what `max_input_tokens` / `max_total_tokens` default
-to when they are not given.
+"""Facts the api takes from the model's config.json (torch-free): the token limits'
+defaults, and the dtype the batcher serves.
 
-The rule, as TGI's launcher: `max_total_tokens` is the model's context length (config.json's
-`max_position_embeddings`, or the first of the other names families use), capped by the KV
-cache's capacity where the options fix it (`num_blocks` x `block_size`, or `kv_cache_memory`
-over the KV bytes one token takes); `max_input_tokens` is one less. A model whose config cannot
-be read (a hub id not downloaded yet) gets TGI's fallback, 4096. Explicit values always win.
+The limits' rule, as TGI's launcher: `max_total_tokens` is the model's context length
+(`max_position_embeddings`, or the first of the other names families use), capped by the KV
+cache's capacity where the options fix it (`num_blocks`, or the blocks `kv_cache_memory` holds,
+less the reserved block 0, times the block size); `max_input_tokens` is one less. A model whose
+config cannot be read (a hub id not downloaded yet) gets TGI's fallback, 4096. Explicit values
+always win.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from huggingface_hub import try_to_load_from_cache
 
 from tgq.batcher.options import BatcherOptions
 from tgq.gpu_worker.config import resolve_dtype
+from tgq.kernels import resolve_block_size
 
 FALLBACK_CONTEXT = 4096
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -51,21 +53,27 @@ def context_length(config: dict[str, Any] | None) -> int:
     return FALLBACK_CONTEXT
 
 
-def kv_capacity(config: dict[str, Any] | None, kv: BatcherOptions) -> int | None:
-    """Tokens the KV cache holds, where the options fix it; else None."""
-    if kv.num_blocks is not None and kv.block_size is not None:
-        return kv.num_blocks * kv.block_size
-    if kv.kv_cache_memory is None or config is None:
-        return None
-    num_heads = int(config.get("num_attention_heads", 0))
+def kv_capacity(config: dict[str, Any] | None, options: BatcherOptions) -> int | None:
+    """Tokens the KV cache holds where the options fix its size, as the runner sizes it:
+    (blocks - 1) x block size, block 0 being reserved; else None."""
+    backend = "torch" if options.disable_custom_kernels else "auto"
+    block_size = resolve_block_size(backend, options.device, options.block_size)
+    num_blocks = options.num_blocks
+    if num_blocks is None and options.kv_cache_memory is not None and config is not None:
+        num_blocks = int(options.kv_cache_memory) // (
+            block_size * kv_bytes_per_token(config, options)
+        )
+    return None if num_blocks is None else max(num_blocks - 1, 0) * block_size
+
+
+def kv_bytes_per_token(config: dict[str, Any], options: BatcherOptions) -> int:
+    """K and V of every layer, on one rank (tensor parallelism splits the KV heads)."""
+    num_heads = int(config["num_attention_heads"])
     num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-    head_dim = int(config.get("head_dim") or config.get("hidden_size", 0) // max(num_heads, 1))
-    config_dtype = config.get("dtype") or config.get("torch_dtype")
-    dtype = resolve_dtype(kv.dtype, config_dtype, kv.device.split(":")[0])
-    # K and V of every layer; tensor parallelism splits the KV heads over the ranks.
-    per_token = 2 * int(config.get("num_hidden_layers", 0)) * num_kv_heads * head_dim
-    per_token_per_rank = per_token * DTYPE_BYTES[dtype] // kv.num_shard
-    return int(kv.kv_cache_memory) // per_token_per_rank if per_token_per_rank > 0 else None
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // num_heads)
+    local_kv_heads = max(num_kv_heads // options.num_shard, 1)
+    per_token = 2 * int(config["num_hidden_layers"]) * local_kv_heads * head_dim
+    return per_token * DTYPE_BYTES[served_dtype_of(config, options)]
 
 
 def default_total_tokens(options: BatcherOptions) -> int:
@@ -76,6 +84,9 @@ def default_total_tokens(options: BatcherOptions) -> int:
 
 def served_dtype(options: BatcherOptions) -> str:
     """The weights' dtype the batcher serves with these options (as the loader picks it)."""
-    config = read_model_config(options.model_path, options.revision) or {}
-    config_dtype = config.get("dtype") or config.get("torch_dtype")
+    return served_dtype_of(read_model_config(options.model_path, options.revision), options)
+
+
+def served_dtype_of(config: dict[str, Any] | None, options: BatcherOptions) -> str:
+    config_dtype = None if config is None else config.get("dtype") or config.get("torch_dtype")
     return resolve_dtype(options.dtype, config_dtype, options.device.split(":")[0])

@@ -25,12 +25,13 @@ from tgq.batcher.flags import parse
 from tgq.batcher.heap import freeze_startup_heap
 from tgq.batcher.logs import configure_logging
 from tgq.batcher.options import BatcherOptions
-from tgq.batcher.ranks import ShardConfig, ShardedRunner, WorkerLostError
+from tgq.batcher.ranks import ServedWith, ShardConfig, ShardedRunner, WorkerLostError
 from tgq.batcher.service import BatcherService, ServiceConfig
 from tgq.batcher.tracing import TracingUnavailableError, configure_tracing, shutdown_tracing
 from tgq.batcher.transport.redis import RedisTransport
 from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
+from tgq.gpu_worker.quantization import QuantizedCheckpointError, refuse_quantized_checkpoint
 
 log = logging.getLogger("batcher")
 EXIT_RANK_LOST = 3  # a tensor-parallel rank died or hung: the supervisor restarts the batcher
@@ -67,6 +68,25 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
     return ModelRunner(config)
 
 
+def served_with(runner: StepRunner) -> ServedWith:
+    if isinstance(runner, ShardedRunner):
+        return runner.served
+    from tgq.gpu_worker.runner import ModelRunner
+
+    assert isinstance(runner, ModelRunner)
+    dtype = str(runner.loaded.dtype).removeprefix("torch.")
+    return ServedWith(dtype, runner.backend.name, runner.loaded.num_cpu_kernel_modules)
+
+
+def describe(options: BatcherOptions, runner: StepRunner) -> str:
+    """The start-up line: what the options made of the model (tests read it)."""
+    return (
+        f"on {options.device} x{options.num_shard}: {served_with(runner)};"
+        f" KV {runner.num_blocks} blocks of {runner.block_size} tokens;"
+        f" batches of {options.max_batch_size} requests, {options.max_batch_prefill_tokens} tokens"
+    )
+
+
 def build_engine(options: BatcherOptions, model_dir: str, runner: StepRunner) -> LLMEngine:
     tokenizer = Path(model_dir) / "tokenizer.json"
     decoder = HFTokenDecoder.from_file(str(tokenizer)) if tokenizer.exists() else None
@@ -101,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         model_dir = resolve_model(options)
-    except (ModelNotFoundError, PickleWeightsError) as error:
+        refuse_quantized_checkpoint(model_dir)  # before any weight is read, on any rank
+    except (ModelNotFoundError, PickleWeightsError, QuantizedCheckpointError) as error:
         sys.exit(f"batcher: {error}")
     runner = build_runner(options, model_dir)
     engine = build_engine(options, model_dir, inject_fault(runner, options.inject_fault))
@@ -117,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     transient_errors = (redis.ConnectionError, redis.TimeoutError)
     service = BatcherService(engine, transport, service_config, transient_errors=transient_errors)
     freeze_startup_heap()
-    log.info("batcher %s serving %s", batcher_id, model_dir)
+    log.info("batcher %s serving %s %s", batcher_id, model_dir, describe(options, runner))
     try:
         service.run(stop)
     except WorkerLostError as error:  # its requests are back in the queue: rerun elsewhere

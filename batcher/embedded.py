@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tgq.batcher.__main__ import build_engine, build_runner, resolve_model
+from tgq.batcher.__main__ import build_engine, build_runner, describe, resolve_model
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.options import BatcherOptions
 from tgq.batcher.service import BatcherService, ServiceConfig
@@ -25,8 +25,10 @@ class EmbeddedBatcher:
         runner = build_runner(options, model_dir)
         self.engine: LLMEngine = build_engine(options, model_dir, runner)
         self.kv_capacity = (runner.num_blocks - 1) * runner.block_size  # block 0 is reserved
+        batcher_id = options.batcher_id or EMBEDDED_ID
+        log.info("batcher %s serving %s %s", batcher_id, model_dir, describe(options, runner))
         config = ServiceConfig(
-            options.batcher_id or EMBEDDED_ID,
+            batcher_id,
             idle_block_ms=200,
             drain_timeout_s=options.drain_timeout_s,
         )

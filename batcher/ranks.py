@@ -52,6 +52,21 @@ class ShardConfig:
     hang_timeout_s: float = 5.0  # a rank without a heartbeat this long is hung
 
 
+@dataclass(frozen=True, slots=True)
+class ServedWith:
+    """What a runner's model runs on: the batcher logs it at start."""
+
+    dtype: str  # "bfloat16"
+    attention: str  # the attention backend's registry key
+    num_cpu_kernel_modules: int  # modules on the C++ CPU kernels (0: plain torch ops)
+
+    def __str__(self) -> str:
+        return (
+            f"dtype {self.dtype}, attention {self.attention},"
+            f" {self.num_cpu_kernel_modules} modules on C++ kernels"
+        )
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -60,6 +75,7 @@ class _Rank:
     from_rank: int  # our end of its output pipe
     beats: int  # our end of its heartbeat pipe
     last_beat: float = 0.0  # monotonic
+    has_beaten: bool = False  # its beats start once it has imported torch (seconds, under load)
 
 
 class ShardedRunner:
@@ -80,6 +96,10 @@ class ShardedRunner:
             if len(block_sizes) != 1:
                 raise WorkerLostError(f"the ranks chose different KV block sizes: {block_sizes}")
             self._block_size: int = block_sizes.pop()
+            first = capacities[0]
+            self.served = ServedWith(
+                first["dtype"], first["attention"], first["num_cpu_kernel_modules"]
+            )
             log.info("ranks' KV capacities %s: allocating %d blocks each",
                      [m["num_blocks"] for m in capacities], self._num_blocks)  # fmt: skip
             self._send_all(protocol.encode({"type": "allocate", "num_blocks": self._num_blocks}))
@@ -209,11 +229,12 @@ class ShardedRunner:
                 raise WorkerLostError(f"rank {rank.rank} exited with code {code}")
             try:
                 if os.read(rank.beats, 4096):
-                    rank.last_beat = now
+                    rank.last_beat, rank.has_beaten = now, True
             except BlockingIOError:
                 pass
             silent_s = now - rank.last_beat
-            if silent_s > self.config.hang_timeout_s:
+            limit_s = self.config.hang_timeout_s if rank.has_beaten else self.config.start_timeout_s
+            if silent_s > limit_s:
                 raise WorkerLostError(f"rank {rank.rank} hung: no heartbeat for {silent_s:.1f} s")
 
     def _describe_loss(self, rank: _Rank) -> str:

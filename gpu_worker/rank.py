@@ -98,11 +98,16 @@ def main(argv: list[str] | None = None) -> None:
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         attention_backend=args.attention_backend, custom_kernels=custom_kernels,
     )  # fmt: skip
-    _, block_size = pick_attention(config, device)
+    backend, block_size = pick_attention(config, device)
     capacity = args.num_blocks or num_blocks_for_budget(
         loaded.local_config, block_size, loaded.dtype, kv_budget(config, device)
     )
-    ready = {"type": "ready", "num_blocks": capacity, "block_size": block_size}
+    ready = {
+        "type": "ready", "num_blocks": capacity, "block_size": block_size,
+        # What the batcher logs it serves with.
+        "dtype": str(loaded.dtype).removeprefix("torch."), "attention": backend.name,
+        "num_cpu_kernel_modules": loaded.num_cpu_kernel_modules,
+    }  # fmt: skip
     protocol.write(args.fd_out, protocol.encode(ready))
     try:
         serve(args, config, loaded, tp)

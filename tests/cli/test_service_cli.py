@@ -22,7 +22,7 @@ from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
 from tgq.api.db.migrate import head_revision
 from tgq.api.settings import Settings
 from tgq.batcher.__main__ import parse_args
-from tgq.batcher.flags import as_env, given
+from tgq.batcher.flags import as_env, flag_of, given
 from tgq.batcher.options import BatcherOptions
 from tgq.cli import CommandError
 from tgq.cli.main import build_parser, main
@@ -51,6 +51,57 @@ def test_flags_are_the_settings_fields() -> None:
     assert {key for key in vars(args) if key.startswith("option_")} == {
         f"option_{name}" for name in BatcherOptions.model_fields
     }
+
+
+# A value for every option unlike its default (typed as the flag takes it: text).
+SAMPLES: dict[str, str | list[str]] = {
+    "model_id": "/nowhere", "model_dir": "/nowhere/dir", "revision": "v2", "dtype": "float16",
+    "redis_url": "redis://r:6379/1", "redis_prefix": "p", "batcher_id": "b7",
+    "heartbeat_ttl_s": "4.5", "lease_s": "12.5", "max_attempts": "5", "drain_timeout_s": "7.5",
+    "device": "cuda:1", "num_shard": "2", "threads_per_rank": "3", "kv_cache_memory": "3MiB",
+    "num_blocks": "9", "block_size": "32", "max_batch_size": "3", "max_batch_prefill_tokens": "99",
+    "max_batch_total_tokens": "5000", "waiting_served_ratio": "0.8", "max_waiting_tokens": "7",
+    "otlp_endpoint": "http://c:4318", "otlp_service_name": "s", "inject_fault": "engine_step:5",
+    "hostname": "0.0.0.0", "port": "8080", "database_url": "postgresql+asyncpg://d/x",
+    "compute_type": "cpu", "max_concurrent_requests": "9", "max_best_of": "3",
+    "max_stop_sequences": "6", "max_top_n_tokens": "7", "max_input_tokens": "100",
+    "max_total_tokens": "200", "max_client_batch_size": "5", "max_choices": "3",
+    "payload_limit": "1234", "validation_workers": "3", "max_queued_requests": "11",
+    "max_queued_tokens": "12", "max_job_prompts": "13", "retry_after_s": "4",
+    "max_file_bytes": "14", "max_file_lines": "15", "file_storage_dir": "/files",
+    "batch_runner": "celery", "batch_window": "16", "batch_lease_s": "17.5",
+    "reconcile_interval_s": "18.5", "reconcile_grace_s": "19.5", "retention_days": "2.5",
+    "retention_interval_s": "20.5", "file_retention_days": "3.5", "api_key": "k",
+    "public_routes": ["/a", "/b"], "cors_allow_origin": ["http://o.example"],
+}  # fmt: skip
+
+
+def argv_of(values: dict[str, str | list[str]]) -> list[str]:
+    argv: list[str] = []
+    for name, value in values.items():
+        argv += [f"--{name.replace('_', '-')}", *([value] if isinstance(value, str) else value)]
+    for name, field in Settings.model_fields.items():  # the switches: the other way round
+        if field.annotation is bool:
+            argv.append(flag_of(name, field))
+    return argv
+
+
+def test_every_flag_reaches_the_api_and_the_batcher_children() -> None:
+    """`tgq serve --FLAG VALUE` for every option at once: what the api child (`Settings()`),
+    the Celery children (the same) and the batcher child (`BatcherOptions()`) read from the
+    environment they inherit is VALUE, in either mode (both start their children that way)."""
+    switches = {n for n, f in Settings.model_fields.items() if f.annotation is bool}
+    assert set(SAMPLES) | switches == set(Settings.model_fields)  # every option is tried
+    args = build_parser().parse_args(["serve", *argv_of(SAMPLES)])
+    given_settings = set_environment(args, Settings)
+    api_child, batcher_child = Settings(), BatcherOptions()
+    for name, field in Settings.model_fields.items():
+        expected = getattr(given_settings, name)
+        assert expected != field.default, name  # the flag changed it
+        assert getattr(api_child, name) == expected, name
+        if name in BatcherOptions.model_fields:
+            assert getattr(batcher_child, name) == expected, name
+    assert (api_child.kv_cache_memory, api_child.public_routes) == (3 << 20, ("/a", "/b"))
 
 
 def test_flags_become_the_childs_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,66 @@
+"""The batcher's options reach what they configure: the scheduler, the transport, the runner,
+in the api's in-process batcher (embedded mode) and in `python -m tgq.batcher` alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tgq.api.settings import Settings
+from tgq.batcher.__main__ import build_engine, build_runner, parse_args
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.embedded import EmbeddedBatcher
+from tgq.batcher.transport.base import TransportConfig
+from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.runner import ModelRunner
+
+FLAGS: dict[str, Any] = {
+    "max_batch_size": 3, "max_batch_prefill_tokens": 48, "max_batch_total_tokens": 400,
+    "waiting_served_ratio": 0.7, "max_waiting_tokens": 9, "lease_s": 11.0, "max_attempts": 5,
+    "heartbeat_ttl_s": 3.0, "dtype": "bfloat16", "disable_custom_kernels": True,
+    "kv_cache_memory": 1 << 20, "batcher_id": "b9",
+}  # fmt: skip
+SCHEDULER = SchedulerConfig(
+    max_batch_total_tokens=400, max_batch_prefill_tokens=48, max_batch_size=3,
+    waiting_served_ratio=0.7, max_waiting_tokens=9,
+)  # fmt: skip
+TRANSPORT = TransportConfig(max_attempts=5, lease_s=11.0, heartbeat_ttl_s=3.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    write_model(path, make_config("LlamaForCausalLM"), seed=3)
+    return path
+
+
+def check_runner(runner: object, model_dir: Path) -> None:
+    assert isinstance(runner, ModelRunner)
+    assert runner.loaded.dtype == torch.bfloat16
+    assert runner.backend.name == "torch" and runner.loaded.num_cpu_kernel_modules == 0
+    config = (model_dir / "config.json").read_text()
+    assert '"num_hidden_layers": 2' in config  # the block count below assumes the tiny shape
+    assert runner.num_blocks == (1 << 20) // runner.block_size // (2 * 2 * 2 * 16 * 2)
+
+
+def test_the_embedded_batcher_takes_the_api_settings(model_dir: Path) -> None:
+    embedded = EmbeddedBatcher(Settings(model_dir=str(model_dir), **FLAGS))
+    assert embedded.engine.scheduler.config == SCHEDULER
+    assert embedded.transport.config == TRANSPORT
+    assert embedded.service.config.batcher_id == "b9"
+    check_runner(embedded.engine.runner, model_dir)
+
+
+def test_the_batcher_process_takes_its_flags(model_dir: Path) -> None:
+    argv = ["--model-id", str(model_dir)]
+    for name, value in FLAGS.items():
+        flag = f"--{name.replace('_', '-')}"
+        argv += [flag] if value is True else [flag, str(value)]
+    options = parse_args(argv)
+    assert options.transport_config() == TRANSPORT and options.batcher_id == "b9"
+    runner = build_runner(options, str(model_dir))
+    check_runner(runner, model_dir)
+    assert build_engine(options, str(model_dir), runner).scheduler.config == SCHEDULER

@@ -1,0 +1,247 @@
+"""Every flag of `tgq serve` takes effect in both of its modes: ONE embedded `tgq serve` (the
+api with its in-process batcher) and ONE with Postgres and Redis (api, batcher and Celery worker
+as children), started with the same non-default flags; each effect is checked against both."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.api.conftest import _create_database, _drop_database
+from tests.api.stack import free_port
+from tests.api.test_http_routes import encode
+from tests.cli.test_service_cli import REDIS_URL, _children, _serve
+
+pytestmark = pytest.mark.timeout(600)
+
+BATCHER_ID = "flags-b"
+NUM_KV_BLOCKS = 201  # what --kv-cache-memory holds, block 0 reserved: 200 x 16 = 3200 tokens
+BLOCK_SIZE = 16  # the torch attention backend's (--disable-custom-kernels)
+NUM_SHARD = 2
+ORIGIN = "http://app.example"
+PAYLOAD_LIMIT = 50_000
+LONG = 400  # tokens of the requests that hold the batch
+
+
+def kv_cache_bytes(model_dir: Path) -> int:
+    """--kv-cache-memory for NUM_KV_BLOCKS blocks per rank: bf16 K and V of every layer, the KV
+    heads split over the ranks."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    local_kv_heads = config["num_key_value_heads"] // NUM_SHARD
+    per_token = 2 * config["num_hidden_layers"] * local_kv_heads * head_dim * 2
+    return per_token * BLOCK_SIZE * NUM_KV_BLOCKS
+
+
+def flags(model_dir: Path, port: int) -> list[str]:
+    return [
+        "--model-id", str(model_dir), "--port", str(port), "--batcher-id", BATCHER_ID,
+        "--dtype", "bfloat16", "--num-shard", str(NUM_SHARD), "--disable-custom-kernels",
+        "--kv-cache-memory", str(kv_cache_bytes(model_dir)), "--max-batch-size", "2",
+        "--max-batch-prefill-tokens", "64", "--max-best-of", "1", "--max-stop-sequences", "1",
+        "--max-top-n-tokens", "1", "--max-client-batch-size", "1", "--validation-workers", "3",
+        "--payload-limit", str(PAYLOAD_LIMIT), "--cors-allow-origin", ORIGIN,
+        "--heartbeat-ttl-s", "2", "--drain-timeout-s", "5",
+    ]  # fmt: skip
+
+
+@dataclass
+class Served:
+    url: str
+    log: Path
+    pid: int
+    model_dir: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _wait_healthy(url: str, log: Path, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text(errors="replace")[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(log.read_text(errors="replace")[-3000:])
+
+
+@pytest.fixture(scope="module", params=["embedded", "services"])
+def served(
+    request: pytest.FixtureRequest, text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    cwd, port = tmp_path_factory.mktemp(request.param), free_port()
+    env: dict[str, str] = {}
+    if request.param == "services":
+        env = {"DATABASE_URL": _create_database(), "REDIS_URL": REDIS_URL}
+        env["REDIS_PREFIX"] = f"tgq-test-{secrets.token_hex(4)}"
+    process = _serve(cwd, env, *flags(text_model_dir, port))
+    log = cwd / "serve.log"
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", log, process)
+        yield Served(f"http://127.0.0.1:{port}", log, process.pid, text_model_dir)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        finally:
+            process.kill()
+            if env:
+                _drop_database(env["DATABASE_URL"])
+                client = redis.Redis.from_url(REDIS_URL)
+                keys = list(client.scan_iter(match=f"{env['REDIS_PREFIX']}:*"))
+                if keys:
+                    client.delete(*keys)
+                client.close()
+
+
+def generate(url: str, body: dict[str, object]) -> httpx.Response:
+    return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+
+def validation_error(message: str) -> dict[str, str]:
+    return {"error": f"Input validation error: {message}", "error_type": "validation"}
+
+
+def test_info_reports_the_flags_and_the_limits_from_the_model(served: Served) -> None:
+    """The limits default to the model's context (4096), capped by the KV cache the
+    --kv-cache-memory flag sizes (200 usable blocks of 16 tokens)."""
+    info = httpx.get(f"{served.url}/info", timeout=10).json()
+    assert info["model_dtype"] == "torch.bfloat16"
+    assert (info["max_total_tokens"], info["max_input_tokens"]) == (3200, 3199)
+    assert (info["max_best_of"], info["max_stop_sequences"]) == (1, 1)
+    assert (info["validation_workers"], info["max_client_batch_size"]) == (3, 1)
+
+
+def test_a_2000_token_prompt_is_served(served: Served) -> None:
+    prompt = "The Python language has lists, dictionaries and classes. " * 70
+    num_tokens = len(encode(served.model_dir, prompt))
+    assert 2000 <= num_tokens < 3199, num_tokens
+    parameters = {"max_new_tokens": 2, "ignore_eos": True, "details": True}
+    answer = generate(served.url, {"inputs": prompt, "parameters": parameters})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["details"]["generated_tokens"] == 2
+    too_long = prompt * 2
+    response = generate(served.url, {"inputs": too_long, "parameters": {"max_new_tokens": 1}})
+    assert response.status_code == 422
+    num_long = len(encode(served.model_dir, too_long))
+    message = (
+        f"`inputs` tokens + `max_new_tokens` must be <= 3200. Given: {num_long} `inputs` tokens"
+        " and 1 `max_new_tokens`"
+    )
+    assert response.json() == validation_error(message)
+
+
+def test_request_limits_are_the_flags(served: Served) -> None:
+    stops = generate(served.url, {"inputs": "a", "parameters": {"stop": ["x", "y"]}})
+    assert stops.status_code == 422
+    assert stops.json() == validation_error("`stop` supports up to 1 stop sequences. Given: 2")
+    best_of = generate(served.url, {"inputs": "a", "parameters": {"best_of": 2, "do_sample": True}})
+    assert best_of.json() == validation_error("`best_of` != 1 is not allowed for this endpoint")
+    top_n = generate(served.url, {"inputs": "a", "parameters": {"top_n_tokens": 2}})
+    assert top_n.json() == validation_error("`top_n_tokens` must be >= 0 and <= 1. Given: 2")
+    completions = httpx.post(
+        f"{served.url}/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1}, timeout=30
+    )
+    assert completions.status_code == 422
+    message = "Number of prompts exceeds the maximum allowed batch size of 1"
+    assert completions.json()["error"]["message"] == message
+    big = generate(served.url, {"inputs": "x" * PAYLOAD_LIMIT})
+    assert big.status_code == 413
+    assert big.json()["error"] == f"Payload too large: the limit is {PAYLOAD_LIMIT} bytes"
+
+
+def test_cors_allows_the_origin_given(served: Served) -> None:
+    allowed = httpx.get(f"{served.url}/info", headers={"Origin": ORIGIN}, timeout=10)
+    assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.get(f"{served.url}/info", headers={"Origin": "http://x.example"}, timeout=10)
+    assert "access-control-allow-origin" not in other.headers
+
+
+@dataclass
+class _Stream:
+    """One /generate_stream request on a thread: when each token and the end arrived."""
+
+    url: str
+    max_new_tokens: int
+    token_times: list[float] = field(default_factory=list)
+    end_time: float | None = None
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        parameters = {"max_new_tokens": self.max_new_tokens, "ignore_eos": True}
+        body = {"inputs": "def main():", "parameters": parameters}
+        with httpx.stream("POST", f"{self.url}/generate_stream", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    self.token_times.append(time.monotonic())
+        self.end_time = time.monotonic()
+
+    def tokens_before(self, moment: float) -> int:
+        return sum(1 for t in self.token_times if t < moment)
+
+
+def _until(condition: Callable[[], object], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_max_batch_size_caps_the_running_batch(served: Served) -> None:
+    """With two long requests running, a third starts only when one of them has finished."""
+    first, second, third = (_Stream(served.url, n) for n in (LONG, LONG, 4))
+    threads = [first.start()]
+    _until(lambda: first.token_times)
+    threads.append(second.start())
+    _until(lambda: second.token_times)
+    sent = time.monotonic()
+    threads.append(third.start())
+    for thread in threads:
+        thread.join(120)
+    assert first.end_time is not None and sent < first.end_time  # both held the batch then
+    assert len(third.token_times) == 4  # one event per token, the last with the text
+    started = third.token_times[0]
+    # The first long request had (all but a relay's delay of) its tokens when the third began.
+    assert first.tokens_before(started) >= LONG - 40, (first.tokens_before(started), LONG)
+
+
+def test_the_batcher_runs_as_the_flags_say(served: Served) -> None:
+    """Its start-up line: the dtype, the ranks, the pure-torch kernels, the KV cache, the batch
+    bounds; its id on /metrics; the rank processes."""
+    _until(lambda: f"batcher {BATCHER_ID} serving" in served.log_text())
+    line = next(x for x in served.log_text().splitlines() if f"batcher {BATCHER_ID} serving" in x)
+    expected = (
+        f"on cpu x{NUM_SHARD}: dtype bfloat16, attention torch, 0 modules on C++ kernels;"
+        f" KV {NUM_KV_BLOCKS} blocks of {BLOCK_SIZE} tokens; batches of 2 requests, 64 tokens"
+    )
+    assert line.endswith(expected), line
+    metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
+    assert f'batcher="{BATCHER_ID}"' in metrics
+    ranks = [pid for pid in _children(served.pid) if b"tgq.gpu_worker.rank" in _cmdline(pid)]
+    assert len(ranks) == NUM_SHARD
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
