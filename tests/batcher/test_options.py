@@ -8,11 +8,14 @@ from typing import Any
 
 import pytest
 import torch
+from huggingface_hub import constants
 
+from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
 from tgq.api.settings import Settings
-from tgq.batcher.__main__ import build_engine, build_runner, parse_args
+from tgq.batcher.__main__ import build_engine, build_runner, parse_args, resolve_model
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.embedded import EmbeddedBatcher
+from tgq.batcher.options import BatcherOptions
 from tgq.batcher.transport.base import TransportConfig
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.runner import ModelRunner
@@ -64,3 +67,26 @@ def test_the_batcher_process_takes_its_flags(model_dir: Path) -> None:
     runner = build_runner(options, str(model_dir))
     check_runner(runner, model_dir)
     assert build_engine(options, str(model_dir), runner).scheduler.config == SCHEDULER
+
+
+def test_revision_picks_the_snapshot_for_the_batcher_and_the_limits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--revision: the batcher loads that snapshot of a hub id, and the api's token limits come
+    from its config (main: a 4096-token context; v2: 2048)."""
+    weights = safetensors_bytes(tmp_path)
+    cache = tmp_path / "cache"
+    main = make_hub_cache(cache, "org/m", {"config.json": b'{"max_position_embeddings": 4096}'})
+    storage = main.parents[1]
+    v2 = storage / "snapshots" / ("b" * 40)
+    v2.mkdir()
+    (v2 / "config.json").write_text('{"max_position_embeddings": 2048}')
+    (storage / "refs" / "v2").write_text("b" * 40)
+    for snapshot in (main, v2):
+        (snapshot / "model.safetensors").write_bytes(weights)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    assert resolve_model(BatcherOptions(model_id="org/m")) == str(main)
+    assert resolve_model(BatcherOptions(model_id="org/m", revision="v2")) == str(v2)
+    assert Settings(model_id="org/m").max_total_tokens == 4096
+    assert Settings(model_id="org/m", revision="v2").max_total_tokens == 2048
