@@ -212,13 +212,20 @@ def test_interactive_requests_are_served_ahead_of_a_running_batch(deployment: St
     num_lines = 64
     # Lines of 900 tokens, 8 at a time, that start together and end together: a request
     # queued behind them would wait for a whole line.
+    started = time.monotonic()
     client, batch_id = start_batch(deployment, num_lines, max_tokens=900, spread=0)
     wait_until(client, batch_id, completed=1)
+    line_s = time.monotonic() - started  # a whole line (and the batch's start), on this machine
     during = [ttft_s(deployment, f"during {i}") for i in range(8)]
     batch = wait_until(client, batch_id, completed=0)
     assert batch.status == "in_progress" and batch.request_counts.completed < num_lines / 2
     idle_p50, during_p50 = statistics.median(idle), statistics.median(during)
-    print(f"TTFT p50: idle {idle_p50 * 1000:.1f} ms, during a batch {during_p50 * 1000:.1f} ms")
-    # Served ahead, it waits for the step in flight and its own prefill.
-    assert during_p50 < 0.5, (idle, during)
+    print(
+        f"TTFT p50: idle {idle_p50 * 1000:.1f} ms, during a batch {during_p50 * 1000:.1f} ms;"
+        f" a line {line_s:.1f} s"
+    )
+    # Served ahead, it waits for the step in flight and its own prefill; queued behind the
+    # lines, each request would wait for most of a line. Measured against a line on the same
+    # machine, not in absolute time: a loaded machine slows both alike.
+    assert during_p50 < line_s / 4, (idle, during, line_s)
     client.batches.cancel(batch_id)
