@@ -127,6 +127,14 @@ def test_api_and_workers_share_the_files_volume(services: dict[str, Any]) -> Non
         assert mount in services[name]["volumes"], name
 
 
+@pytest.mark.parametrize("name", ("api", "batcher", "worker", "beat"))
+def test_services_reading_the_model_mount_it(services: dict[str, Any], name: str) -> None:
+    """The tokenizer, the weights and the token limits' defaults come from MODEL_DIR."""
+    model_dir = interpolate(services[name]["environment"]["MODEL_DIR"])
+    mounts = [interpolate(str(volume)) for volume in services[name]["volumes"]]
+    assert any(model_dir.startswith(mount.split(":")[1]) for mount in mounts), mounts
+
+
 def test_settings_from_compose_validate(services: dict[str, Any]) -> None:
     for name in ("migrate", "api", "worker", "beat"):
         environment = services[name]["environment"]
