@@ -54,6 +54,7 @@ from tgq.batcher.transport.aio import (
     ThreadedApiTransport,
 )
 from tgq.batcher.transport.base import StoredFinal
+from tgq.gpu_worker.quantization import refuse_quantized_config
 
 log = logging.getLogger("api")
 VERSION = "0.1.0"
@@ -222,6 +223,7 @@ async def _start(settings: Settings) -> AppState:
         await asyncio.to_thread(upgrade, settings.database_url)
     await check_schema(engine)
     model_dir = model_dir_of(settings)
+    refuse_quantized_config(model_dir)  # the batcher refuses it too; say so before serving
     embedded = None
     transport: AsyncApiTransport
     if settings.redis_url:
