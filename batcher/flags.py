@@ -46,7 +46,9 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings]) -> Non
                 *flags, dest=dest, action="store_const", const=not field.default, help=described
             )
         else:
-            parser.add_argument(*flags, dest=dest, metavar=env, help=described, **_kind(field))
+            kind = _kind(field)
+            metavar = "{" + ",".join(kind["choices"]) + "}" if "choices" in kind else env
+            parser.add_argument(*flags, dest=dest, metavar=metavar, help=described, **kind)
 
 
 def given(args: argparse.Namespace, model: type[BaseSettings]) -> dict[str, Any]:

@@ -143,8 +143,13 @@ def test_bad_values_are_refused_in_tgq_words(monkeypatch: pytest.MonkeyPatch) ->
     args = build_parser().parse_args(["api", "--max-input-tokens", "9", "--max-total-tokens", "9"])
     with pytest.raises(CommandError, match="`max_input_tokens` must be < `max_total_tokens`"):
         set_environment(args, Settings)
+    bad_size = build_parser().parse_args(["batcher", "--kv-cache-memory", "lots"])
+    with pytest.raises(CommandError, match="^--kv-cache-memory: could not parse value and unit"):
+        set_environment(bad_size, BatcherOptions)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "float8"])
+    with pytest.raises(SystemExit):
+        parse_args(["--max-batch-size", "0"])
 
 
 def test_the_servers_api_key_is_not_the_clients() -> None:
