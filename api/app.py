@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis
-from fastapi import FastAPI, Request, Response
-from sqlalchemy.exc import SQLAlchemyError
+from fastapi import FastAPI, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tgq.api.admission import Admission, Limits
@@ -29,18 +27,13 @@ from tgq.api.batches.runner import BatchContext, run_batch
 from tgq.api.db import api_keys, create_engine, warm_up
 from tgq.api.db.migrate import check_schema, upgrade
 from tgq.api.drain import Drain, DrainMiddleware
-from tgq.api.errors import (
-    UnavailableError,
-    ValidationError,
-    error_response,
-    flavour_for_path,
-    install_error_handlers,
-)
+from tgq.api.errors import UnavailableError, dependency_failure, install_error_handlers
 from tgq.api.files.storage import FileStorage, LocalFileStorage
 from tgq.api.generation import Persister, Recorder, Running, cancel_and_wait
+from tgq.api.health import DatabaseProbe
 from tgq.api.metrics import Metrics
 from tgq.api.observability import install_observability
-from tgq.api.reconciler import reconcile_once, resume_batches
+from tgq.api.reconciler import EpochWatch, reconcile_once, resume_batches
 from tgq.api.security import install_security
 from tgq.api.service import Generation
 from tgq.api.settings import Settings
@@ -60,16 +53,18 @@ log = logging.getLogger("api")
 VERSION = "0.1.0"
 MONITOR_INTERVAL_S = 0.25
 BATCHERS_INTERVAL_S = 1.0
-DATA_EXCEPTION_CLASS = "22"  # SQLSTATE class of values the database cannot take
 MAX_WARM_CONNECTIONS = 16  # per pool (database, Redis) opened at start: up to the concurrency cap
 
 
 @dataclass(slots=True)
 class Health:
-    """What `/health` answers from: live batchers (heartbeats) and the engine's last outcome."""
+    """What `/health` answers from: the database (probed), Redis and live batchers (the
+    monitor's last round), and the engine's last outcome."""
 
     num_batchers: int = 0
     engine_failure: str | None = None  # set by a failed result, cleared by a successful one
+    transport_failure: str | None = None  # set by a failed monitor round, cleared by the next
+    database: DatabaseProbe | None = None
 
     def observe(self, result: FinalResult) -> None:
         if result.finish_reason == "failed":
@@ -77,8 +72,15 @@ class Health:
         elif result.finish_reason in ("stop", "length"):
             self.engine_failure = None
 
+    async def check(self) -> str | None:
+        """The first problem found, database first; None when healthy."""
+        database = None if self.database is None else await self.database.problem()
+        return database or self.problem
+
     @property
     def problem(self) -> str | None:
+        if self.transport_failure is not None:
+            return self.transport_failure
         if self.num_batchers == 0:
             return "no batcher is alive"
         if self.engine_failure is not None:
@@ -101,6 +103,7 @@ class AppState:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     embedded: Any = None  # the in-process batcher, without Redis
     batch_tasks: dict[str, asyncio.Task[str]] = field(default_factory=dict)
+    epoch_watch: EpochWatch = field(default_factory=EpochWatch)
 
     async def start_batch(self, batch_id: str) -> None:
         """Starts a runner for the batch: a Celery task (`tgq.run_batch`), or a task of this
@@ -154,16 +157,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.exception_handler(SQLAlchemyError)(_on_dependency_down)
-    app.exception_handler(redis.RedisError)(_on_dependency_down)
 
     async def verify_key(key: str) -> int | None:
         try:
             async with app.state.tgq.engine.begin() as conn:
                 record = await api_keys.verify_api_key(conn, key=key)
-        except (SQLAlchemyError, OSError) as error:
+        except Exception as error:
+            if dependency_failure(error) is None:
+                raise
             raise UnavailableError(
-                "The database is unavailable: cannot check the API key"
+                "The database is unavailable: cannot check the API key",
+                retry_after_s=settings.retry_after_s,
             ) from error
         return None if record is None else record.id
 
@@ -188,20 +192,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     return app
-
-
-async def _on_dependency_down(request: Request, exc: Exception) -> Response:
-    """The database or Redis is unreachable: 503 (worth retrying), never a 500. A value that
-    Postgres refuses (SQLSTATE class 22, e.g. a NUL character in a text) came from the client,
-    and retrying will not help: 422."""
-    flavour = flavour_for_path(request.url.path)
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-    if isinstance(sqlstate, str) and sqlstate.startswith(DATA_EXCEPTION_CLASS):
-        message = f"The request has a value the database cannot store (SQLSTATE {sqlstate})"
-        return error_response(ValidationError(message), flavour=flavour)
-    log.error("%s %s: %s", request.method, request.url.path, exc)
-    error = UnavailableError(f"A dependency is unavailable ({type(exc).__name__}); retry later")
-    return error_response(error, flavour=flavour)
 
 
 def model_dir_of(settings: Settings) -> Path:
@@ -257,7 +247,7 @@ async def _start(settings: Settings) -> AppState:
     )
     admission = Admission(limits, on_reject=metrics.on_rejected)
     recorder, running = Recorder(engine, transport), Running(engine, transport)
-    health = Health()
+    health = Health(database=DatabaseProbe(engine))
     consumer = f"{socket.gethostname()}-{os.getpid()}"
     persister = Persister(engine, transport, consumer, on_results=_observer(health))
     generation = Generation(
@@ -296,10 +286,12 @@ def _observer(health: Health) -> Any:
 
 
 async def _monitor(state: AppState) -> None:
-    """Keeps the admission's queue depth and the health's batcher count fresh."""
+    """Keeps the admission's queue depth and the health's batcher count fresh, and watches the
+    transport's epoch (`api/reconciler.py`)."""
     next_batchers = 0.0
     while True:
         try:
+            await _watch_epoch(state)
             depth = await state.transport.queue_depth()
             state.generation.admission.set_queue_depth(depth)
             state.metrics.set_queue_size(depth)
@@ -308,12 +300,29 @@ async def _monitor(state: AppState) -> None:
                 beats = await state.transport.live_batchers()
                 state.health.num_batchers = len(beats)
                 state.metrics.set_batchers(beats)
+            state.health.transport_failure = None
         except asyncio.CancelledError:
             raise
         except Exception as error:  # Redis away: health says so, admission keeps its last view
             state.health.num_batchers = 0
+            state.health.transport_failure = f"the queue (Redis) is unreachable: {error!r}"
             log.warning("monitor: %s", error)
         await asyncio.sleep(MONITOR_INTERVAL_S)
+
+
+async def _watch_epoch(state: AppState) -> None:
+    """A new epoch: the transport lost its data. This replica enqueues again what its clients
+    wait for; the replica that started the epoch also reconciles at once."""
+    is_first = state.epoch_watch.token is None
+    epoch = await state.epoch_watch.check(state.transport)
+    if epoch is None:
+        return
+    if not is_first:
+        await state.generation.resubmit_unfinished()
+    if epoch.is_new:
+        log.warning("the transport's data is new (epoch %s): reconciling now", epoch.token)
+        round_now = _reconcile_round(state, older_than_s=0)
+        state.tasks.append(asyncio.create_task(round_now, name="reconcile-now"))
 
 
 async def _reconcile(state: AppState) -> None:
@@ -321,21 +330,24 @@ async def _reconcile(state: AppState) -> None:
     settings = state.settings
     while True:
         await asyncio.sleep(settings.reconcile_interval_s)
-        try:
-            await reconcile_once(
-                engine=state.engine,
-                transport=state.transport,
-                settings=settings,
-                eos_token_ids=state.tokenizer.eos_token_ids,
-                older_than_s=settings.reconcile_grace_s,
-            )
-            await resume_batches(
-                state.engine, state.start_batch, grace_s=2 * settings.batch_lease_s
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # the database or Redis is away: next round
-            log.warning("reconciler: %s", error)
+        await _reconcile_round(state, older_than_s=settings.reconcile_grace_s)
+
+
+async def _reconcile_round(state: AppState, *, older_than_s: float) -> None:
+    settings = state.settings
+    try:
+        await reconcile_once(
+            engine=state.engine,
+            transport=state.transport,
+            settings=settings,
+            eos_token_ids=state.tokenizer.eos_token_ids,
+            older_than_s=older_than_s,
+        )
+        await resume_batches(state.engine, state.start_batch, grace_s=2 * settings.batch_lease_s)
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # the database or Redis is away: next round
+        log.warning("reconciler: %s", error)
 
 
 async def _stop(state: AppState) -> None:

@@ -15,24 +15,34 @@ Malformed bodies (not JSON, wrong types, missing fields) come from FastAPI as
 `RequestValidationError` and are rendered as a `ValidationError` naming the field; the errors
 Starlette raises itself (unknown path, wrong method, a body its parser gave up on) keep their
 status and get the same two shapes (`HttpError`).
+
+A database or Redis that cannot be reached is a 503 with `Retry-After` on every route, never a
+500, whatever class the driver raises: `dependency_failure` is the one place that decides (an
+`OSError` from asyncpg's connect, asyncpg's and SQLAlchemy's connection errors, redis-py's).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any, Literal
 
+import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tgq.api.schemas.openai import OpenAIError, OpenAIErrorBody
 from tgq.api.schemas.tgi import ErrorResponse
 
 Flavour = Literal["tgi", "openai"]
+RETRY_AFTER_S = 1  # a 503's `Retry-After` where the settings' `retry_after_s` is not at hand
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -119,11 +129,14 @@ class NotFoundError(ApiError):
 
 
 class UnavailableError(ApiError):
-    """A dependency is down (database, batcher); worth retrying later."""
+    """A dependency is down (database, Redis, batcher); worth retrying later (`Retry-After`)."""
 
     status_code = 503
     error_type = "unavailable"
     openai_code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = RETRY_AFTER_S) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
 class PayloadTooLargeError(ApiError):
@@ -197,10 +210,90 @@ def from_request_validation(exc: RequestValidationError) -> ValidationError:
     return ValidationError(message or "invalid request body", param=next(iter(reasons), None))
 
 
+# SQLSTATE classes and codes of a server that cannot serve now: 08 connection exception, 53
+# insufficient resources (too many connections), 57 operator intervention (shutting down,
+# starting up), 3D000 the database does not exist (dropped, or not created yet).
+_UNAVAILABLE_SQLSTATES = ("08", "53", "57", "3D000")
+DATA_EXCEPTION_CLASS = "22"  # SQLSTATE class of values the database cannot take
+# redis-py's errors that say the server is away or not ready (a restart loading its data, a
+# replica that cannot take writes during a failover); other Redis errors are bugs (500).
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError)
+# The classes a driver's connection failure can surface as: the handlers see these, and
+# `dependency_failure` decides whether it is one.
+DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (
+    OSError, asyncpg.PostgresError, asyncpg.InterfaceError, sa.SQLAlchemyError, redis.RedisError
+)  # fmt: skip
+
+
+def dependency_failure(error: BaseException) -> str | None:
+    """What is unreachable ("the database", "Redis"), when `error` (or an error it wraps) says
+    the database or Redis cannot be reached or cannot serve now; None for anything else."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if (what := _unreachable(cause)) is not None:
+            return what
+        wrapped = cause.orig if isinstance(cause, sa.DBAPIError) else None
+        cause = wrapped or cause.__cause__ or cause.__context__
+    return None
+
+
+def _unreachable(error: BaseException) -> str | None:
+    if isinstance(error, _REDIS_DOWN):
+        return "Redis"
+    if _is_database_down(error):
+        return "the database"
+    if isinstance(error, OSError):  # refused, reset, unreachable, timed out: a socket's errors
+        return "a dependency"
+    return None
+
+
+def _is_database_down(error: BaseException) -> bool:
+    if isinstance(error, sa.DBAPIError) and error.connection_invalidated:
+        return True
+    # SQLAlchemy's TimeoutError: no pooled connection came free in time.
+    if isinstance(error, sa.OperationalError | sa.InterfaceError | sa.TimeoutError):
+        return True
+    if isinstance(error, asyncpg.PostgresConnectionError | asyncpg.InterfaceError):
+        return True
+    sqlstate = getattr(error, "sqlstate", None)
+    return isinstance(sqlstate, str) and sqlstate.startswith(_UNAVAILABLE_SQLSTATES)
+
+
+def unavailable(error: BaseException) -> UnavailableError | None:
+    """The 503 for a dependency failure, None when `error` is not one."""
+    what = dependency_failure(error)
+    if what is None:
+        return None
+    return UnavailableError(f"{what[0].upper()}{what[1:]} is unavailable; retry later")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.exception_handler(ApiError)(_on_api_error)
     app.exception_handler(RequestValidationError)(_on_request_validation_error)
     app.exception_handler(StarletteHTTPException)(_on_http_exception)
+    for error_class in DEPENDENCY_ERRORS:
+        app.exception_handler(error_class)(_on_dependency_error)
+
+
+async def _on_dependency_error(request: Request, exc: Exception) -> JSONResponse:
+    """503 (worth retrying) for a database or Redis that cannot be reached; 422 for a value
+    Postgres refuses (SQLSTATE class 22, e.g. a NUL character in a text: it came from the
+    client, and retrying will not help); anything else is a bug and stays a 500."""
+    flavour = flavour_for_path(request.url.path)
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate.startswith(DATA_EXCEPTION_CLASS):
+        message = f"The request has a value the database cannot store (SQLSTATE {sqlstate})"
+        return error_response(ValidationError(message), flavour=flavour)
+    error = unavailable(exc)
+    if error is None:
+        raise exc
+    log.error("%s %s: %s: %r", request.method, request.url.path, error.message, exc)
+    tgq = getattr(request.app.state, "tgq", None)
+    if tgq is not None:
+        error.retry_after_s = tgq.settings.retry_after_s
+    return error_response(error, flavour=flavour)
 
 
 async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:

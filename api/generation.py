@@ -4,7 +4,10 @@ the database by the persister, whoever waits for it.
 
 - `Recorder`: group commit. Concurrent submissions are gathered (up to `max_group` per round),
   written in one transaction, then enqueued in one transport round trip. Nothing is enqueued
-  without its commit; a failed commit fails the whole group with 503 and enqueues nothing.
+  without its commit; a failed commit fails the whole group with 503 and enqueues nothing. A
+  failed enqueue after the commit also answers 503, and withdraws the group's jobs first
+  (`api/withdrawals.py`): a 503 is never run later. A job with an `Idempotency-Key` is the
+  exception: it stays queued (the reconciler enqueues it), and a retry with the key returns it.
   Each submission is an `enqueue` span (tracing on); its requests carry the HTTP request's id
   and that span's trace context to the batcher.
 - `Persister`: pulls durable final results from the transport, records them idempotently (unique
@@ -27,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tgq.api.db import store
-from tgq.api.errors import UnavailableError
+from tgq.api.errors import UnavailableError, dependency_failure
+from tgq.api.withdrawals import Withdrawals
 from tgq.batcher import tracing
 from tgq.batcher.logs import current_request_id
 from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
@@ -111,6 +114,15 @@ class Recorder(_Loop):
         self.max_group = max_group
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.num_rounds = 0
+        self.withdrawals = Withdrawals(engine, transport)
+
+    def start(self) -> None:
+        super().start()
+        self.withdrawals.start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.withdrawals.stop()
 
     async def submit(self, job: store.NewJob, requests: list[SubmitRequest]) -> store.JobRecord:
         """Returns the job's row once it is committed and its requests are enqueued."""
@@ -131,10 +143,20 @@ class Recorder(_Loop):
                 async with self.engine.begin() as conn:
                     fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
                     record, created = await store.create_job(conn, **fields)
-            except SQLAlchemyError as error:
+            except Exception as error:
+                if dependency_failure(error) is None:
+                    raise
                 raise _unavailable(error) from error
             if created:
-                await self._enqueue(stamped(requests))
+                try:
+                    await self._enqueue(stamped(requests))
+                except UnavailableError as error:
+                    message = (
+                        f"The queue is unavailable; job {job.job_id} is recorded and will run"
+                        " once it is back: repeat the request with the same Idempotency-Key"
+                        " to get it"
+                    )
+                    raise UnavailableError(message) from error
         if created:
             _log_queued(job, len(requests))
         return record, created
@@ -149,15 +171,20 @@ class Recorder(_Loop):
 
     async def _commit_and_enqueue(self, group: list[_Pending]) -> None:
         self.num_rounds += 1
+        requests = [r for pending in group for r in pending.requests]
         try:
             async with self.engine.begin() as conn:
                 records = await store.create_jobs(conn, jobs=[pending.job for pending in group])
-            await self._enqueue([r for pending in group for r in pending.requests])
         except Exception as error:  # every waiter learns it; the loop goes on
-            failure = error if isinstance(error, UnavailableError) else _unavailable(error)
-            for pending in group:
-                if not pending.done.done():
-                    pending.done.set_exception(failure)
+            _fail(group, _unavailable(error))
+            return
+        try:
+            await self._enqueue(requests)
+        except UnavailableError as error:  # committed, perhaps partly enqueued: withdrawn
+            job_ids = [pending.job.job_id for pending in group]
+            reason = f"unavailable: the queue could not take it ({error.__cause__!r})"
+            await self.withdrawals.withdraw(job_ids, [r.request_id for r in requests], reason)
+            _fail(group, error)
             return
         for pending, record in zip(group, records, strict=True):
             if not pending.done.done():
@@ -167,11 +194,16 @@ class Recorder(_Loop):
         try:
             await self.transport.submit(requests)
         except Exception as error:
-            # Committed but not enqueued: the rows stay queued and the reconciler re-enqueues them.
-            log.error("enqueue failed after commit (%d requests): %s", len(requests), error)
+            log.error("enqueue failed after commit (%d requests): %r", len(requests), error)
             raise UnavailableError(
-                "The queue is unavailable; the request was recorded and will be retried"
+                "The queue is unavailable; nothing was run. Retry later"
             ) from error
+
+
+def _fail(group: list[_Pending], error: UnavailableError) -> None:
+    for pending in group:
+        if not pending.done.done():
+            pending.done.set_exception(error)
 
 
 def stamped(requests: list[SubmitRequest]) -> list[SubmitRequest]:

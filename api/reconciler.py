@@ -6,12 +6,25 @@ flushed or restarted without persistence, or the enqueue after the commit failed
 from its row (prompt token ids) and its job's recorded parameters, and submitted again with the
 next attempt number. A duplicate run is harmless: the first final result wins, in Redis and in
 the results table.
+
+Interactive items are the exception: the reconciler never runs one again. Its client waits on
+one api replica, and only that replica enqueues it again when the transport loses it
+(`Generation.resubmit_unfinished`, on a new epoch); a client answered 503 retries, and running
+its request too would do the work twice. A lost interactive item is one whose client is gone
+(its replica died) or was answered 503 and the withdrawal could not be written: the reconciler
+fails it, once the transport's epoch is `EPOCH_SETTLE_S` old, so that live replicas have
+enqueued theirs again first.
+
+A new epoch (Redis restarted empty or flushed; `EpochWatch`) is seen by the api's monitor within
+a quarter of a second; the replica that started the new epoch reconciles at once, whatever the
+grace, instead of within `reconcile_interval_s` + `reconcile_grace_s`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -23,10 +36,13 @@ from tgq.api.db import store
 from tgq.api.settings import Settings
 from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.request import Priority, StoppingParams
-from tgq.batcher.transport.aio import AsyncApiTransport
+from tgq.batcher.transport.aio import AsyncApiTransport, Epoch
 from tgq.gpu_worker.plan import SamplingParams
 
 log = logging.getLogger(__name__)
+
+EPOCH_SETTLE_S = 5.0  # every live replica has enqueued its clients' lost requests again by then
+LOST_INTERACTIVE = "unavailable: the queue lost it and no client waits for it"
 
 
 async def reconcile_once(
@@ -38,7 +54,8 @@ async def reconcile_once(
     older_than_s: float,
     limit: int = 1000,
 ) -> int:
-    """Re-enqueues the lost items among the `limit` oldest open ones; returns how many."""
+    """Re-enqueues the lost items among the `limit` oldest open ones; returns how many.
+    Lost interactive items are failed instead, once the epoch has settled."""
     before = datetime.now(UTC) - timedelta(seconds=older_than_s)
     async with engine.connect() as conn:
         items = await store.unfinished_items(conn, created_before=before, limit=limit)
@@ -52,15 +69,31 @@ async def reconcile_once(
             # A batch's lines have parameters of their own: its runner refills them.
             if job is not None and not job.is_finished and job.kind != "batch":
                 jobs[job_id] = job
+    orphans = sorted(job_id for job_id, job in jobs.items() if job.kind == "interactive")
+    if orphans:
+        await _fail_orphans(engine, transport, orphans)
     requests = [
         rebuild_request(item, jobs[item.job_id], settings, eos_token_ids)
         for item in lost
-        if item.job_id in jobs
+        if item.job_id in jobs and jobs[item.job_id].kind != "interactive"
     ]
     if requests:
         await transport.submit(requests)
         log.warning("reconciler: re-enqueued %d requests the transport had lost", len(requests))
     return len(requests)
+
+
+async def _fail_orphans(
+    engine: AsyncEngine, transport: AsyncApiTransport, job_ids: list[str]
+) -> None:
+    """Fails lost interactive jobs, unless the epoch is too young for every replica to have
+    enqueued its own again (they are looked at again in the next round)."""
+    epoch = await transport.epoch()
+    if time.time() - epoch.started_at < EPOCH_SETTLE_S:
+        return
+    async with engine.begin() as conn:
+        failed = await store.fail_jobs(conn, job_ids=job_ids, error=LOST_INTERACTIVE)
+    log.warning("reconciler: failed %d lost interactive items nobody waits for", len(failed))
 
 
 async def resume_batches(
@@ -111,3 +144,19 @@ def rebuild_request(
         deadline,
         attempt=attempt or max(item.attempts, 1) + 1,
     )
+
+
+class EpochWatch:
+    """One replica's view of the transport's epoch, checked on every monitor tick."""
+
+    def __init__(self) -> None:
+        self.token: str | None = None
+
+    async def check(self, transport: AsyncApiTransport) -> Epoch | None:
+        """The epoch, when it is not the one the previous check saw (the transport lost its
+        data in between, or this is the first check); else None."""
+        epoch = await transport.epoch()
+        if epoch.token == self.token:
+            return None
+        self.token = epoch.token
+        return epoch

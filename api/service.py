@@ -6,7 +6,11 @@ anything is enqueued, and the final results reach it through the persister, so i
 requests are audited like jobs.
 
 A request whose client goes away is aborted in the batcher: `wait_finals` watches the connection
-while it waits, and a stream's generator aborts when it is closed before the end.
+while it waits, and a stream's generator aborts when it is closed before the end. A request whose
+tokens cannot be followed (Redis away) is answered 503 and withdrawn (`api/withdrawals.py`): it
+never runs later. When the transport loses its data (a new epoch), this replica enqueues again
+the unfinished requests that its clients still wait for (`resubmit_unfinished`); nobody else
+does (the reconciler never reruns an interactive request).
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class Generation:
         self.admission = admission
         self.recorder = recorder
         self._background: set[asyncio.Task[None]] = set()
+        self._runs: dict[str, Run] = {}  # by job id: the requests this replica's clients wait for
 
     def admit(self, *, num_requests: int = 1) -> Ticket:
         self.metrics.on_request()
@@ -183,7 +188,22 @@ class Generation:
         self.admission.note_submitted(len(requests))
         run = Run(job_id, prompts, requests, copies, ticket, started_at, validated_at)
         run.keep_events = keep_events
+        self._runs[job_id] = run
         return run
+
+    async def resubmit_unfinished(self) -> int:
+        """Enqueues again, as their next attempt, the unfinished requests of the runs in
+        flight here (the transport lost them); returns how many."""
+        requests = [
+            dataclasses.replace(r, attempt=r.attempt + 1)
+            for run in list(self._runs.values())
+            for r in run.requests
+            if r.request_id not in run.finals
+        ]
+        if requests:
+            await self.transport.submit(requests)
+            log.warning("the transport lost its data: %d requests enqueued again", len(requests))
+        return len(requests)
 
     async def stream(self, run: Run) -> AsyncIterator[tuple[int, TokenEvent | FinalResult]]:
         """(item index, event) for every item, interleaved as they come, each item's final last.
@@ -196,14 +216,17 @@ class Generation:
                     queue.put_nowait((index, event))
             except Exception as error:  # Redis away mid-request: the consumer says 503
                 log.error("following %s failed: %s", request_id, error)
-                message = "The token stream is unavailable; the request stays recorded"
+                message = "The token stream is unavailable; the request was withdrawn. Retry later"
                 queue.put_nowait(UnavailableError(message))
 
         tasks = [asyncio.create_task(pump(i, r.request_id)) for i, r in enumerate(run.requests)]
+        is_withdrawn = False
         try:
             while not run.is_finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    await self._withdraw(run, item)
+                    is_withdrawn = True
                     raise item
                 index, event = item
                 self._observe(run, event)
@@ -211,9 +234,15 @@ class Generation:
         finally:
             for task in tasks:
                 task.cancel()
-            if not run.is_finished:
+            if not run.is_finished and not is_withdrawn:
                 self.abort_soon(run)
             self._finish(run)
+
+    async def _withdraw(self, run: Run, error: BaseException) -> None:
+        """The run is answered with `error` (503): it must not run later."""
+        pending = [r.request_id for r in run.requests if r.request_id not in run.finals]
+        reason = f"unavailable: its tokens could not be followed ({error})"
+        await self.recorder.withdrawals.withdraw([run.job_id], pending, reason)
 
     async def wait_finals(self, run: Run, receive: Receive) -> list[FinalResult]:
         """Every item's final result, in item order; aborts them if the client disconnects."""
@@ -264,6 +293,7 @@ class Generation:
         run.last_token_at = now
 
     def _finish(self, run: Run) -> None:
+        self._runs.pop(run.job_id, None)
         self.release(run.ticket)
         if not run.is_finished:
             return

@@ -598,6 +598,32 @@ async def cancel_job(conn: AsyncConnection, *, job_id: str) -> list[str] | None:
     return [request_id for _, request_id in sorted(cancelled.all())]
 
 
+async def fail_jobs(conn: AsyncConnection, *, job_ids: Sequence[str], error: str) -> list[str]:
+    """Fail the open ones of these jobs with their open items, without result rows (nothing
+    ran, or what runs is withdrawn: a later result for them is not written); returns the
+    request ids of the items failed. For interactive requests answered 503 after their rows
+    were committed, and for interactive items the transport lost."""
+    job, items = db.jobs.c, db.job_items.c
+    locked = await _lock_jobs(
+        conn, and_(job.id.in_(sorted(set(job_ids))), job.status.in_(OPEN_STATUSES))
+    )
+    if not locked:
+        return []
+    now = utc_now()
+    await conn.execute(
+        update(db.jobs)
+        .where(job.id.in_(locked))
+        .values(status="failed", finished_at=now, error=storable(error))
+    )
+    failed = await conn.execute(
+        update(db.job_items)
+        .where(items.job_id.in_(locked), items.status.in_(OPEN_STATUSES))
+        .values(status="failed", finished_at=now)
+        .returning(items.request_id)
+    )
+    return sorted(failed.scalars())
+
+
 async def delete_finished_before(conn: AsyncConnection, *, before: datetime) -> int:
     """Delete jobs that finished before `before`, with their items, results and usage; returns
     how many jobs."""

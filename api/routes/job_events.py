@@ -19,7 +19,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from tgq.api.app import AppState, state_of
 from tgq.api.db import store
-from tgq.api.errors import ApiError, NotFoundError, ValidationError
+from tgq.api.errors import ApiError, NotFoundError, ValidationError, unavailable
 from tgq.api.generation import request_id_of
 from tgq.api.routes.jobs import JobItemResult, get_visible_job, item_result, view
 from tgq.api.sse import STREAM_RESPONSES, dump_json, sse_response
@@ -70,8 +70,11 @@ async def _events(
             async for event in _item_events(state, job.id, index, seq):
                 yield event
         yield await _done_event(state, job.id)
-    except ApiError as error:
-        yield ServerSentEvent(data=dump_json({"error": error.message}), event="error", sep="\n")
+    except Exception as error:  # the stream has started: an `error` event, not a status
+        failure = error if isinstance(error, ApiError) else unavailable(error)
+        if failure is None:
+            raise
+        yield ServerSentEvent(data=dump_json({"error": failure.message}), event="error", sep="\n")
 
 
 async def _item_events(

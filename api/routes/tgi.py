@@ -328,12 +328,15 @@ async def info(request: Request) -> Info:
 @router.get("/ping", include_in_schema=False)
 @router.get("/", include_in_schema=False)
 async def health(request: Request) -> Response:
-    """200 when a batcher is alive and the engine is not failing, else 503."""
-    problem = state_of(request).health.problem
+    """200 when the database answers, Redis is reachable, a batcher is alive and the engine is
+    not failing; else 503 naming the problem."""
+    state = state_of(request)
+    problem = await state.health.check()
     if problem is None:
         return Response(status_code=200)
     body = {"error": f"unhealthy: {problem}", "error_type": "healthcheck"}
-    return JSONResponse(body, status_code=503)
+    headers = {"Retry-After": str(state.settings.retry_after_s)}
+    return JSONResponse(body, status_code=503, headers=headers)
 
 
 @router.get("/metrics", include_in_schema=False)

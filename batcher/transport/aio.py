@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
@@ -20,6 +21,8 @@ from typing import Any, Protocol, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.driver_info import DriverInfo
 
 from tgq.batcher.messages import (
@@ -49,6 +52,32 @@ from tgq.batcher.transport.redis_keys import (
 )
 
 _T = TypeVar("_T")
+HEALTH_CHECK_S = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Epoch:
+    """The generation of the transport's data. A new `token` means that what the transport held
+    before (queues, token streams, finals, markers) is gone: Redis restarted without
+    persistence, or was flushed. `is_new`: the call that returned it started it."""
+
+    token: str
+    started_at: float  # unix time
+    is_new: bool
+
+    @classmethod
+    def start(cls) -> Epoch:
+        now = time.time()
+        return cls(f"{now:.3f}:{uuid.uuid4().hex}", now, is_new=True)
+
+    @classmethod
+    def parse(cls, token: str, *, is_new: bool) -> Epoch:
+        head, _, _ = token.partition(":")
+        try:
+            started_at = float(head)
+        except ValueError:  # not one of ours: as old as can be
+            started_at = 0.0
+        return cls(token, started_at, is_new)
 
 
 class AsyncApiTransport(Protocol):
@@ -84,6 +113,10 @@ class AsyncApiTransport(Protocol):
         """Opens up to `num_connections` connections now, so that a burst does not pay for them."""
         ...
 
+    async def epoch(self) -> Epoch:
+        """The current epoch, started by this call when there was none (one round trip)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -93,6 +126,7 @@ class ThreadedApiTransport:
     def __init__(self, transport: ApiTransport, max_workers: int) -> None:
         self.transport = transport
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="transport")
+        self._epoch = Epoch.start()  # in process: its data lives as long as this object
 
     async def _run(self, call: Callable[..., _T], *args: Any) -> _T:
         loop = asyncio.get_running_loop()
@@ -136,6 +170,10 @@ class ThreadedApiTransport:
     async def warm_up(self, num_connections: int) -> None:
         pass  # in process: nothing to connect
 
+    async def epoch(self) -> Epoch:
+        epoch, self._epoch = self._epoch, dataclasses.replace(self._epoch, is_new=False)
+        return epoch
+
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -171,6 +209,12 @@ class AsyncRedisApiTransport:
             max_connections=max_connections,
             timeout=10,
             socket_timeout=5.0,
+            # A connection idle this long is PINGed before its next command, and reconnected
+            # (the one retry) when Redis restarted meanwhile: without it, a connection kept
+            # through a restart failed its first command after it ("Connection closed by
+            # server"). Commands themselves are not retried: an XADD is not idempotent.
+            health_check_interval=HEALTH_CHECK_S,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
             # One for the pool: by default each new connection reads redis-py's version from
             # the installed package's metadata (files on disk).
             driver_info=DriverInfo(),
@@ -282,6 +326,17 @@ class AsyncRedisApiTransport:
         block = self._block(block_ms / 1000) if block_ms > 0 else None
         found: Any = await self.client.xread({stream: cursor}, count=max_count, block=block)
         return started_ids(cursor, found)
+
+    async def epoch(self) -> Epoch:
+        candidate = Epoch.start()
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self.keys.epoch, candidate.token, nx=True)
+        pipe.get(self.keys.epoch)
+        created, token = await pipe.execute()
+        if created:
+            self._has_group = False  # the finals stream and its group went with the data
+            return candidate
+        return Epoch.parse(token.decode(), is_new=False)
 
     async def warm_up(self, num_connections: int) -> None:
         pool = self.client.connection_pool

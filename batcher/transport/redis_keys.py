@@ -35,6 +35,10 @@ can share a server:
                                         with its own cursor), capped near 10,000 entries.
 {p}:heartbeat:{batcher_id}              the batcher's last heartbeat, expiring after
                                         `heartbeat_ttl_s`: no key means a dead batcher.
+{p}:epoch                               "<unix time>:<random>", set NX by the api's monitor
+                                        every tick: missing or changed means Redis lost its
+                                        data (restart without persistence, FLUSHALL), and the
+                                        replica that set the new one reconciles at once.
 """
 
 from __future__ import annotations
@@ -90,3 +94,7 @@ class RedisKeys:
 
     def heartbeat(self, batcher_id: str) -> str:
         return f"{self.prefix}:heartbeat:{batcher_id}"
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.prefix}:epoch"
