@@ -22,12 +22,31 @@ Deviations from TGI
   1024-token chunk and re-queues the rest, then ends silently with `length` when the re-queue
   fails; tgq admits or rejects the whole request up front.
 - `best_of: 0` is rejected ("`best_of` must be > 0 and <= {max}. Given: 0"); TGI runs it as 1.
+- Every field either works or is rejected with a message naming it (`api.request_fields`): an
+  unknown field is a 422, "unknown field `parameters.X`" on TGI routes (TGI ignores it) and
+  OpenAI's "Unrecognized request argument supplied: X" on OpenAI routes (OpenAI answers 400;
+  tgq keeps 422, the status of every validation error on these routes).
 - `watermark: true` is rejected ("`watermark` is not supported"); `grammar` is rejected with
   TGI's own message for a server without grammar support ("grammar is not supported");
-  `adapter_id` is ignored (TGI falls back to the base model for unknown ids; all are unknown).
+  `adapter_id` other than null or the base model's id is rejected (tgq serves no LoRA adapters;
+  TGI falls back to the base model for unknown ids).
 - OpenAI `logit_bias` (non-empty), `tools`, `tool_choice` other than "none"/"auto",
   `response_format` other than `{"type": "text"}` and image content parts are rejected with a
-  message naming the field; TGI fails to parse OpenAI's shapes or ignores them.
+  message naming the field; TGI fails to parse OpenAI's shapes or ignores them. So are chat
+  `audio`, `functions`, `function_call` (other than "none"/"auto"), `metadata`, `store: true`,
+  `modalities` other than ["text"], `moderation`, `prediction`, `prompt_cache_options`,
+  `prompt_cache_retention: "24h"`, `reasoning_effort`, `verbosity`, `service_tier` other than
+  "auto"/"default", `web_search_options` and TGI's `tool_prompt`. `user`, `safety_identifier`,
+  `prompt_cache_key` and `parallel_tool_calls` are accepted: they change nothing in the output
+  (no end users are recorded; the prefix cache serves every request; there are no tools).
+- vLLM's sampling extensions work on every route that samples: `min_tokens` (EOS, stop tokens and
+  stop strings cannot end a sequence before it; "`min_tokens` must be >= 0" and "<= the maximum
+  number of new tokens"), `min_p` ("`min_p` must be >= 0.0 and <= 1.0"); on the OpenAI routes
+  also `top_k` (-1 or 0: off) and `repetition_penalty`. On TGI routes `min_p > 0` counts as a
+  sampling knob, as `top_k` does.
+- Completions `best_of` works as OpenAI documents: `best_of` candidates per prompt, the `n` with
+  the highest cumulative logprob returned best first, `usage` counting every candidate's tokens;
+  `best_of` must be >= `n` and <= `max_best_of`, and equal to `n` when streaming.
 - Chat `logprobs`/`top_logprobs`, completions `logprobs` (legacy int), `echo`, `n` and
   `presence_penalty` are honoured; TGI's completions route has none of them.
 - `max_completion_tokens` wins over `max_tokens` when both are set (OpenAI deprecated
@@ -43,6 +62,7 @@ import dataclasses
 from typing import TypeVar
 
 from tgq.api.errors import RouteValidationError, ValidationError
+from tgq.api.request_fields import check_adapter_id, check_openai_fields, check_parameter_fields
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest, ImagePart
 from tgq.api.schemas.tgi import GenerateParameters, default_parameters
 from tgq.api.settings import Settings
@@ -73,6 +93,7 @@ def tgi_params(
     return_full_text_default: bool = False,  # the `/` route: True for text-generation models
 ) -> GenerationParams:
     """TGI's `parameters` (None: the body had none) into generation parameters."""
+    check_parameter_fields(parameters)
     p = default_parameters() if parameters is None else parameters
     best_of = _default(p.best_of, 1)
     _check_tgi_streaming(p, best_of, is_stream=is_stream)
@@ -135,6 +156,8 @@ def _check_tgi_knobs(p: GenerateParameters) -> None:
     _check_probability_mass("typical_p", p.typical_p)
     _require(p.top_k is None or p.top_k > 0, "`top_k` must be strictly positive", "top_k")
     _require(p.max_new_tokens != 0, "`max_new_tokens` must be strictly positive", "max_new_tokens")
+    _check_min_p(p.min_p)
+    _check_min_tokens(p.min_tokens)
 
 
 def _check_tgi_limits(p: GenerateParameters, best_of: int, settings: Settings) -> None:
@@ -154,6 +177,7 @@ def _check_tgi_limits(p: GenerateParameters, best_of: int, settings: Settings) -
     )
     _require(p.grammar is None, "grammar is not supported", "grammar")
     _require(not p.watermark, "`watermark` is not supported", "watermark")
+    check_adapter_id(p.adapter_id, settings.model_id)
 
 
 def _tgi_sampling(p: GenerateParameters, *, logprobs: bool) -> SamplingParams:
@@ -166,6 +190,7 @@ def _tgi_sampling(p: GenerateParameters, *, logprobs: bool) -> SamplingParams:
         seed=p.seed,
         logprobs=logprobs,
         top_n_logprobs=_default(p.top_n_tokens, 0),
+        min_tokens=_default(p.min_tokens, 0),
     )
     sampling = dataclasses.replace(
         greedy,
@@ -173,9 +198,11 @@ def _tgi_sampling(p: GenerateParameters, *, logprobs: bool) -> SamplingParams:
         top_k=_default(p.top_k, 0),
         top_p=_default(p.top_p, 1.0),
         typical_p=_default(p.typical_p, 1.0),
+        min_p=_default(p.min_p, 0.0),
     )
     is_sampling = p.do_sample or sampling.temperature != 1.0 or sampling.top_k != 0
     is_sampling = is_sampling or sampling.top_p < 1.0 or sampling.typical_p < 1.0
+    is_sampling = is_sampling or sampling.min_p > 0.0
     return sampling if is_sampling else greedy
 
 
@@ -183,6 +210,7 @@ def _tgi_sampling(p: GenerateParameters, *, logprobs: bool) -> SamplingParams:
 
 
 def chat_params(request: ChatCompletionRequest, settings: Settings) -> GenerationParams:
+    check_openai_fields(request)
     _check_chat_unsupported(request)
     _require(bool(request.messages), "`messages` cannot be empty", "messages")
     top_n = _default(request.top_logprobs, 0)
@@ -208,17 +236,23 @@ def chat_params(request: ChatCompletionRequest, settings: Settings) -> Generatio
 
 
 def completion_params(request: CompletionRequest, settings: Settings) -> GenerationParams:
+    check_openai_fields(request)
     if request.suffix is not None:
         raise RouteValidationError(
             SUFFIX_MESSAGE, error_type="suffix not supported", param="suffix"
         )
     top_n = _default(request.logprobs, 0)
     _check_top_n("logprobs", top_n, settings)
+    num_choices = _num_choices(request.n, settings)
+    best_of = _completion_best_of(request, num_choices, settings)
+    # The candidates are ranked by their cumulative logprob: they need it, asked for or not.
+    logprobs = request.logprobs is not None or best_of > num_choices
     return GenerationParams(
-        sampling=_openai_sampling(request, logprobs=request.logprobs is not None, top_n=top_n),
+        sampling=_openai_sampling(request, logprobs=logprobs, top_n=top_n),
         max_new_tokens=_max_tokens("max_tokens", request.max_tokens),
         stop_strings=_openai_stop(request.stop, settings),
-        num_choices=_num_choices(request.n, settings),
+        best_of=best_of,
+        num_choices=num_choices,
         ignore_eos=request.ignore_eos,
         return_full_text=request.echo,
         decoder_input_details=request.echo and request.logprobs is not None,
@@ -239,8 +273,26 @@ def completion_prompts(request: CompletionRequest, settings: Settings) -> list[s
     return prompts
 
 
+def _completion_best_of(request: CompletionRequest, num_choices: int, settings: Settings) -> int:
+    """OpenAI's `best_of`: candidates per prompt, of which the `n` most likely are returned."""
+    best_of, limit = _default(request.best_of, num_choices), settings.max_best_of
+    _require(
+        0 < best_of <= limit, f"`best_of` must be > 0 and <= {limit}. Given: {best_of}", "best_of"
+    )
+    _require(
+        best_of >= num_choices,
+        f"`best_of` must be >= `n` ({num_choices}). Given: {best_of}",
+        "best_of",
+    )
+    _require(
+        not request.stream or best_of == num_choices,
+        "`best_of` > `n` is not supported when streaming",
+        "best_of",
+    )
+    return best_of
+
+
 def _check_chat_unsupported(request: ChatCompletionRequest) -> None:
-    _require(not request.logit_bias, "`logit_bias` is not supported", "logit_bias")
     _require(not request.tools, "`tools` are not supported yet", "tools")
     _require(
         request.tool_choice in (None, "none", "auto"),
@@ -271,14 +323,18 @@ def _openai_sampling(
     _check_probability_mass("top_p", top_p)
     _check_penalty("frequency_penalty", request.frequency_penalty)
     _check_penalty("presence_penalty", request.presence_penalty)
-    repetition_penalty = 1.0
-    if isinstance(request, CompletionRequest):
-        _check_repetition_penalty(request.repetition_penalty)
-        repetition_penalty = _default(request.repetition_penalty, 1.0)
+    _check_repetition_penalty(request.repetition_penalty)
+    top_k = _default(request.top_k, 0)
+    _require(top_k >= -1, f"`top_k` must be >= -1 (-1 or 0: off). Given: {top_k}", "top_k")
+    _check_min_p(request.min_p)
+    _check_min_tokens(request.min_tokens)
     return SamplingParams(
         temperature=temperature,
+        top_k=max(top_k, 0),
         top_p=top_p,
-        repetition_penalty=repetition_penalty,
+        min_p=_default(request.min_p, 0.0),
+        min_tokens=_default(request.min_tokens, 0),
+        repetition_penalty=_default(request.repetition_penalty, 1.0),
         frequency_penalty=_default(request.frequency_penalty, 0.0),
         presence_penalty=_default(request.presence_penalty, 0.0),
         seed=request.seed,
@@ -334,6 +390,13 @@ def validate_tokens(
         f"`inputs` must have less than {max_input} tokens. Given: {num_input}",
         param,
     )
+    min_tokens = params.sampling.min_tokens
+    _require(
+        min_tokens <= max_new_tokens,
+        f"`min_tokens` must be <= the maximum number of new tokens ({max_new_tokens}). "
+        f"Given: {min_tokens}",
+        "min_tokens",
+    )
     stopping = StoppingParams(
         max_new_tokens=max_new_tokens,
         eos_token_ids=eos_token_ids,
@@ -366,6 +429,16 @@ def _check_penalty(name: str, value: float | None) -> None:
         value is None or -MAX_PENALTY <= value <= MAX_PENALTY,
         f"`{name}` must be >= -2.0 and <= 2.0",
         name,
+    )
+
+
+def _check_min_p(value: float | None) -> None:
+    _require(value is None or 0 <= value <= 1, "`min_p` must be >= 0.0 and <= 1.0", "min_p")
+
+
+def _check_min_tokens(value: int | None) -> None:
+    _require(
+        value is None or value >= 0, f"`min_tokens` must be >= 0. Given: {value}", "min_tokens"
     )
 
 

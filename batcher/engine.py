@@ -112,6 +112,8 @@ class LLMEngine:
         stopping = stopping or StoppingParams()
         if not stopping.eos_token_ids:
             stopping = dataclasses.replace(stopping, eos_token_ids=self.eos_token_ids)
+        if sampling.min_tokens > 0:
+            sampling = dataclasses.replace(sampling, min_tokens_stop_ids=_stop_ids(stopping))
         request = Request(
             request_id or f"req-{next(self._ids)}",
             list(prompt_token_ids),
@@ -204,3 +206,9 @@ def _end_of(request: Request) -> RequestOutput:
 def _take_text(request: Request) -> str:
     text, request.new_text = request.new_text, ""
     return text
+
+
+def _stop_ids(stopping: StoppingParams) -> tuple[int, ...]:
+    """The token ids that would end a request: masked by the sampler until `min_tokens`."""
+    eos = frozenset() if stopping.ignore_eos else stopping.eos_token_ids
+    return tuple(sorted(eos | stopping.stop_token_ids))

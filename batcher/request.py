@@ -163,11 +163,25 @@ class Request:
         self.output_logprobs.append(logprob)
         self.output_top_logprobs.append(top)
         if self.output_text is not None:
-            self.new_text += self.output_text.push(token_id)[0]
+            self.new_text += self.output_text.push(token_id, can_stop=self.can_stop)[0]
+
+    @property
+    def can_stop(self) -> bool:
+        """Whether EOS, stop tokens and stop strings may end it: not before `min_tokens` output
+        tokens (vLLM's rule; the sampler masks the stop ids for the tokens before that)."""
+        return self.num_output_tokens >= self.sampling.min_tokens
 
     def stop_status(self) -> tuple[RequestStatus, str | None] | None:
         """Stopping after the last sampled token: a stop string completed in the text, EOS, stop
-        token ids, length. Returns the status and a detail, or None to go on."""
+        token ids (none of them before `min_tokens`), length. Returns the status and a detail,
+        or None to go on."""
+        if self.can_stop and (stop := self._stop_before_length()) is not None:
+            return stop
+        if self.num_output_tokens >= self.stopping.max_new_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
+
+    def _stop_before_length(self) -> tuple[RequestStatus, str] | None:
         matched = self.output_text.matched_stop if self.output_text is not None else None
         if matched is not None:
             return RequestStatus.FINISHED_STOPPED, f"stop string {matched!r}"
@@ -176,6 +190,4 @@ class Request:
             return RequestStatus.FINISHED_STOPPED, "eos token"
         if last in self.stopping.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, f"stop token {last}"
-        if self.num_output_tokens >= self.stopping.max_new_tokens:
-            return RequestStatus.FINISHED_LENGTH, None
         return None

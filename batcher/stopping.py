@@ -4,6 +4,7 @@ The scheduler's interface is `OutputText`, one per request:
 
     output = OutputText(decoder, prompt_ids, stop_strings, skip_special_tokens=True)
     delta, stopped = output.push(token_id)   # every sampled token, in order
+    delta, _ = output.push(token_id, can_stop=False)   # before `min_tokens`: no stop yet
     ...                                      # stopped -> finish reason "stop_sequence"
     tail = output.finish()                   # once, when generation ends for any other reason
     output.text, output.matched_stop         # all released text; the stop string that fired
@@ -18,7 +19,9 @@ Stop semantics: generation stops at the first character position where any stop 
 complete (so the result does not depend on how the text was split into tokens); of the stop strings
 ending there, the longest wins. The released text ends just *before* the stop string, as in OpenAI's
 API and vLLM; `include_stop_string=True` keeps it, as TGI's `generated_text` does. Nothing after
-the stop string is ever released, even when it arrived in the same token.
+the stop string is ever released, even when it arrived in the same token. Text pushed with
+`can_stop=False` (before the request's `min_tokens`) is never matched, as in vLLM: a stop string
+complete in it does not stop, one that it only starts can still complete afterwards.
 """
 
 from __future__ import annotations
@@ -43,13 +46,13 @@ class StopStringMatcher:
         self._held = ""
         self.matched_stop: str | None = None
 
-    def feed(self, text: str) -> tuple[str, str | None]:
+    def feed(self, text: str, *, can_stop: bool = True) -> tuple[str, str | None]:
         """Returns (text now safe to release, the stop string that matched or None)."""
         if self.matched_stop is not None:
             raise RuntimeError("feed() after a stop string matched")
         # `_held` is shorter than every stop string it could start, so a match ends in `text`.
         buffer = self._held + text
-        match = self._first_match(buffer)
+        match = self._first_match(buffer) if can_stop else None
         if match is not None:
             start, stop = match
             self._held = ""
@@ -114,11 +117,12 @@ class OutputText:
     def matched_stop(self) -> str | None:
         return self._matcher.matched_stop
 
-    def push(self, token_id: int) -> tuple[str, bool]:
+    def push(self, token_id: int, *, can_stop: bool = True) -> tuple[str, bool]:
         """Returns (newly released text, whether a stop string matched)."""
         if self._is_done:
             raise RuntimeError("push() after the output text was finished or stopped")
-        delta, stop = self._matcher.feed(self._detokenizer.push(token_id))
+        text = self._detokenizer.push(token_id)
+        delta, stop = self._matcher.feed(text, can_stop=can_stop)
         self._is_done = stop is not None
         self._chunks.append(delta)
         return delta, self._is_done

@@ -32,20 +32,29 @@ class SamplingParams:
     top_k: int = NO_TOP_K  # 0: off
     top_p: float = 1.0  # 1.0: off
     typical_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off; drop tokens less likely than min_p * the top token's prob
     repetition_penalty: float = 1.0  # HF/TGI semantics, over prompt and output tokens
     frequency_penalty: float = 0.0  # OpenAI semantics, over output tokens
     presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
     seed: int | None = NO_SEED
     logprobs: bool = False  # logprob of the chosen token
     top_n_logprobs: int = 0  # also return the n most likely tokens and their logprobs
+    # vLLM's `min_tokens`: `min_tokens_stop_ids` (EOS unless ignored, and the stop token ids;
+    # the batcher's engine fills them in) are masked while fewer tokens have been generated.
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        # JSON and msgpack hand the ids back as a list; a tuple keeps the params hashable.
+        object.__setattr__(self, "min_tokens_stop_ids", tuple(self.min_tokens_stop_ids))
         _check(self.temperature >= 0.0, "temperature must be >= 0")
         _check(self.top_k >= 0, "top_k must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
         _check(0.0 < self.typical_p <= 1.0, "typical_p must be in (0, 1]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0")
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
         _check(self.top_n_logprobs >= 0, "top_n_logprobs must be >= 0")
+        _check(self.min_tokens >= 0, "min_tokens must be >= 0")
 
     @property
     def is_greedy(self) -> bool:
@@ -57,8 +66,17 @@ class SamplingParams:
 
     @property
     def needs_only_argmax(self) -> bool:
-        """Greedy, with nothing that reads the other logits (penalties, logprobs)."""
-        return self.is_greedy and not self.has_penalties and not self.wants_logprobs
+        """Greedy, with nothing that reads the other logits (penalties, logprobs, masks)."""
+        return (
+            self.is_greedy
+            and not self.has_penalties
+            and not self.wants_logprobs
+            and not self.masks_stop_ids
+        )
+
+    @property
+    def masks_stop_ids(self) -> bool:
+        return self.min_tokens > 0 and bool(self.min_tokens_stop_ids)
 
     @property
     def has_penalties(self) -> bool:

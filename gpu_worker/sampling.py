@@ -2,15 +2,19 @@
 
 Processors run in this order (that of Hugging Face `generate` and TGI):
 
+0. min_tokens (vLLM): while a row has generated fewer than `min_tokens` tokens, its
+   `min_tokens_stop_ids` (EOS, stop token ids) are set to -inf, as transformers'
+   `MinNewTokensLengthLogitsProcessor` does with EOS.
 1. repetition penalty (HF/TGI): a token seen in the prompt or the output has its logit divided by
    the penalty when positive, multiplied when negative; once per token, however often it was seen.
 2. frequency/presence penalty (OpenAI): `logit -= frequency * count + presence * (count > 0)`,
    counting OUTPUT tokens only.
 3. greedy rows (`temperature == 0`) take the argmax here and skip the rest.
-4. temperature, 5. top-k, 6. top-p, 7. typical-p. Each filter sets removed logits to -inf and keeps
-   at least one token; ties and cumulative-probability thresholds follow transformers'
-   `TopKLogitsWarper`, `TopPLogitsWarper` and `TypicalLogitsWarper` exactly (min_tokens_to_keep=1).
-8. sample by exponential race: `argmax(probs / E)` with `E ~ Exp(1)` per token picks token i with
+4. temperature, 5. top-k, 6. top-p, 7. min-p, 8. typical-p. Each filter sets removed logits to
+   -inf and keeps at least one token; ties and thresholds follow transformers'
+   `TopKLogitsWarper`, `TopPLogitsWarper`, `MinPLogitsWarper` and `TypicalLogitsWarper` exactly
+   (min_tokens_to_keep=1).
+9. sample by exponential race: `argmax(probs / E)` with `E ~ Exp(1)` per token picks token i with
    probability `probs[i]`, so a row needs one draw of V exponentials.
 
 The processors are pure functions over all rows at once, with per-row `[N]` parameter tensors; a
@@ -103,6 +107,26 @@ def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(_unsort(is_removed, order), _NEG_INF)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop the tokens whose probability is below min_p * the row's top probability; min_p: [N]
+    (0.0 is off). The top token always stays (its probability is never below the threshold)."""
+    probs = logits.softmax(-1)
+    threshold = _column(min_p, probs) * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_min_tokens(logits: torch.Tensor, stop_ids: list[tuple[int, ...]]) -> torch.Tensor:
+    """Sets row i's `stop_ids[i]` to -inf (empty for the rows past their min_tokens)."""
+    vocab_size = logits.shape[-1]
+    cells = [(row, i) for row, ids in enumerate(stop_ids) for i in ids if 0 <= i < vocab_size]
+    if not cells:
+        return logits
+    rows, columns = zip(*cells, strict=True)
+    masked = logits.clone()
+    masked[list(rows), list(columns)] = _NEG_INF
+    return masked
+
+
 def apply_typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """Locally typical filter, mass: [N] (1.0 is off). As in HF: rank tokens by
     |-log p - entropy|, find the first rank where the cumulative probability reaches `mass`, and
@@ -161,6 +185,8 @@ class Sampler:
             logits = apply_top_k(logits, _param([p.top_k for p in params], logits, torch.int64))
         if any(p.top_p < 1.0 for p in params):
             logits = apply_top_p(logits, _param([p.top_p for p in params], logits, torch.float64))
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(logits, _param([p.min_p for p in params], logits))
         if any(p.typical_p < 1.0 for p in params):
             logits = apply_typical_p(logits, _param([p.typical_p for p in params], logits))
         probs = logits.softmax(-1)
@@ -198,6 +224,12 @@ def _splitmix64(x: int) -> int:
 
 def _penalise(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     params = inputs.params
+    stop_ids = [
+        p.min_tokens_stop_ids if p.masks_stop_ids and len(output) < p.min_tokens else ()
+        for p, output in zip(params, inputs.output_token_ids, strict=True)
+    ]
+    if any(stop_ids):
+        logits = apply_min_tokens(logits, stop_ids)
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = [
             prompt + output if p.repetition_penalty != 1.0 else []

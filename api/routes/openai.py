@@ -2,7 +2,13 @@
 
 Streams end with `data: [DONE]`; each choice gets a last chunk with an empty delta and its
 `finish_reason`, then (with `stream_options.include_usage`) one chunk with `choices: []` and the
-usage. Choice `i` of prompt `p` is item `p * n + i` of the request's job.
+usage. Choice `i` of prompt `p` is item `p * n + i` of the request's job; with completions'
+`best_of` > `n`, prompt `p` has `best_of` items and its choices are the `n` with the highest
+cumulative logprob, best first (`usage` counts the tokens of every candidate, as OpenAI bills).
+
+`usage.prompt_tokens_details.cached_tokens`: per prompt, the prompt tokens the batcher found in
+its prefix cache when it first scheduled the prompt's prefill (the least over the prompt's
+copies), a multiple of the KV block size.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from tgq.api.schemas.openai import (
     Delta,
     Model,
     ModelList,
+    PromptTokensDetails,
     TopLogprob,
     Usage,
 )
@@ -57,11 +64,22 @@ def _usage(run: Run) -> Usage:
     finals = run.finals.values()
     prompt_tokens = sum(p.num_prompt_tokens for p in run.prompts)
     completion_tokens = sum(final.num_output_tokens for final in finals)
+    cached_tokens = sum(_num_cached_tokens(run, p) for p in range(len(run.prompts)))
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
+
+
+def _items_of(run: Run, prompt_index: int) -> range:
+    return range(prompt_index * run.copies, (prompt_index + 1) * run.copies)
+
+
+def _num_cached_tokens(run: Run, prompt_index: int) -> int:
+    finals = [run.finals.get(run.requests[i].request_id) for i in _items_of(run, prompt_index)]
+    return min((f.num_cached_tokens for f in finals if f is not None), default=0)
 
 
 def _token_logprobs(state: AppState, event: TokenEvent) -> list[ChatTokenLogprob]:
@@ -256,11 +274,28 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return sse_response(_completion_chunks(state, run, include_usage=include_usage), {})
     finals = await state.generation.wait_finals(run, request.receive)
     check_failed(finals)
+    with_logprobs = body.logprobs is not None
     choices = [
-        _completion_choice(state, run, index, run.finals[r.request_id])
-        for index, r in enumerate(run.requests)
+        _completion_choice(state, run, index, item, with_logprobs=with_logprobs)
+        for index, item in enumerate(_chosen_items(run, params.num_choices))
     ]
     return _completion(state, run, choices, _usage(run))
+
+
+def _chosen_items(run: Run, num_choices: int) -> list[int]:
+    """Per prompt, its `n` items: all of them, or the most likely `n` of its `best_of`."""
+    chosen = []
+    for prompt_index in range(len(run.prompts)):
+        items = list(_items_of(run, prompt_index))
+        if len(items) > num_choices:
+            items = sorted(items, key=lambda i: -_cumulative_logprob(run, i))[:num_choices]
+        chosen += items
+    return chosen
+
+
+def _cumulative_logprob(run: Run, item: int) -> float:
+    final = run.finals[run.requests[item].request_id]
+    return sum(lp for lp in final.logprobs if lp is not None)
 
 
 def _completion(
@@ -277,13 +312,14 @@ def _completion(
 
 
 def _completion_choice(
-    state: AppState, run: Run, index: int, final: FinalResult
+    state: AppState, run: Run, index: int, item: int, *, with_logprobs: bool
 ) -> CompletionChoice:
-    prompt = run.prompt_of(index)
+    prompt = run.prompt_of(item)
+    final = run.finals[run.requests[item].request_id]
     text = output_text(state, final, include_stop=False)
     prefix = prompt.prompt if prompt.params.return_full_text else ""
     logprobs = None
-    if prompt.sampling.wants_logprobs:
+    if with_logprobs:
         events = run.events.get(final.request_id, [])
         logprobs = _legacy_logprobs(state, events, offset=len(prefix))
     return CompletionChoice(

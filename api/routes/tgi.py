@@ -21,6 +21,7 @@ from tgq.api.db import batches, store
 from tgq.api.errors import ApiError, GenerationError, error_body
 from tgq.api.limits import served_dtype
 from tgq.api.metrics import CONTENT_TYPE
+from tgq.api.request_fields import check_parameter_fields, check_tgi_fields
 from tgq.api.schemas.tgi import (
     BestOfSequence,
     CompatGenerateRequest,
@@ -152,6 +153,7 @@ async def start_generation(
     generation = state.generation
     ticket = generation.admit()
     try:
+        check_tgi_fields(body)
         params = tgi_params(
             body.parameters,
             state.settings,
@@ -294,8 +296,10 @@ async def compat_generate(body: CompatGenerateRequest, request: Request) -> Resp
 
 @router.post("/tokenize", response_model=list[SimpleToken])
 async def tokenize(body: GenerateRequest, request: Request) -> list[SimpleToken]:
-    """Tokenize the inputs (honours `truncate`)."""
+    """Tokenize the inputs (honours `truncate`; other parameters have no effect here)."""
     state = state_of(request)
+    check_tgi_fields(body)
+    check_parameter_fields(body.parameters)
     check_inputs(body.inputs)
     tokens = await state.tokenizer.encode_with_offsets(body.inputs)
     truncate = body.parameters.truncate

@@ -1,9 +1,12 @@
 """OpenAI-compatible request and response bodies (`/v1/chat/completions`, `/v1/completions`,
-`/v1/models`). Unknown request fields are ignored.
+`/v1/models`).
 
 Requests accept the whole OpenAI surface that clients send, including fields tgq does not
-support (`logit_bias`, `tools`, `response_format`, `suffix`): `api.validation` rejects those
-with a clear message instead of dropping them silently. Range checks live there too.
+support (`logit_bias`, `tools`, `audio`, `suffix`, ...), and keep unknown fields
+(`model_extra`): `api.request_fields` rejects both with a message naming the field instead of
+dropping them silently. Range checks live in `api.validation`. Nested objects (messages, stream
+options) ignore unknown keys, so a message echoed back from a response (with `refusal`,
+`annotations`, ...) still parses.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ FinishReason = Literal["stop", "length"]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields are kept, for `api.request_fields` to reject by name."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Request):
@@ -78,7 +87,21 @@ class ResponseFormat(BaseModel):
     type: str = Field(examples=["text"])
 
 
-class ChatCompletionRequest(_Request):
+class _VllmExtras(_Body):
+    """vLLM's sampling extensions, on both routes."""
+
+    top_k: int | None = Field(default=None, description="vLLM extension; -1 or 0: off.")
+    min_p: float | None = Field(default=None, description="vLLM extension; 0: off.")
+    min_tokens: int | None = Field(
+        default=None, description="vLLM extension: no EOS, stop token or stop string before."
+    )
+    repetition_penalty: float | None = Field(
+        default=None, description="vLLM/TGI extension; 1: off.", examples=[1.03]
+    )
+    ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS.")
+
+
+class ChatCompletionRequest(_VllmExtras):
     model: str | None = Field(default=None, examples=["tgi"])
     messages: list[RequestMessage]
     frequency_penalty: float | None = Field(default=None, examples=[0.0])
@@ -101,10 +124,30 @@ class ChatCompletionRequest(_Request):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS.")
+    parallel_tool_calls: bool | None = None
+    # Accepted with no effect on the output: tgq records no end users, and its prefix cache
+    # serves every request whatever its key.
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Rejected unless absent, null or neutral (`api.request_fields` says why):
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    metadata: Any = None
+    modalities: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
+    service_tier: Any = None
+    store: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    tool_prompt: Any = Field(default=None, description="TGI extension, for `tools`.")
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(_VllmExtras):
     model: str | None = Field(default=None, examples=["tgi"])
     prompt: str | list[str] = Field(examples=["My name is Olivier and I"])
     max_tokens: int | None = Field(default=None, examples=[32])
@@ -117,23 +160,28 @@ class CompletionRequest(_Request):
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    repetition_penalty: float | None = Field(
-        default=None, description="TGI extension.", examples=[1.03]
+    best_of: int | None = Field(
+        default=None, description="Candidates per prompt; the `n` most likely are returned."
     )
+    logit_bias: dict[str, float] | None = None
     logprobs: int | None = Field(
         default=None,
         description="Legacy: the number of most likely tokens to return at each step.",
     )
     echo: bool = Field(default=False, description="Prepend the prompt to the completion.")
-    ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS.")
     suffix: str | None = None
     user: str | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(BaseModel):

@@ -1,6 +1,7 @@
 """TGI's request and response bodies, mirroring its OpenAPI spec
 (`shared/reference/tgi-openapi.json`): same field names, types, docs and examples. Unknown
-request fields are ignored, as TGI does.
+request fields are kept (`model_extra`) and rejected by name in `api.request_fields`, where TGI
+ignores them.
 
 Range checks that TGI makes in its router (temperature, top_p, ...) are not schema constraints
 here: `api.validation` makes them with TGI's exact messages. Only fields that TGI types as
@@ -19,7 +20,7 @@ Seed = Annotated[int, Field(ge=0, lt=2**64)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 def _is_empty(value: object) -> bool:
@@ -111,6 +112,18 @@ class GenerateParameters(_Request):
     adapter_id: str | None = Field(default=None, description="Lora adapter id", examples=[None])
     ignore_eos: bool = Field(
         default=False, description="tgq extension (as vLLM's): keep generating past EOS."
+    )
+    min_tokens: int | None = Field(
+        default=None,
+        description="tgq extension (as vLLM's): no EOS, stop token or stop sequence before this "
+        "many tokens.",
+        examples=[None],
+    )
+    min_p: float | None = Field(
+        default=None,
+        description="tgq extension (as vLLM's): drop tokens less likely than min_p times the "
+        "most likely one.",
+        examples=[None],
     )
 
 

@@ -13,7 +13,7 @@ from tgq.batcher.detokenize import HFTokenDecoder
 from tgq.batcher.engine import LLMEngine, RequestOutput
 from tgq.batcher.request import StoppingParams
 from tgq.gpu_worker.config import model_eos_token_ids
-from tgq.gpu_worker.plan import SampledToken, StepPlan, StepResult
+from tgq.gpu_worker.plan import SampledToken, SamplingParams, StepPlan, StepResult
 
 PROMPT_TEXT = "The answer is"
 OUTPUT_TEXT = " forty-two, said the computer. 你好 — café ✓ and then nothing more at all"
@@ -28,9 +28,11 @@ class ScriptedRunner:
         self.block_size = block_size
         self.num_outputs: dict[str, int] = {}
         self.num_tokens: dict[str, int] = {}
+        self.sampling: dict[str, SamplingParams] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         for new in plan.new_sequences:
+            self.sampling[new.seq_id] = new.sampling
             self.num_tokens[new.seq_id] = len(new.token_ids)
             self.num_outputs.setdefault(new.seq_id, len(new.token_ids) - new.num_prompt_tokens)
         sampled = []
@@ -59,7 +61,10 @@ def continuation(tokenizer_name: str, num_tokens: int | None = None) -> str:
 
 
 def run(
-    tokenizer_name: str, stop_strings: tuple[str, ...], max_new_tokens: int | None = None
+    tokenizer_name: str,
+    stop_strings: tuple[str, ...],
+    max_new_tokens: int | None = None,
+    min_tokens: int = 0,
 ) -> tuple[list[RequestOutput], str]:
     """Streams OUTPUT_TEXT's tokens through an engine: the request's events and the text their
     deltas add up to."""
@@ -69,7 +74,7 @@ def run(
     stopping = StoppingParams(
         max_new_tokens=max_new_tokens or len(script), stop_strings=stop_strings
     )
-    engine.add_request(prompt, stopping=stopping)
+    engine.add_request(prompt, SamplingParams(min_tokens=min_tokens), stopping)
     events = list(engine.stream())
     assert events[-1].is_finished
     return events, "".join(event.new_text for event in events)
@@ -105,6 +110,29 @@ def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop() -> Non
     events, text = run("bpe", ("said",), max_new_tokens=needed)
     assert events[-1].finish_reason == "stop"
     assert text == continuation("bpe")[: continuation("bpe").index("said")]
+
+
+def test_a_stop_string_complete_before_min_tokens_does_not_stop() -> None:
+    """vLLM's rule: the first "the" ends within `min_tokens`, so only the one in "then" stops."""
+    full = continuation("bpe")
+    first = next(n for n in range(1, 40) if "the" in continuation("bpe", n))
+    events, text = run("bpe", ("the",), min_tokens=first + 1)
+    assert text == full[: full.index("the", full.index("the") + 1)]
+    assert events[-1].finish_reason == "stop"
+
+
+def test_eos_and_stop_tokens_do_not_stop_before_min_tokens() -> None:
+    """The engine hands the sampler the ids to mask (EOS and stop tokens); one sampled anyway
+    (here a scripted runner) does not end the request before `min_tokens`."""
+    eos, stop_token = 2, 9
+    runner = ScriptedRunner([5, eos, stop_token, 6, 7, stop_token, eos])
+    engine = LLMEngine(runner, eos_token_ids=frozenset({eos}))
+    stopping = StoppingParams(max_new_tokens=7, stop_token_ids=frozenset({stop_token}))
+    request_id = engine.add_request([1, 3], SamplingParams(min_tokens=4), stopping)
+    events = list(engine.stream())
+    assert [t for e in events for t in e.new_token_ids] == [5, eos, stop_token, 6, 7, stop_token]
+    assert (events[-1].finish_reason, events[-1].finish_detail) == ("stop", "stop token 9")
+    assert runner.sampling[request_id].min_tokens_stop_ids == (eos, stop_token)
 
 
 def test_stop_strings_without_a_tokenizer_are_refused() -> None:

@@ -38,6 +38,12 @@ MESSAGES: list[Message] = [
     FinalResult("req-1", [11, 12], "stop", "eos token", 3, 2, 0, 1, "b0", "hé"),
     FinalResult("req-1", [], "failed", None, 3, 0, 0, 3, "b1"),
     Heartbeat("b0", 3, 4, 100, 32, 1.7e9),
+    SubmitRequest(
+        "req-3",
+        [5],
+        SamplingParams(min_p=0.1, min_tokens=3, min_tokens_stop_ids=(2, 7)),
+        StoppingParams(),
+    ),
 ]
 
 

@@ -7,6 +7,8 @@ import torch
 from torch.testing import assert_close
 from transformers.generation.logits_process import (
     LogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -19,6 +21,8 @@ from tgq.gpu_worker.sampling import (
     Sampler,
     SamplingInputs,
     apply_frequency_presence,
+    apply_min_p,
+    apply_min_tokens,
     apply_repetition_penalty,
     apply_temperature,
     apply_top_k,
@@ -153,6 +157,90 @@ def test_filter_chain_matches_transformers() -> None:
         for k, p, m in zip(ks, ps, masses, strict=True)
     ]
     _exact(actual, _hf_rows(chains, logits))
+
+
+def _same_distribution(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Exactly the same -inf positions, probabilities within 1e-6."""
+    assert torch.equal(actual.isinf(), expected.isinf())
+    assert_close(actual.softmax(-1), expected.softmax(-1), rtol=0.0, atol=1e-6)
+
+
+def test_min_p_matches_transformers() -> None:
+    logits = apply_temperature(_logits(), torch.tensor([1.0, 0.5, 2.0, 1.0, 0.3, 1.0]))
+    min_ps = [0.0, 0.05, 0.1, 0.5, 0.9, 1.0]
+    actual = apply_min_p(logits, torch.tensor(min_ps))
+    expected = _hf_rows([[MinPLogitsWarper(p)] if p else [] for p in min_ps], logits)
+    _same_distribution(actual, expected)
+    num_kept = actual.isfinite().sum(-1).tolist()
+    assert num_kept[0] == VOCAB_SIZE and num_kept[5] == 1 and 1 < num_kept[1] < VOCAB_SIZE
+
+
+def test_min_p_after_other_filters_matches_transformers() -> None:
+    """In the sampler's order (HF's): temperature, top-k, top-p, min-p, typical-p."""
+    logits = _logits()
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, typical_p=tp)
+        for t, k, p, m, tp in [
+            (0.7, 50, 0.9, 0.1, 1.0), (1.3, 0, 1.0, 0.02, 0.9), (1.0, 5, 0.95, 0.3, 0.8),
+            (2.0, 0, 0.8, 0.0, 1.0), (0.5, 200, 1.0, 0.2, 0.95), (1.0, 0, 1.0, 0.01, 1.0),
+        ]
+    ]  # fmt: skip
+    actual = apply_temperature(logits, torch.tensor([p.temperature for p in params]))
+    actual = apply_top_k(actual, torch.tensor([p.top_k for p in params]))
+    actual = apply_top_p(actual, torch.tensor([p.top_p for p in params], dtype=torch.float64))
+    actual = apply_min_p(actual, torch.tensor([p.min_p for p in params]))
+    actual = apply_typical_p(actual, torch.tensor([p.typical_p for p in params]))
+    chains: list[list[LogitsProcessor]] = [
+        [
+            TemperatureLogitsWarper(p.temperature),
+            *([TopKLogitsWarper(p.top_k)] if p.top_k else []),
+            *([TopPLogitsWarper(p.top_p)] if p.top_p < 1 else []),
+            *([MinPLogitsWarper(p.min_p)] if p.min_p else []),
+            *([TypicalLogitsWarper(p.typical_p)] if p.typical_p < 1 else []),
+        ]
+        for p in params
+    ]
+    _same_distribution(actual, _hf_rows(chains, logits))
+
+
+def test_min_tokens_matches_transformers() -> None:
+    """Rows before their `min_tokens` have the stop ids at -inf, as HF's processor does with
+    EOS; the others are untouched."""
+    logits = _logits()
+    stop_ids = [(2,), (2, 7), (5, 9, 11), (2,), (), (3, 4)]
+    min_tokens = [3, 3, 1, 0, 4, 10]
+    prompts, outputs = _token_ids([4, 2, 6, 3, 5, 1]), _token_ids([0, 2, 5, 1, 0, 9], seed=2)
+    active = [
+        ids if len(out) < k else ()
+        for ids, k, out in zip(stop_ids, min_tokens, outputs, strict=True)
+    ]
+    actual = apply_min_tokens(logits, active)
+    chains: list[list[LogitsProcessor]] = [
+        [MinNewTokensLengthLogitsProcessor(len(prompt), k, list(ids))] if ids else []
+        for prompt, k, ids in zip(prompts, min_tokens, stop_ids, strict=True)
+    ]
+    seen = [p + o for p, o in zip(prompts, outputs, strict=True)]
+    expected = _hf_rows(chains, logits, seen)
+    _same_distribution(actual, expected)
+    assert actual.isinf().sum(-1).tolist() == [1, 2, 0, 0, 0, 2]
+
+
+def test_min_tokens_masks_the_stop_ids_until_reached() -> None:
+    """A greedy row whose favourite is its stop id takes the next best while its output is
+    shorter than `min_tokens`, then the stop id; min_p leaves a greedy row alone."""
+    logits = torch.zeros(3, 10)
+    logits[:, 2], logits[:, 6] = 5.0, 3.0  # 2: the stop id, 6: the runner-up
+    params = [
+        SamplingParams(min_tokens=2, min_tokens_stop_ids=(2,)),
+        SamplingParams(min_tokens=2, min_tokens_stop_ids=(2,), min_p=0.9),
+        SamplingParams(min_tokens=2, min_tokens_stop_ids=(2,), temperature=1.0, min_p=0.5),
+    ]
+    assert not any(p.needs_only_argmax for p in params)
+    sampler = Sampler(CPU)
+    steps: list[tuple[list[int], list[int]]] = [([], [6] * 3), ([6], [6] * 3), ([6, 6], [2] * 3)]
+    for output, expected in steps:
+        inputs = SamplingInputs(params, [[1]] * 3, [output] * 3)
+        assert sampler(logits, inputs).token_ids.tolist() == expected
 
 
 def test_greedy_rows_take_argmax_after_penalties_and_logprobs_are_raw() -> None:
