@@ -130,10 +130,7 @@ class BatcherOptions(BaseSettings):
         )
 
     @model_validator(mode="after")
-    def _check_scheduler(self) -> BatcherOptions:
-        if self.max_batch_prefill_tokens < self.max_batch_size:
-            raise ValueError(
-                "`max_batch_prefill_tokens` must be >= `max_batch_size` (one decode each). "
-                f"Given: {self.max_batch_prefill_tokens} and {self.max_batch_size}"
-            )
+    def _check_engine_configs(self) -> BatcherOptions:
+        self.scheduler_config()  # their own checks, at start (a ValueError is a bad option)
+        self.transport_config()
         return self
