@@ -397,6 +397,7 @@ def _output_line(
         "prompt_tokens": result.num_prompt_tokens,
         "completion_tokens": result.num_output_tokens,
         "total_tokens": result.num_prompt_tokens + result.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens},
     }
     finish_reason = "length" if result.finish_reason == "length" else "stop"
     text = result.text or ""

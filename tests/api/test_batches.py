@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import text
 
 from tests.api.conftest import running_stack
-from tests.api.stack import Stack
+from tests.api.stack import BLOCK_SIZE, Stack
 from tgq.api.db import create_engine
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,6 +84,7 @@ def test_the_openai_sdk_flow(stack: Stack) -> None:
         assert body["object"] == "chat.completion"
         assert isinstance(body["choices"][0]["message"]["content"], str)
         assert body["usage"]["completion_tokens"] <= 4
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] % BLOCK_SIZE == 0
     (bad,) = errors
     assert bad["custom_id"] == "bad" and bad["response"] is None
     assert "`messages` cannot be empty" in bad["error"]["message"]
