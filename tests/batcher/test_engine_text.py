@@ -135,6 +135,14 @@ def test_eos_and_stop_tokens_do_not_stop_before_min_tokens() -> None:
     assert runner.sampling[request_id].min_tokens_stop_ids == (eos, stop_token)
 
 
+def test_min_tokens_never_outlasts_max_new_tokens() -> None:
+    engine = LLMEngine(ScriptedRunner([2] * 8), eos_token_ids=frozenset({2}))
+    engine.add_request([1, 3], SamplingParams(min_tokens=6), StoppingParams(max_new_tokens=3))
+    events = list(engine.stream())
+    assert [t for e in events for t in e.new_token_ids] == [2, 2, 2]
+    assert events[-1].finish_reason == "length"
+
+
 def test_stop_strings_without_a_tokenizer_are_refused() -> None:
     engine = LLMEngine(ScriptedRunner([5, 6, 7]))
     with pytest.raises(ValueError, match="stop strings need an engine with a tokenizer"):
