@@ -59,15 +59,17 @@ def kv_capacity(config: dict[str, Any] | None, options: BatcherOptions) -> int |
     backend = "torch" if options.disable_custom_kernels else "auto"
     block_size = resolve_block_size(backend, options.device, options.block_size)
     num_blocks = options.num_blocks
-    if num_blocks is None and options.kv_cache_memory is not None and config is not None:
-        num_blocks = int(options.kv_cache_memory) // (
-            block_size * kv_bytes_per_token(config, options)
-        )
+    per_token = 0 if config is None else kv_bytes_per_token(config, options)
+    if num_blocks is None and options.kv_cache_memory is not None and per_token:
+        num_blocks = int(options.kv_cache_memory) // (block_size * per_token)
     return None if num_blocks is None else max(num_blocks - 1, 0) * block_size
 
 
 def kv_bytes_per_token(config: dict[str, Any], options: BatcherOptions) -> int:
-    """K and V of every layer, on one rank (tensor parallelism splits the KV heads)."""
+    """K and V of every layer, on one rank (tensor parallelism splits the KV heads). A config
+    without the shape is not one the runner loads: the KV options then say nothing here."""
+    if not all(key in config for key in ("num_attention_heads", "num_hidden_layers")):
+        return 0
     num_heads = int(config["num_attention_heads"])
     num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // num_heads)
