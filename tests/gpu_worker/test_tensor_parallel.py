@@ -24,6 +24,7 @@ from tgq.gpu_worker.loader import load_model
 from tgq.gpu_worker.parallel import TensorParallel
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.kernels import block_size_rule, cpu_ops
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,3 +113,25 @@ def test_a_rank_loading_holds_about_its_slice(tmp_path: Path) -> None:
     assert whole["peak_anon_bytes"] > 0.9 * whole["param_bytes"]  # the measure sees a load
     assert half["param_bytes"] < 0.51 * whole["param_bytes"]
     assert half["peak_anon_bytes"] < 0.6 * whole["peak_anon_bytes"]
+
+
+@pytest.mark.parametrize("custom_kernels", [True, False])
+def test_ranks_report_their_block_size_and_kernels(custom_kernels: bool, tmp_path: Path) -> None:
+    """No block size given: the ranks take their backend's default and the batcher schedules
+    with what they report; custom_kernels=False reaches every rank (torch attention, plain
+    torch ops)."""
+    model_dir = write_model(tmp_path / "m", CONFIGS["llama-gqa"], seed=3)
+    config = ShardConfig(
+        str(model_dir), 2, dtype="bfloat16", num_blocks=NUM_BLOCKS, threads_per_rank=1,
+        custom_kernels=custom_kernels,
+    )  # fmt: skip
+    sharded = ShardedRunner(config)
+    try:
+        assert sharded.block_size == block_size_rule(sharded.served.attention).default == 16
+        if custom_kernels:
+            expected = "cpu" if cpu_ops.is_available() else "torch"
+            assert sharded.served.attention == expected
+        else:
+            assert (sharded.served.attention, sharded.served.num_cpu_kernel_modules) == ("torch", 0)
+    finally:
+        sharded.close()
