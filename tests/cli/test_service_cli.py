@@ -144,7 +144,7 @@ def test_bad_values_are_refused_in_tgq_words(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(CommandError, match="`max_input_tokens` must be < `max_total_tokens`"):
         set_environment(args, Settings)
     bad_size = build_parser().parse_args(["batcher", "--kv-cache-memory", "lots"])
-    with pytest.raises(CommandError, match="^--kv-cache-memory: could not parse value and unit"):
+    with pytest.raises(CommandError, match=r"^--kv-cache-memory: could not parse value and unit"):
         set_environment(bad_size, BatcherOptions)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "float8"])
