@@ -9,7 +9,8 @@ are aborted in the transport (a batcher drops an aborted request it pulls, and s
 runs). The database write is tried in the request, within `MARK_TIMEOUT_S`; the aborts are sent
 from a background task. What fails is retried every `retry_s` for as long as this replica
 lives; if the replica dies first, the reconciler's rule for interactive items (it never runs one
-again, `api/reconciler.py`) still holds.
+again, `api/reconciler.py`) still holds. A cancelled job's aborts go the same way (`abort`): the
+cancel is answered once it is recorded, and its aborts reach Redis when Redis is back.
 """
 
 from __future__ import annotations
@@ -51,6 +52,17 @@ class Withdrawals:
         self._unaborted.update(dict.fromkeys(request_ids, reason))
         await self._mark()
         self._has_work.set()
+
+    async def abort(self, request_ids: list[str], reason: str) -> None:
+        """Aborts the requests now; those Redis does not take are retried in the background."""
+        for done, request_id in enumerate(request_ids):
+            try:
+                await self.transport.abort(request_id, reason)
+            except Exception as error:  # Redis away
+                self._log_failure(f"aborting {len(request_ids) - done} requests", error)
+                self._unaborted.update(dict.fromkeys(request_ids[done:], reason))
+                self._has_work.set()
+                return
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="withdrawals")
@@ -95,7 +107,7 @@ class Withdrawals:
             except Exception as error:  # Redis is still away: retried
                 self._log_failure(f"aborting {len(self._unaborted)} requests", error)
                 return
-            del self._unaborted[request_id]
+            self._unaborted.pop(request_id, None)  # a concurrent round may have sent it
         self._is_failing = False
 
     def _log_failure(self, what: str, error: Exception) -> None:

@@ -269,6 +269,6 @@ async def cancel_job(job_id: str, request: Request) -> JobView:
         request_ids = await store.cancel_job(conn, job_id=job_id)
     if request_ids is None:
         raise NotFoundError(f"No job with id {job_id!r}", param="job_id")
-    for request_id in request_ids:
-        await state.transport.abort(request_id, "job cancelled")
+    # Redis away: the job is cancelled all the same; the aborts are sent once it is back.
+    await state.generation.recorder.withdrawals.abort(request_ids, "job cancelled")
     return view(await get_visible_job(state, job_id, request))

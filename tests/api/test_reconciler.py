@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -14,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tgq.api.db import store
 from tgq.api.generation import new_job_id, request_id_of
-from tgq.api.reconciler import rebuild_request, reconcile_once
+from tgq.api.reconciler import EPOCH_SETTLE_S, rebuild_request, reconcile_once
 from tgq.api.service import job_params
 from tgq.api.settings import Settings
 from tgq.api.validated import GenerationParams
@@ -23,6 +24,7 @@ from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.request import Priority
 from tgq.batcher.transport.aio import AsyncRedisApiTransport
 from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.redis_keys import RedisKeys
 from tgq.gpu_worker.plan import SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -147,3 +149,46 @@ def test_rebuild_resolves_max_new_tokens_as_validation_does() -> None:
         rebuilt = rebuild_request(item, record, SETTINGS, EOS)
         assert rebuilt.stopping == original.stopping  # 1024 - prompt length, EOS, stop strings
         assert rebuilt.sampling == original.sampling and rebuilt.attempt == 2
+
+
+def test_interactive_items_are_never_rerun_and_fail_once_the_epoch_has_settled(
+    pg_engine: AsyncEngine, prefix: str
+) -> None:
+    """A lost interactive item is its client's replica's to enqueue again; the reconciler fails
+    it, once every replica has had time to (the epoch is `EPOCH_SETTLE_S` old)."""
+    job, _ = submitted(num_copies=1)
+    job = dataclasses.replace(job, kind="interactive", route="/generate")
+    server = redis.Redis.from_url(REDIS_URL)
+    batcher = RedisTransport(server, prefix)
+
+    async def reconcile(transport: AsyncRedisApiTransport) -> tuple[int, str]:
+        count = await reconcile_once(
+            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            older_than_s=0,
+        )  # fmt: skip
+        async with pg_engine.connect() as conn:
+            record = await store.get_job(conn, job_id=job.job_id)
+        assert record is not None
+        return count, record.status
+
+    async def run() -> list[tuple[int, str]]:
+        transport = AsyncRedisApiTransport.from_url(REDIS_URL, prefix)
+        async with pg_engine.begin() as conn:
+            await store.create_jobs(conn, jobs=[job])
+        assert (await transport.epoch()).is_new
+        young = await reconcile(transport)
+        settled = time.time() - EPOCH_SETTLE_S - 1
+        server.set(RedisKeys(prefix).epoch, f"{settled:.3f}:test")
+        old = await reconcile(transport)
+        await transport.close()
+        return [young, old]
+
+    assert asyncio.run(run()) == [(0, "queued"), (0, "failed")]
+    assert batcher.pull("b0", 10, 0) == []  # nothing was enqueued
+    items = asyncio.run(_items(pg_engine, job.job_id))
+    assert [item.status for item in items] == ["failed", "failed"]
+
+
+async def _items(engine: AsyncEngine, job_id: str) -> list[store.ItemRecord]:
+    async with engine.connect() as conn:
+        return await store.get_items(conn, job_id=job_id)

@@ -422,6 +422,29 @@ def test_cancel_of_a_finished_job_changes_nothing(pg_engine: AsyncEngine) -> Non
     run(pg_engine, body)
 
 
+def test_fail_jobs_withdraws_open_jobs_and_later_results_are_not_written(
+    pg_engine: AsyncEngine,
+) -> None:
+    async def body(conn: AsyncConnection) -> None:
+        await create(conn, "job_a", 2)
+        await create(conn, "job_b")
+        await store.record_results(conn, results=[result("job_b", 0)])  # finished: kept
+        reason = "unavailable: the queue could not take it"
+        failed = await store.fail_jobs(conn, job_ids=["job_b", "job_a", "job_a"], error=reason)
+        assert failed == ["job_a.0", "job_a.1"]
+        job = await get(conn, "job_a")
+        assert (job.status, job.error, job.finished_at is not None) == ("failed", reason, True)
+        items = await store.get_items(conn, job_id="job_a")
+        assert [i.status for i in items] == ["failed", "failed"]
+        assert (await get(conn, "job_b")).status == "succeeded"
+        assert await store.record_results(conn, results=[result("job_a", 0)]) == [False]
+        assert await store.get_results(conn, job_id="job_a") == []
+        assert await store.fail_jobs(conn, job_ids=["job_a"], error="again") == []
+        assert (await get(conn, "job_a")).error == reason
+
+    run(pg_engine, body)
+
+
 def test_abort_of_a_running_item_completes_the_job(pg_engine: AsyncEngine) -> None:
     async def body(conn: AsyncConnection) -> tuple[str, str]:
         await create(conn, "job_a", kind="interactive")
