@@ -4,7 +4,8 @@ defaults, and the dtype the batcher serves.
 The limits' rule, as TGI's launcher: `max_total_tokens` is the model's context length
 (`max_position_embeddings`, or the first of the other names families use), capped by the KV
 cache's capacity where the options fix it (`num_blocks`, or the blocks `kv_cache_memory` holds,
-less the reserved block 0, times the block size); `max_input_tokens` is one less. A model whose
+less the reserved block 0, times the block size) and by `max_batch_total_tokens` (TGI's launcher
+refuses a `max_total_tokens` above it); `max_input_tokens` is one less. A model whose
 config cannot be read (a hub id not downloaded yet) gets TGI's fallback, 4096. Explicit values
 always win.
 """
@@ -55,14 +56,17 @@ def context_length(config: dict[str, Any] | None) -> int:
 
 def kv_capacity(config: dict[str, Any] | None, options: BatcherOptions) -> int | None:
     """Tokens the KV cache holds where the options fix its size, as the runner sizes it:
-    (blocks - 1) x block size, block 0 being reserved; else None."""
+    (blocks - 1) x block size, block 0 being reserved; at most `max_batch_total_tokens`, the
+    scheduler's pool (a request above it is never scheduled); else None."""
     backend = "torch" if options.disable_custom_kernels else "auto"
     block_size = resolve_block_size(backend, options.device, options.block_size)
     num_blocks = options.num_blocks
     per_token = 0 if config is None else kv_bytes_per_token(config, options)
     if num_blocks is None and options.kv_cache_memory is not None and per_token:
         num_blocks = int(options.kv_cache_memory) // (block_size * per_token)
-    return None if num_blocks is None else max(num_blocks - 1, 0) * block_size
+    capacity = None if num_blocks is None else max(num_blocks - 1, 0) * block_size
+    caps = [cap for cap in (capacity, options.max_batch_total_tokens) if cap is not None]
+    return min(caps) if caps else None
 
 
 def kv_bytes_per_token(config: dict[str, Any], options: BatcherOptions) -> int:

@@ -47,6 +47,14 @@ def test_the_kv_cache_caps_it(tmp_path: Path) -> None:
     assert limits(in_bf16) == (2063, 2064)  # 130 blocks of half the bytes: 129 usable
 
 
+def test_max_batch_total_tokens_caps_it(tmp_path: Path) -> None:
+    """The scheduler never runs a request above its pool: the limits stay within it."""
+    path = model(tmp_path, max_position_embeddings=4096)
+    assert limits(Settings(model_dir=path, max_batch_total_tokens=3000)) == (2999, 3000)
+    both = Settings(model_dir=path, num_blocks=101, block_size=16, max_batch_total_tokens=2000)
+    assert limits(both) == (1599, 1600)  # the smaller of the two
+
+
 def test_explicit_values_win(tmp_path: Path) -> None:
     path = model(tmp_path, max_position_embeddings=4096)
     assert limits(Settings(model_dir=path, max_total_tokens=100)) == (99, 100)

@@ -32,6 +32,8 @@ NUM_SHARD = 2
 ORIGIN = "http://app.example"
 PAYLOAD_LIMIT = 50_000
 LONG = 400  # tokens of the requests that hold the batch
+MAX_BATCH_TOTAL_TOKENS = 2800  # below the 3200 the KV cache holds
+MAX_WAITING_TOKENS = 40  # with a waiting-served ratio no single request meets
 
 
 def kv_cache_bytes(model_dir: Path) -> int:
@@ -53,6 +55,8 @@ def flags(model_dir: Path, port: int) -> list[str]:
         "--max-top-n-tokens", "1", "--max-client-batch-size", "1", "--validation-workers", "3",
         "--payload-limit", str(PAYLOAD_LIMIT), "--cors-allow-origin", ORIGIN,
         "--heartbeat-ttl-s", "2", "--drain-timeout-s", "5",
+        "--max-batch-total-tokens", str(MAX_BATCH_TOTAL_TOKENS), "--waiting-served-ratio", "5",
+        "--max-waiting-tokens", str(MAX_WAITING_TOKENS),
     ]  # fmt: skip
 
 
@@ -119,10 +123,11 @@ def validation_error(message: str) -> dict[str, str]:
 
 def test_info_reports_the_flags_and_the_limits_from_the_model(served: Served) -> None:
     """The limits default to the model's context (4096), capped by the KV cache the
-    --kv-cache-memory flag sizes (200 usable blocks of 16 tokens)."""
+    --kv-cache-memory flag sizes (200 usable blocks of 16 tokens: 3200) and by
+    --max-batch-total-tokens (2800)."""
     info = httpx.get(f"{served.url}/info", timeout=10).json()
     assert info["model_dtype"] == "torch.bfloat16"
-    assert (info["max_total_tokens"], info["max_input_tokens"]) == (3200, 3199)
+    assert (info["max_total_tokens"], info["max_input_tokens"]) == (2800, 2799)
     assert (info["max_best_of"], info["max_stop_sequences"]) == (1, 1)
     assert (info["validation_workers"], info["max_client_batch_size"]) == (3, 1)
 
@@ -130,18 +135,19 @@ def test_info_reports_the_flags_and_the_limits_from_the_model(served: Served) ->
 def test_a_2000_token_prompt_is_served(served: Served) -> None:
     prompt = "The Python language has lists, dictionaries and classes. " * 70
     num_tokens = len(encode(served.model_dir, prompt))
-    assert 2000 <= num_tokens < 3199, num_tokens
+    assert 2000 <= num_tokens < 2799, num_tokens
     parameters = {"max_new_tokens": 2, "ignore_eos": True, "details": True}
     answer = generate(served.url, {"inputs": prompt, "parameters": parameters})
     assert answer.status_code == 200, answer.text
     assert answer.json()["details"]["generated_tokens"] == 2
-    too_long = prompt * 2
-    response = generate(served.url, {"inputs": too_long, "parameters": {"max_new_tokens": 1}})
+    # The KV cache would hold it; --max-batch-total-tokens does not.
+    max_new_tokens = MAX_BATCH_TOTAL_TOKENS - num_tokens + 1
+    parameters = {"max_new_tokens": max_new_tokens}
+    response = generate(served.url, {"inputs": prompt, "parameters": parameters})
     assert response.status_code == 422
-    num_long = len(encode(served.model_dir, too_long))
     message = (
-        f"`inputs` tokens + `max_new_tokens` must be <= 3200. Given: {num_long} `inputs` tokens"
-        " and 1 `max_new_tokens`"
+        f"`inputs` tokens + `max_new_tokens` must be <= {MAX_BATCH_TOTAL_TOKENS}. Given:"
+        f" {num_tokens} `inputs` tokens and {max_new_tokens} `max_new_tokens`"
     )
     assert response.json() == validation_error(message)
 
@@ -222,6 +228,26 @@ def test_max_batch_size_caps_the_running_batch(served: Served) -> None:
     started = third.token_times[0]
     # The first long request had (all but a relay's delay of) its tokens when the third began.
     assert first.tokens_before(started) >= LONG - 40, (first.tokens_before(started), LONG)
+
+
+def test_waiting_requests_join_a_running_batch_as_the_gate_says(served: Served) -> None:
+    """TGI's admission gate: with one request running, a second joins only when
+    floor(5 x 1) = 5 waiting ones could (never here), or after --max-waiting-tokens steps
+    without admission. By default (ratio 0.3: floor(0.3) = 0) it would join at the next step."""
+    running, waiting = _Stream(served.url, 150), _Stream(served.url, 4)
+    threads = [running.start()]
+    _until(lambda: running.token_times)
+    sent = time.monotonic()
+    threads.append(waiting.start())
+    for thread in threads:
+        thread.join(120)
+    assert len(waiting.token_times) == 4 and running.end_time is not None
+    started = waiting.token_times[0]
+    num_sent, num_started = running.tokens_before(sent), running.tokens_before(started)
+    # Steps count from the running request's admission (its first token); a relay's delay aside.
+    assert num_sent < MAX_WAITING_TOKENS // 2, num_sent
+    assert num_started - num_sent >= MAX_WAITING_TOKENS // 2, (num_sent, num_started)
+    assert num_started <= MAX_WAITING_TOKENS + 40 and started < running.end_time, num_started
 
 
 def test_the_batcher_runs_as_the_flags_say(served: Served) -> None:
