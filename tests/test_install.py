@@ -1,0 +1,251 @@
+"""tgq installed as a new user installs it: the wheel, built from the repository's files, holds
+nothing outside `tgq/` (so Hugging Face's `kernels`, which the latest transformers pulls in,
+stays Hugging Face's); installed into a fresh venv beside the latest transformers, `tgq serve`
+with Postgres and Redis, started from a directory outside the repository, answers `/generate`
+and `/v1/chat/completions`. Then the same with an editable install of the repository.
+
+The venv is built once per module (torch from the local wheel first; the rest from pip's cache
+or the index): about two minutes on two cores."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.api.conftest import _create_database, _drop_database
+from tests.api.stack import REDIS_URL, free_port, write_text_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH = "torch==2.13.0"  # the local CPU build: any other torch downloads gigabytes
+INSTALL_TIMEOUT_S = 600
+HEALTHY_TIMEOUT_S = 180
+REQUEST_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 60
+# The test's own environment must not leak into the installed service.
+NOT_INHERITED = (
+    "PYTHONPATH", "VIRTUAL_ENV", "HOSTNAME", "PORT", "REDIS_URL", "DATABASE_URL", "REDIS_PREFIX",
+    "MODEL_ID", "MODEL_DIR", "API_KEY", "REQUIRE_API_KEYS",
+)  # fmt: skip
+WHICH_KERNELS = """
+import importlib.metadata, json, kernels, tgq
+print(json.dumps({
+    "kernels": kernels.__file__,
+    "kernels_from": importlib.metadata.packages_distributions()["kernels"],
+    "has_get_kernel": hasattr(kernels, "get_kernel"),
+    "tgq": tgq.__file__,
+}))
+"""
+
+
+def _run(command: list[str | Path], *, cwd: Path, timeout: float = INSTALL_TIMEOUT_S) -> str:
+    done = subprocess.run(
+        [str(part) for part in command], cwd=cwd, env=_env(), capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )  # fmt: skip
+    output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, f"{command} failed ({done.returncode}):\n{output}"
+    return done.stdout
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _source_copy(destination: Path) -> Path:
+    """The repository's files (tracked, and untracked ones git does not ignore), copied with their
+    symlinks: a build from it sees no stale `build/` or egg-info of the checkout."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        source = ROOT / name
+        if not source.exists() and not source.is_symlink():
+            continue  # deleted in the working tree, not yet in git
+        target = destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        else:
+            shutil.copy2(source, target)
+    return destination
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    source = _source_copy(tmp_path_factory.mktemp("source"))
+    out = tmp_path_factory.mktemp("wheel")
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    _run([*pip_wheel, "-w", out, source], cwd=out)
+    (built,) = out.glob("tgq-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+    """A fresh venv with torch, the wheel (the repository's pins, transformers apart) and the
+    latest transformers."""
+    home = tmp_path_factory.mktemp("venv")
+    _run([sys.executable, "-m", "venv", home / "venv"], cwd=home)
+    pip = [home / "venv" / "bin" / "python", "-m", "pip"]
+    install = [*pip, "install", "-q"]
+    _run([*install, TORCH], cwd=home)
+    pins = (ROOT / "constraints.txt").read_text().splitlines()
+    constraints = home / "constraints.txt"
+    constraints.write_text("\n".join(p for p in pins if not p.startswith("transformers==")) + "\n")
+    _run([*install, "-c", constraints, wheel, "transformers>=5.25"], cwd=home)
+    listed = json.loads(_run([*pip, "list", "--format", "json"], cwd=home))
+    installed = {package["name"].lower(): package["version"] for package in listed}
+    assert "kernels" in installed, f"the latest transformers did not pull `kernels`: {installed}"
+    return home / "venv"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_text_model(tmp_path_factory.mktemp("model"))
+
+
+def test_the_wheel_holds_only_tgq(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {"tgq", wheel.name.split("-py3")[0] + ".dist-info"}, sorted(tops)
+    sources = {Path(name).name for name in names if name.startswith("tgq/kernels/csrc/")}
+    assert sources == {p.name for p in (ROOT / "kernels" / "csrc").iterdir()}
+    migrations = {name for name in names if name.startswith("tgq/migrations/")}
+    expected = {f"tgq/{p.relative_to(ROOT)}" for p in (ROOT / "migrations").rglob("*.*")}
+    assert migrations == {m for m in expected if "__pycache__" not in m}
+
+
+def _which_kernels(venv: Path, cwd: Path) -> dict[str, object]:
+    found: dict[str, object] = json.loads(
+        _run([venv / "bin" / "python", "-c", WHICH_KERNELS], cwd=cwd)
+    )
+    return found
+
+
+def _assert_kernels_is_hugging_faces(venv: Path, cwd: Path) -> dict[str, object]:
+    found = _which_kernels(venv, cwd)
+    site_packages = next((venv / "lib").glob("python3*/site-packages"))
+    assert Path(str(found["kernels"])).is_relative_to(site_packages / "kernels"), found
+    assert found["kernels_from"] == ["kernels"], found  # no module of tgq's is named `kernels`
+    assert found["has_get_kernel"] is True, found
+    return found
+
+
+@contextlib.contextmanager
+def _serving(venv: Path, model_dir: Path, workdir: Path) -> Iterator[str]:
+    """`tgq serve` of `venv`, run in `workdir` on a fresh database and a Redis prefix of its own;
+    stopped (and its database dropped, its Redis keys deleted) whatever happens."""
+    database_url, prefix, port = _create_database(), f"test-install-{uuid.uuid4().hex}", free_port()
+    env = _env(
+        DATABASE_URL=database_url, REDIS_URL=REDIS_URL, REDIS_PREFIX=prefix, PORT=str(port),
+        HOSTNAME="127.0.0.1", MODEL_DIR=str(model_dir), MAX_TOTAL_TOKENS="1024",
+        NUM_BLOCKS="512", DRAIN_TIMEOUT_S="5",
+    )  # fmt: skip
+    log_path = workdir / "serve.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [venv / "bin" / "tgq", "serve"], cwd=workdir, env=env, stdout=log, stderr=log,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(process, url, log_path)
+        yield url
+    except BaseException as error:
+        raise AssertionError(f"{error}\n--- tgq serve's log:\n{_tail(log_path)}") from error
+    finally:
+        _stop(process)
+        _forget(database_url, prefix)
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"tgq serve exited {process.returncode} before it was healthy")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"tgq serve was not healthy within {HEALTHY_TIMEOUT_S} s")
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-6000:] if path.exists() else "(no log)"
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the supervisor stops its children), then SIGKILL to the whole session."""
+    if process.poll() is None:
+        process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(STOP_TIMEOUT_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # children the supervisor left behind, if any
+    process.wait()
+
+
+def _forget(database_url: str, prefix: str) -> None:
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+        _drop_database(database_url)
+
+
+def _complete_requests(url: str) -> None:
+    generated = httpx.post(
+        f"{url}/generate",
+        json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "details": True}},
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["details"]["generated_tokens"] == 4
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "tgq", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+        timeout=REQUEST_TIMEOUT_S,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_installed_wheel_serves_beside_hugging_faces_kernels(
+    venv: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    found = _assert_kernels_is_hugging_faces(venv, tmp_path)
+    assert not Path(str(found["tgq"])).resolve().is_relative_to(ROOT), found
+    with _serving(venv, model_dir, tmp_path) as url:
+        _complete_requests(url)
+    _assert_kernels_is_hugging_faces(venv, tmp_path)
+
+
+def test_an_editable_install_serves_beside_hugging_faces_kernels(
+    venv: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    pip = [venv / "bin" / "python", "-m", "pip"]
+    _run([*pip, "uninstall", "-q", "-y", "tgq"], cwd=tmp_path)
+    _run([*pip, "install", "-q", "--no-deps", "--no-build-isolation", "-e", ROOT], cwd=tmp_path)
+    found = _assert_kernels_is_hugging_faces(venv, tmp_path)
+    assert Path(str(found["tgq"])).resolve().is_relative_to(ROOT), found
+    with _serving(venv, model_dir, tmp_path) as url:
+        _complete_requests(url)
