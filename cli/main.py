@@ -17,7 +17,7 @@ from typing import TypeAlias
 from tgq.api.settings import Settings
 from tgq.batcher.flags import add_flags
 from tgq.batcher.options import BatcherOptions
-from tgq.cli import INTERRUPTED, CommandError, batch, bench, download, serve, service
+from tgq.cli import INTERRUPTED, CommandError, batch, bench, download, keys, serve, service
 
 DEFAULT_URL = "http://127.0.0.1:3000"
 USAGE_ERROR = 2  # argparse's own exit code for bad arguments; tgq uses it for server errors too
@@ -104,6 +104,25 @@ def _add_migrate(commands: Commands) -> None:
     migrate.set_defaults(handler=service.migrate)
 
 
+def _add_keys(commands: Commands) -> None:
+    group = commands.add_parser("keys", help="create, list and revoke the database's API keys")
+    group.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL"),
+        help="env DATABASE_URL (default: the api's SQLite file)",
+    )
+    actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = actions.add_parser("create", help="a new key; its secret is printed this once")
+    create.add_argument("name", metavar="NAME", help="who or what the key is for")
+    create.set_defaults(handler=keys.create)
+    actions.add_parser("list", help="every key (never its secret)").set_defaults(
+        handler=keys.list_keys
+    )
+    revoke = actions.add_parser("revoke", help="revoke a key by its id or name")
+    revoke.add_argument("key", metavar="ID|NAME")
+    revoke.set_defaults(handler=keys.revoke)
+
+
 def _add_download(commands: Commands) -> None:
     fetch = commands.add_parser(
         "download", help="fetch a model's safetensors, config and tokenizer from the hub"
@@ -130,6 +149,7 @@ COMMAND_GROUPS: tuple[Callable[[Commands], None], ...] = (
     _add_batch,
     _add_services,
     _add_migrate,
+    _add_keys,
     _add_download,
     _add_bench,
 )

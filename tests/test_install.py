@@ -102,8 +102,8 @@ def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
     latest transformers."""
     home = tmp_path_factory.mktemp("venv")
     _run([sys.executable, "-m", "venv", home / "venv"], cwd=home)
-    pip = [home / "venv" / "bin" / "python", "-m", "pip"]
-    install = [*pip, "install", "-q"]
+    pip: list[str | Path] = [home / "venv" / "bin" / "python", "-m", "pip"]
+    install: list[str | Path] = [*pip, "install", "-q"]
     _run([*install, TORCH], cwd=home)
     pins = (ROOT / "constraints.txt").read_text().splitlines()
     constraints = home / "constraints.txt"
@@ -242,7 +242,7 @@ def test_the_installed_wheel_serves_beside_hugging_faces_kernels(
 def test_an_editable_install_serves_beside_hugging_faces_kernels(
     venv: Path, model_dir: Path, tmp_path: Path
 ) -> None:
-    pip = [venv / "bin" / "python", "-m", "pip"]
+    pip: list[str | Path] = [venv / "bin" / "python", "-m", "pip"]
     _run([*pip, "uninstall", "-q", "-y", "tgq"], cwd=tmp_path)
     _run([*pip, "install", "-q", "--no-deps", "--no-build-isolation", "-e", ROOT], cwd=tmp_path)
     found = _assert_kernels_is_hugging_faces(venv, tmp_path)
