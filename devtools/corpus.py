@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import tgq
+
 # Pure-Python or stable C modules with plenty of prose in their docstrings; a fixed list, so the
 # corpus does not depend on what else happens to be importable.
 _MODULE_NAMES = """
@@ -91,7 +93,8 @@ def corpus_texts() -> list[str]:
 def load_corpus() -> list[str]:
     """`corpus_texts()` from a fresh interpreter, untouched by what this process imported."""
     command = [sys.executable, "-m", "tgq.devtools.corpus"]
-    root = Path(__file__).resolve().parents[1]
+    # From the folder that holds `tgq` (site-packages, or the repository): never from inside it.
+    root = Path(tgq.__file__).parent.parent
     done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=root)
     texts: list[str] = json.loads(done.stdout)
     return texts
