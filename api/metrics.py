@@ -193,6 +193,13 @@ class Metrics:
         self._prefix_hits = _Counter(
             "tgq_prefix_cache_hits", "Prompt tokens found in the prefix cache", "batcher"
         )
+        self._steps = _Counter("tgq_batch_steps", "Steps that computed tokens", "batcher")
+        self._step_tokens = _Counter(
+            "tgq_batch_step_tokens", "Tokens computed by the steps (prefill and decode)", "batcher"
+        )
+        self._max_step_tokens = _Gauge(
+            "tgq_batch_step_tokens_max", "Tokens of the largest step since the start", "batcher"
+        )
         self._batch_requests = _Gauge(
             "tgq_batch_request_counts",
             "Requests of the batches in progress (validating, in_progress, finalizing)",
@@ -268,6 +275,9 @@ class Metrics:
             self._kv_usage.replace({b.batcher_id: kv_usage(b) for b in known})
             self._prefix_queries.replace({b.batcher_id: b.num_prefix_query_tokens for b in known})
             self._prefix_hits.replace({b.batcher_id: b.num_prefix_hit_tokens for b in known})
+            self._steps.replace({b.batcher_id: b.num_steps for b in known})
+            self._step_tokens.replace({b.batcher_id: b.num_step_tokens for b in known})
+            self._max_step_tokens.replace({b.batcher_id: b.max_step_tokens for b in known})
 
     def set_batch_request_counts(self, counts: dict[str, int]) -> None:
         with self._lock:

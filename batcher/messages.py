@@ -86,10 +86,14 @@ class Heartbeat:
     max_batch_size: int
     time: float  # unix time it was sent
     # Added later, so absent from older batchers' beats (0): usable KV blocks, and the prompt
-    # tokens looked up in / found in the prefix cache since the batcher started.
+    # tokens looked up in / found in the prefix cache since the batcher started; the steps that
+    # computed tokens, their tokens, and the largest step's.
     num_usable_blocks: int = 0
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    num_steps: int = 0
+    num_step_tokens: int = 0
+    max_step_tokens: int = 0
 
 
 Message = SubmitRequest | AbortRequest | TokenEvent | FinalResult | Heartbeat
@@ -251,6 +255,9 @@ def _heartbeat(body: dict[str, Any]) -> Heartbeat:
         num_usable_blocks=_optional(body, "num_usable_blocks", int) or 0,
         num_prefix_query_tokens=_optional(body, "num_prefix_query_tokens", int) or 0,
         num_prefix_hit_tokens=_optional(body, "num_prefix_hit_tokens", int) or 0,
+        num_steps=_optional(body, "num_steps", int) or 0,
+        num_step_tokens=_optional(body, "num_step_tokens", int) or 0,
+        max_step_tokens=_optional(body, "max_step_tokens", int) or 0,
     )
 
 

@@ -19,12 +19,28 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.kv_manager import KVManager, expect_integrity
 from tgq.batcher.request import Priority, Request, RequestStatus
 from tgq.batcher.scheduler_output import SchedulerOutput, StepBuilder
 from tgq.gpu_worker.plan import NewSequence, ScheduledChunk, StepResult
+
+
+@dataclass
+class StepStats:
+    """Steps that computed tokens, since the scheduler started, and their tokens."""
+
+    num_steps: int = 0
+    num_tokens: int = 0
+    max_tokens: int = 0  # the largest step: at most `max_batch_prefill_tokens`
+
+    def record(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.num_steps += 1
+            self.num_tokens += num_tokens
+            self.max_tokens = max(self.max_tokens, num_tokens)
 
 
 class Scheduler:
@@ -40,6 +56,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # by Request.sort_key
         self.running: list[Request] = []  # by Request.sort_key: preemption victims at the end
         self.num_preemptions = 0
+        self.step_stats = StepStats()
         self._runner_request_ids: set[str] = set()  # sequences the runner holds state for
         self._dropped_request_ids: list[str] = []  # to drop from the runner in the next plan
         self._arrival_orders = itertools.count()
@@ -114,6 +131,7 @@ class Scheduler:
         if self.waiting and self._may_admit(step):
             self._schedule_waiting(step)
         has_admitted = bool(step.new_sequences)  # only admission sends a request in full
+        self.step_stats.record(sum(chunk.num_new_tokens for chunk in step.chunks.values()))
         self._num_steps_since_admission = 0 if has_admitted else self._num_steps_since_admission + 1
         if not self.requests:
             self.check_integrity()

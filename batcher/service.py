@@ -157,6 +157,7 @@ class BatcherService:
 
     def heartbeat(self) -> Heartbeat:
         scheduler, kv = self.engine.scheduler, self.engine.scheduler.kv
+        steps = scheduler.step_stats
         return Heartbeat(
             self.batcher_id,
             len(scheduler.running),
@@ -167,6 +168,9 @@ class BatcherService:
             num_usable_blocks=kv.num_usable_blocks,
             num_prefix_query_tokens=kv.num_prefix_query_tokens,
             num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
+            num_steps=steps.num_steps,
+            num_step_tokens=steps.num_tokens,
+            max_step_tokens=steps.max_tokens,
         )
 
     def _pull(self) -> None:

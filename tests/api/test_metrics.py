@@ -35,6 +35,9 @@ TGQ_TYPES = {
     "tgq_kv_cache_usage_ratio": "gauge",
     "tgq_prefix_cache_queries": "counter",
     "tgq_prefix_cache_hits": "counter",
+    "tgq_batch_steps": "counter",
+    "tgq_batch_step_tokens": "counter",
+    "tgq_batch_step_tokens_max": "gauge",
     "tgq_batch_request_counts": "gauge",
 }
 
@@ -118,6 +121,7 @@ def beat(batcher_id: str, num_running: int, num_free: int, queries: int, hits: i
     return Heartbeat(
         batcher_id, num_running, 0, num_free, 64, 0.0,
         num_usable_blocks=100, num_prefix_query_tokens=queries, num_prefix_hit_tokens=hits,
+        num_steps=hits + 1, num_step_tokens=queries, max_step_tokens=num_running,
     )  # fmt: skip
 
 
@@ -131,6 +135,9 @@ def test_batcher_gauges_follow_the_live_heartbeats() -> None:
     assert samples['tgq_kv_cache_usage_ratio{batcher="b1"}'] == 0.0
     assert samples['tgq_prefix_cache_queries{batcher="b0"}'] == 1000
     assert samples['tgq_prefix_cache_hits{batcher="b0"}'] == 640
+    assert samples['tgq_batch_steps{batcher="b0"}'] == 641
+    assert samples['tgq_batch_step_tokens{batcher="b0"}'] == 1000
+    assert samples['tgq_batch_step_tokens_max{batcher="b1"}'] == 7
     metrics.set_batchers([beat("b1", 1, 50, 64, 16)])  # b0's heartbeat expired
     _, samples = parse(metrics)
     assert samples["tgq_batchers_alive"] == 1

@@ -38,6 +38,7 @@ MESSAGES: list[Message] = [
     FinalResult("req-1", [11, 12], "stop", "eos token", 3, 2, 0, 1, "b0", "hé"),
     FinalResult("req-1", [], "failed", None, 3, 0, 0, 3, "b1"),
     Heartbeat("b0", 3, 4, 100, 32, 1.7e9),
+    Heartbeat("b1", 1, 0, 90, 8, 1.7e9, 100, 40, 16, 12, 400, 64),  # every field
     SubmitRequest(
         "req-3",
         [5],

@@ -35,6 +35,9 @@ def run(engine: LLMEngine) -> list[RequestOutput]:
             kv = engine.scheduler.kv
             num_held_tokens = (kv.num_usable_blocks - kv.num_free_blocks) * kv.block_size
             assert num_held_tokens <= engine.scheduler.max_batch_total_tokens
+    stats, plans = engine.scheduler.step_stats, [p for p in runner.plans if p.num_tokens]
+    assert (stats.num_steps, stats.num_tokens) == (len(plans), sum(p.num_tokens for p in plans))
+    assert stats.max_tokens == max((p.num_tokens for p in plans), default=0)
     return outputs
 
 

@@ -250,6 +250,34 @@ def test_waiting_requests_join_a_running_batch_as_the_gate_says(served: Served) 
     assert num_started <= MAX_WAITING_TOKENS + 40 and started < running.end_time, num_started
 
 
+def _step_metrics(url: str) -> tuple[float, float, float]:
+    """tgq_batch_steps, tgq_batch_step_tokens and tgq_batch_step_tokens_max of the batcher, as
+    its last heartbeat said."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    values = dict(line.rsplit(" ", 1) for line in lines if f'{{batcher="{BATCHER_ID}"}}' in line)
+    names = ("tgq_batch_steps", "tgq_batch_step_tokens", "tgq_batch_step_tokens_max")
+    steps, tokens, max_tokens = (
+        float(values.get(f'{n}{{batcher="{BATCHER_ID}"}}', 0)) for n in names
+    )
+    return steps, tokens, max_tokens
+
+
+def test_no_step_computes_more_than_the_prefill_budget(served: Served) -> None:
+    """A prompt of hundreds of tokens is computed in steps of at most 64 tokens
+    (--max-batch-prefill-tokens), as the batcher's step metrics show."""
+    prompt = " ".join(str(n) for n in range(1000, 1200))  # shares no prefix with the others
+    num_tokens = len(encode(served.model_dir, prompt))
+    assert num_tokens > 300, num_tokens
+    num_steps, num_step_tokens, _ = _step_metrics(served.url)
+    parameters = {"max_new_tokens": 1, "ignore_eos": True}
+    answer = generate(served.url, {"inputs": prompt, "parameters": parameters})
+    assert answer.status_code == 200, answer.text
+    _until(lambda: _step_metrics(served.url)[1] >= num_step_tokens + num_tokens)
+    after = _step_metrics(served.url)
+    assert after[0] - num_steps >= -(-num_tokens // 64), (num_steps, after, num_tokens)
+    assert after[2] == 64, after
+
+
 def test_the_batcher_runs_as_the_flags_say(served: Served) -> None:
     """Its start-up line: the dtype, the ranks, the pure-torch kernels, the KV cache, the batch
     bounds; its id on /metrics; the rank processes."""
