@@ -45,6 +45,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> None:
+    """Compiles the CPU kernels (once per cache, ~30 s on 2 cores) before any test starts a
+    batcher: a first build inside a batcher would race the deadline its test waits with."""
+    from tgq.kernels import cpu_ops
+
+    cpu_ops.is_available()
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 import zipfile
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ import pytest
 import redis
 
 from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import REDIS_URL, free_port, write_text_model
+from tests.api.stack import REDIS_URL, free_port, wait_healthy, write_text_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"  # the local CPU build: any other torch downloads gigabytes
@@ -165,25 +164,13 @@ def _serving(venv: Path, model_dir: Path, workdir: Path) -> Iterator[str]:
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(process, url, log_path)
+        wait_healthy(url, process, log_path, HEALTHY_TIMEOUT_S)
         yield url
     except BaseException as error:
         raise AssertionError(f"{error}\n--- tgq serve's log:\n{_tail(log_path)}") from error
     finally:
         _stop(process)
         _forget(database_url, prefix)
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"tgq serve exited {process.returncode} before it was healthy")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise AssertionError(f"tgq serve was not healthy within {HEALTHY_TIMEOUT_S} s")
 
 
 def _tail(path: Path) -> str:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,18 +142,9 @@ class Stack:
         self.wait_healthy(timeout_s, healthy=healthy)
 
     def wait_healthy(self, timeout_s: float = 60.0, *, healthy: bool = True) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.api is not None and self.api.poll() is not None:
-                raise RuntimeError(f"the api exited {self.api.returncode}:\n{self.api_log()}")
-            try:
-                status = httpx.get(f"{self.url}/health", timeout=2).status_code
-                if status == 200 or (not healthy and status == 503):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"the stack did not become healthy:\n{self.api_log()}")
+        log = self.log_dir / f"{self.name}.log"
+        logs = sorted(self.log_dir.glob("batcher-*.log"))
+        wait_healthy(self.url, self.api, log, timeout_s, healthy=healthy, other_logs=logs)
 
     def api_log(self) -> str:
         return (self.log_dir / f"{self.name}.log").read_text(errors="replace")[-4000:]
@@ -173,3 +165,38 @@ class Stack:
         if keys:
             client.delete(*keys)
         client.close()
+
+
+def wait_healthy(
+    url: str,
+    process: subprocess.Popen[bytes] | None,
+    log: Path,
+    timeout_s: float,
+    *,
+    healthy: bool = True,
+    other_logs: Sequence[Path] = (),
+) -> None:
+    """Polls `url`/health until it says 200 (or, with `healthy=False`, until it answers at all),
+    failing at once if `process` exits; the timeout names the last answer and tails the logs."""
+    deadline, last = time.monotonic() + timeout_s, "no answer"
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{url} exited {process.returncode}:\n{_tails(log, *other_logs)}")
+        try:
+            response = httpx.get(f"{url}/health", timeout=2)
+            if response.status_code == 200 or (not healthy and response.status_code == 503):
+                return
+            last = f"{response.status_code} {response.text}"
+        except httpx.HTTPError as error:
+            last = repr(error)
+        time.sleep(0.2)  # poll interval within the deadline
+    raise TimeoutError(
+        f"{url} not healthy within {timeout_s:g} s (last: {last}):\n{_tails(log, *other_logs)}"
+    )
+
+
+def _tails(*logs: Path) -> str:
+    return "\n".join(
+        f"--- {log.name}:\n{log.read_text(errors='replace')[-3000:] if log.exists() else '(none)'}"
+        for log in logs
+    )

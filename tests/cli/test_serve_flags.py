@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import secrets
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ import pytest
 import redis
 
 from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import free_port
+from tests.api.stack import free_port, wait_healthy
 from tests.api.test_http_routes import encode
 from tests.cli.test_service_cli import REDIS_URL, _children, _serve
 
@@ -71,19 +70,6 @@ class Served:
         return self.log.read_text(errors="replace")
 
 
-def _wait_healthy(url: str, log: Path, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text(errors="replace")[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(log.read_text(errors="replace")[-3000:])
-
-
 @pytest.fixture(scope="module", params=["embedded", "services"])
 def served(
     request: pytest.FixtureRequest, text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -96,7 +82,7 @@ def served(
     process = _serve(cwd, env, *flags(text_model_dir, port))
     log = cwd / "serve.log"
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", log, process)
+        wait_healthy(f"http://127.0.0.1:{port}", process, log, 120)
         yield Served(f"http://127.0.0.1:{port}", log, process.pid, text_model_dir)
     finally:
         process.send_signal(signal.SIGTERM)

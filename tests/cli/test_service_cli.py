@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import free_port
+from tests.api.stack import free_port, wait_healthy
 from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
 from tgq.api.db.migrate import head_revision
 from tgq.api.settings import Settings
@@ -218,17 +218,7 @@ def _serve(cwd: Path, env: dict[str, str], *flags: str) -> subprocess.Popen[byte
 
 def _answers(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
     """`/health` says 200 within a minute, then `/generate` answers."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text(errors="replace")[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        raise TimeoutError(log.read_text(errors="replace")[-3000:])
+    wait_healthy(url, process, log, 60)
     body = {"inputs": "def main():", "parameters": {"max_new_tokens": 4}}
     response = httpx.post(f"{url}/generate", json=body, timeout=30)
     assert response.status_code == 200, response.text
