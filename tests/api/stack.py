@@ -181,7 +181,9 @@ def wait_healthy(
     deadline, last = time.monotonic() + timeout_s, "no answer"
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{url} exited {process.returncode}:\n{_tails(log, *other_logs)}")
+            raise RuntimeError(
+                f"the api exited {process.returncode} ({url}):\n{_tails(log, *other_logs)}"
+            )
         try:
             response = httpx.get(f"{url}/health", timeout=2)
             if response.status_code == 200 or (not healthy and response.status_code == 503):
