@@ -1,4 +1,6 @@
-"""Offline engine in the shape of vLLM's `LLMEngine`: add requests, step, stream outputs.
+"""The inference engine, in the shape of vLLM's `LLMEngine`: add requests, step, stream outputs.
+The batcher service steps it in its loop; `offline.OfflineEngine` runs it to completion in one
+call.
 
 It drives anything with `execute(StepPlan) -> StepResult`, `num_blocks` and `block_size` (the
 `ModelRunner` in `gpu_worker`, or a fake in tests) without importing it. Given a tokenizer
@@ -11,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,9 +54,10 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class Generation:
-    """A finished request's result."""
+@dataclass(kw_only=True)
+class RequestResult:
+    """A finished request's result (what `generate` returns; `RequestOutput` is one streamed
+    event)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -67,17 +70,17 @@ class Generation:
     text: str | None = None  # the released output text, with a tokenizer
 
     @classmethod
-    def of(cls, request: Request) -> Generation:
+    def of(cls, request: Request) -> RequestResult:
         return cls(
-            request.request_id,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            list(request.output_logprobs),
-            request.finish_reason,
-            request.finish_detail,
-            request.num_cached_tokens,
-            request.num_preemptions,
-            request.output_text.text if request.output_text is not None else None,
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            logprobs=list(request.output_logprobs),
+            finish_reason=request.finish_reason,
+            finish_detail=request.finish_detail,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            text=request.output_text.text if request.output_text is not None else None,
         )
 
 
@@ -166,17 +169,21 @@ class LLMEngine:
     def generate(
         self,
         prompts: list[list[int]],
-        sampling: SamplingParams = GREEDY,
+        sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
         stopping: StoppingParams | None = None,
         *,
         priority: Priority = Priority.INTERACTIVE,
-    ) -> list[Generation]:
-        """Run the prompts together (with anything already added) to completion."""
-        request_ids = [self.add_request(p, sampling, stopping, priority=priority) for p in prompts]
+    ) -> list[RequestResult]:
+        """Run the prompts together (with anything already added) to completion; `sampling` is
+        one for all, or one per prompt."""
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        pairs = list(zip(prompts, sampling, strict=True))  # a length mismatch adds nothing
+        request_ids = [self.add_request(p, s, stopping, priority=priority) for p, s in pairs]
         requests = [self._requests[request_id] for request_id in request_ids]
         for _ in self.stream():
             pass
-        return [Generation.of(request) for request in requests]
+        return [RequestResult.of(request) for request in requests]
 
 
 def _token_of(request: Request) -> RequestOutput:

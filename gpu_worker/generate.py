@@ -11,7 +11,7 @@ import time
 
 from tokenizers import Tokenizer
 
-from tgq.gpu_worker.offline import OfflineEngine
+from tgq.batcher.offline import OfflineEngine
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 

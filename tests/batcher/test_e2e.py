@@ -13,10 +13,9 @@ import torch
 
 from tests.gpu_worker.test_parity import LOGPROB_TOL, hf_generate, prompts
 from tgq.batcher.config import SchedulerConfig
-from tgq.batcher.engine import Generation, LLMEngine
+from tgq.batcher.engine import LLMEngine, RequestResult
 from tgq.batcher.request import StoppingParams
 from tgq.gpu_worker.loader import LoadedModel, load_model
-from tgq.gpu_worker.offline import Generation as Reference
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
@@ -33,7 +32,7 @@ def _loaded(model_dir: Path) -> LoadedModel:
 
 
 @functools.cache
-def _reference(model_dir: Path, prompt: tuple[int, ...]) -> Reference:
+def _reference(model_dir: Path, prompt: tuple[int, ...]) -> RequestResult:
     """Each prompt runs once in transformers per session."""
     return hf_generate(model_dir, list(prompt), NUM_NEW)
 
@@ -58,7 +57,9 @@ def mixed_prompts() -> list[list[int]]:
     return mixed
 
 
-def assert_matches_hf(model_dir: Path, batch: list[list[int]], results: list[Generation]) -> None:
+def assert_matches_hf(
+    model_dir: Path, batch: list[list[int]], results: list[RequestResult]
+) -> None:
     for prompt, ours in zip(batch, results, strict=True):
         reference = _reference(model_dir, tuple(prompt))
         assert ours.token_ids == reference.token_ids

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tgq.batcher.offline import OfflineEngine
 from tgq.devtools.demo import DEMO_VERSION, VERSION_FILE, demo_model
 from tgq.devtools.random_model import make_config, write_model
 from tgq.devtools.tokenizer import train_tokenizer
 from tgq.devtools.train_demo import TrainConfig, TrainResult, build
 from tgq.gpu_worker.loader import load_model
-from tgq.gpu_worker.offline import OfflineEngine
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 TINY = TrainConfig(

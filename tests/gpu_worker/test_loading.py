@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tgq.batcher.offline import OfflineEngine
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.hub import PickleWeightsError
 from tgq.gpu_worker.loader import load_model
-from tgq.gpu_worker.offline import OfflineEngine
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 CPU = torch.device("cpu")

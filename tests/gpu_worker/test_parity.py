@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests.conftest import VARIANTS
+from tgq.batcher.engine import RequestResult
+from tgq.batcher.offline import OfflineEngine
 from tgq.devtools.random_model import make_config, write_model
-from tgq.gpu_worker.offline import Generation, OfflineEngine
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
@@ -30,7 +31,7 @@ def _hf_model(model_dir: Path) -> Any:
     return model.eval()
 
 
-def hf_generate(model_dir: Path, prompt: list[int], num_new: int = NUM_NEW) -> Generation:
+def hf_generate(model_dir: Path, prompt: list[int], num_new: int = NUM_NEW) -> RequestResult:
     out = _hf_model(model_dir).generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
@@ -41,11 +42,17 @@ def hf_generate(model_dir: Path, prompt: list[int], num_new: int = NUM_NEW) -> G
         pad_token_id=0,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [
+    logprobs: list[float | None] = [
         torch.log_softmax(step[0].float(), -1)[token].item()
         for step, token in zip(out.logits, tokens, strict=True)
     ]
-    return Generation(prompt, tokens, logprobs)
+    return RequestResult(
+        request_id="transformers",
+        prompt_token_ids=prompt,
+        token_ids=tokens,
+        logprobs=logprobs,
+        finish_reason="length",
+    )
 
 
 def engine(model_dir: Path, block_size: int = 16, backend: str = "auto") -> OfflineEngine:
@@ -60,7 +67,7 @@ def prompts(count: int, vocab: int, seed: int, lengths: tuple[int, int]) -> list
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
 
 
-def assert_matches(ours: Generation, reference: Generation) -> None:
+def assert_matches(ours: RequestResult, reference: RequestResult) -> None:
     assert ours.token_ids == reference.token_ids
     torch.testing.assert_close(
         torch.tensor(ours.logprobs), torch.tensor(reference.logprobs), atol=LOGPROB_TOL, rtol=0

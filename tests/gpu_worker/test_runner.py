@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.gpu_worker.test_parity import hf_generate
+from tgq.batcher.offline import OfflineEngine
 from tgq.gpu_worker.models import cpu_decode, decoder
-from tgq.gpu_worker.offline import OfflineEngine
 from tgq.gpu_worker.plan import (
     NewSequence,
     SamplingParams,
@@ -192,7 +192,7 @@ def test_a_long_prefill_through_the_mlp_in_row_passes_is_unchanged(
     model_dir = model_dirs["llama3-gqa"]
     prompt = [(17 * i) % 250 + 3 for i in range(40)]
 
-    def generate() -> tuple[list[int], list[float]]:
+    def generate() -> tuple[list[int], list[float | None]]:
         runner = ModelRunner(RunnerConfig(str(model_dir), dtype=dtype, num_blocks=64))
         sampling = SamplingParams(logprobs=True)
         [out] = OfflineEngine(runner).generate([prompt], sampling, max_new_tokens=3)
@@ -242,7 +242,7 @@ def test_greedy_rows_through_the_greedy_head_are_unchanged(
 
     def generate(
         batch: list[SamplingParams], screened: bool
-    ) -> list[tuple[list[int], list[float]]]:
+    ) -> list[tuple[list[int], list[float | None]]]:
         runner = ModelRunner(RunnerConfig(str(model_dirs[name]), dtype="bfloat16", num_blocks=128))
         model = runner.loaded.model
         assert model.greedy_head is not None
@@ -300,7 +300,7 @@ def test_decode_steps_through_the_cpu_decode_path_are_unchanged(
 
     monkeypatch.setattr(cpu_decode.CpuDecodePath, "__call__", counted)
 
-    def generate(fast: bool) -> list[tuple[list[int], list[float]]]:
+    def generate(fast: bool) -> list[tuple[list[int], list[float | None]]]:
         runner = ModelRunner(RunnerConfig(str(model_dirs[name]), dtype="bfloat16", num_blocks=128))
         model = runner.loaded.model
         assert model.cpu_decode is not None
