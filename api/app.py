@@ -4,6 +4,9 @@ Start-up (lifespan): the database must be at the migrations' head (else the app 
 naming the command to run); the transport is Redis when `REDIS_URL` is set, else the in-process
 one with a batcher on a thread of this process; then the recorder, the persister, the running
 marker and the monitor (queue depth, live batchers) start. Shut-down stops them in reverse.
+
+OpenAI batches run where `BATCH_RUNNER` says, started by a `BatchStarter` from `bulk/` (which sits
+above the api, so the process's entry hands it in: `create_app(settings, batch_starter=...)`).
 """
 
 from __future__ import annotations
@@ -14,16 +17,15 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tgq.api.admission import Admission, Limits
-from tgq.api.batches.runner import BatchContext, run_batch
 from tgq.api.db import api_keys, create_engine, warm_up
 from tgq.api.db.migrate import check_schema, upgrade
 from tgq.api.drain import Drain, DrainMiddleware
@@ -88,6 +90,16 @@ class Health:
         return None
 
 
+class BatchStarter(Protocol):
+    """Has an OpenAI batch driven to its end (`bulk.batches.starters`): on a Celery worker or
+    on a task of this process."""
+
+    async def start(self, batch_id: str) -> None: ...
+
+    async def stop(self) -> None:
+        """Ends the batches this process drives (they resume at its next start)."""
+
+
 @dataclass(slots=True)
 class AppState:
     settings: Settings
@@ -102,35 +114,17 @@ class AppState:
     files: FileStorage
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     embedded: Any = None  # the in-process batcher, without Redis
-    batch_tasks: dict[str, asyncio.Task[str]] = field(default_factory=dict)
+    batch_starter: BatchStarter | None = None  # made from this state as the app starts
     epoch_watch: EpochWatch = field(default_factory=EpochWatch)
 
     async def start_batch(self, batch_id: str) -> None:
-        """Starts a runner for the batch: a Celery task (`tgq.run_batch`), or a task of this
-        process (once per batch at a time). A runner that cannot start now is started by the
-        reconciler once the batch's lease lapses."""
-        if self.settings.batches_on_celery:
-            from tgq.bulk.celery_app import send_run_batch  # Celery only where batches go to it
+        """Starts a runner for the batch (once per batch at a time). A runner that cannot start
+        now is started by the reconciler once the batch's lease lapses."""
+        assert self.batch_starter is not None, "the app has not started"
+        await self.batch_starter.start(batch_id)
 
-            try:
-                await asyncio.to_thread(send_run_batch, self.settings, batch_id)
-            except Exception as error:  # the broker is away: the reconciler starts it later
-                log.warning("batch %s: its task could not be sent: %s", batch_id, error)
-            return
-        if batch_id in self.batch_tasks:
-            return
-        context = BatchContext(
-            self.engine, self.transport, self.files, self.tokenizer, self.settings,
-            window=self.settings.batch_window, lease_s=self.settings.batch_lease_s,
-        )  # fmt: skip
-        task = asyncio.create_task(run_batch(context, batch_id), name=f"batch {batch_id}")
-        self.batch_tasks[batch_id] = task
-        task.add_done_callback(lambda done: self._batch_done(batch_id, done))
 
-    def _batch_done(self, batch_id: str, task: asyncio.Task[str]) -> None:
-        self.batch_tasks.pop(batch_id, None)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("batch %s failed: %r", batch_id, task.exception())
+StarterFactory = Callable[[AppState], BatchStarter]
 
 
 def state_of(request: Request) -> AppState:
@@ -138,12 +132,15 @@ def state_of(request: Request) -> AppState:
     return app_state
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, batch_starter: StarterFactory | None = None
+) -> FastAPI:
     settings = settings or Settings()
+    make_starter = batch_starter or _bulk_starter
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.tgq = await _start(settings)
+        app.state.tgq = await _start(settings, make_starter)
         try:
             yield
         finally:
@@ -207,7 +204,15 @@ def model_dir_of(settings: Settings) -> Path:
     return Path(snapshot_download(settings.model_id, allow_patterns=patterns))
 
 
-async def _start(settings: Settings) -> AppState:
+def _bulk_starter(state: AppState) -> BatchStarter:
+    """Issue 24: the import that `api/__main__.py` is to make (passing `batch_starter`); until
+    then the api reaches up to `bulk/` here, the package cycle `tests/test_imports.py` names."""
+    from tgq.bulk.batches.starters import starter_for
+
+    return starter_for(state)
+
+
+async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     engine = create_engine(settings.database_url)
     if settings.auto_migrate:
         await asyncio.to_thread(upgrade, settings.database_url)
@@ -263,6 +268,7 @@ async def _start(settings: Settings) -> AppState:
         settings, engine, transport, tokenizer, metrics, generation, persister, running, health,
         LocalFileStorage(settings.file_storage_dir), embedded=embedded,
     )  # fmt: skip
+    state.batch_starter = make_starter(state)
     recorder.start()
     running.start()
     persister.start()
@@ -351,8 +357,10 @@ async def _reconcile_round(state: AppState, *, older_than_s: float) -> None:
 
 
 async def _stop(state: AppState) -> None:
-    running = [*state.tasks, *state.batch_tasks.values()]  # batches resume at the next start
-    await asyncio.gather(*(cancel_and_wait(task) for task in running))
+    assert state.batch_starter is not None
+    await asyncio.gather(
+        *(cancel_and_wait(task) for task in state.tasks), state.batch_starter.stop()
+    )
     await state.generation.recorder.stop()
     await state.running.stop()
     await state.generation.aclose()

@@ -1,1 +1,2 @@
-"""Bulk pipelines on Celery: the app (`celery_app`) and its tasks (`tasks`)."""
+"""Bulk pipelines: OpenAI batches (`batches`), and the Celery app (`celery_app`) with its tasks
+(`tasks`)."""

@@ -1,5 +1,5 @@
 """Celery tasks: thin wrappers that open what they need from the settings and call tested
-functions (`api.batches.runner.run_batch`, `api.reconciler.reconcile_once`, ...)."""
+functions (`bulk.batches.driver.run_batch`, `api.reconciler.reconcile_once`, ...)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy.pool import NullPool
 
 from tgq.api.app import model_dir_of
-from tgq.api.batches.runner import BatchContext, run_batch
 from tgq.api.db import create_engine, store
 from tgq.api.db import files as db_files
 from tgq.api.files.storage import LocalFileStorage
@@ -17,6 +16,8 @@ from tgq.api.reconciler import reconcile_once, resume_batches
 from tgq.api.settings import Settings
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher.transport.aio import AsyncRedisApiTransport
+from tgq.bulk.batches.context import BatchContext
+from tgq.bulk.batches.driver import run_batch
 from tgq.bulk.celery_app import DEFAULT_BROKER, app, send_run_batch
 from tgq.gpu_worker.config import model_eos_token_ids  # torch-free: it reads config.json
 

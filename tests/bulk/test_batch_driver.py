@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tgq.api.batches.runner import BatchContext, run_batch
 from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.db import store
@@ -23,6 +22,8 @@ from tgq.api.settings import Settings
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher.transport.aio import ThreadedApiTransport
 from tgq.batcher.transport.memory import MemoryTransport
+from tgq.bulk.batches.context import BatchContext
+from tgq.bulk.batches.driver import run_batch
 
 pytestmark = pytest.mark.timeout(60)
 CHAT = "/v1/chat/completions"

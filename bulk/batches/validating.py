@@ -1,0 +1,151 @@
+"""`validating`: a batch's input lines become one job of kind `batch`, one item per valid line
+(each with its own parameters), `chunk_lines` lines per transaction; validation resumes after
+the last committed chunk."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tgq.api.chat_template import TemplateError as RenderError
+from tgq.api.chat_template import normalize_messages
+from tgq.api.db import batches as db_batches
+from tgq.api.db import files as db_files
+from tgq.api.db import store
+from tgq.api.errors import ApiError
+from tgq.api.generation import new_job_id, request_id_of
+from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
+from tgq.api.service import job_params
+from tgq.api.validated import ValidatedRequest
+from tgq.api.validation import chat_params, completion_params, validate_tokens
+from tgq.batcher.request import Priority
+from tgq.bulk.batches.context import BatchContext, get_batch
+from tgq.bulk.batches.lease import BatchLease
+
+
+async def validate_lines(
+    ctx: BatchContext, batch: db_batches.BatchRecord, lease: BatchLease
+) -> db_batches.BatchRecord:
+    """Validates the lines after those already committed, `chunk_lines` per transaction, then
+    moves the batch to `in_progress` (or stops, when it is being cancelled)."""
+    job_id = batch.job_id or await _create_job(ctx, batch)
+    async with ctx.engine.connect() as conn:
+        num_lines, num_items = await db_batches.count_lines(conn, batch_id=batch.id)
+    lines: list[db_batches.LineRecord] = []
+    items: list[tuple[str, list[int]]] = []
+    params: list[dict[str, Any]] = []
+
+    async def commit() -> bool:
+        """Writes the chunk; False when the batch is no longer validating (cancelled)."""
+        nonlocal num_items
+        await lease.renew()
+        async with ctx.engine.begin() as conn:
+            if await db_batches.lock_status(conn, batch_id=batch.id) != "validating":
+                return False
+            await db_batches.add_items(
+                conn, job_id=job_id, first_index=num_items, items=items, params=params
+            )
+            await db_batches.add_lines(conn, lines=lines)
+        num_items += len(items)
+        for chunk in (lines, items, params):
+            chunk.clear()
+        return True
+
+    try:
+        async for line_index, raw in _read_lines(ctx, batch.input_file_id, skip=num_lines):
+            custom_id = str(raw.get("custom_id", ""))
+            try:
+                if raw.get("url") != batch.endpoint:
+                    raise ValueError(f"url {raw.get('url')!r} is not the batch's {batch.endpoint}")
+                validated = await _validate(ctx, batch.endpoint, raw.get("body", {}))
+            except (ApiError, RenderError, ValueError) as error:
+                message = error.message if isinstance(error, ApiError) else str(error)
+                lines.append(db_batches.LineRecord(batch.id, line_index, custom_id, None, message))
+            else:
+                item_index = num_items + len(items)
+                items.append((request_id_of(job_id, item_index), validated.prompt_token_ids))
+                params.append(job_params(validated.params))
+                line = db_batches.LineRecord(batch.id, line_index, custom_id, item_index, None)
+                lines.append(line)
+            if len(lines) >= ctx.chunk_lines and not await commit():
+                return await get_batch(ctx, batch.id)
+    except (OSError, LookupError, json.JSONDecodeError) as error:
+        async with ctx.engine.begin() as conn:
+            await db_batches.set_status(
+                conn, batch_id=batch.id, status="failed", only_from=("validating",),
+                error=f"the input file could not be read: {error}",
+            )  # fmt: skip
+        return await get_batch(ctx, batch.id)
+    if not await commit():
+        return await get_batch(ctx, batch.id)
+    async with ctx.engine.begin() as conn:
+        num_lines, num_items = await db_batches.count_lines(conn, batch_id=batch.id)
+        await db_batches.set_num_items(conn, job_id=job_id, num_items=num_items)
+        await db_batches.set_status(
+            conn, batch_id=batch.id, status="in_progress", only_from=("validating",),
+            num_total=num_lines,
+        )  # fmt: skip
+    return await get_batch(ctx, batch.id)
+
+
+async def _create_job(ctx: BatchContext, batch: db_batches.BatchRecord) -> str:
+    """The batch's job, without items yet (they come with their lines)."""
+    job_id = new_job_id()
+    job = store.NewJob(
+        job_id=job_id, kind="batch", route=batch.endpoint, priority=int(Priority.BULK),
+        model=ctx.settings.model_id, params={}, items=[], api_key_id=batch.api_key_id,
+        deadline=batch.expires_at, metadata={"batch_id": batch.id},
+    )  # fmt: skip
+    async with ctx.engine.begin() as conn:
+        await store.create_jobs(conn, jobs=[job])
+        await db_batches.set_job(conn, batch_id=batch.id, job_id=job_id)
+    return job_id
+
+
+async def _read_lines(
+    ctx: BatchContext, file_id: str, *, skip: int
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """The file's non-blank lines after the first `skip`, parsed, streamed from the storage."""
+    async with ctx.engine.connect() as conn:
+        record = await db_files.get_file(conn, file_id=file_id)
+    if record is None:
+        raise LookupError(f"file {file_id} is gone")
+    line_index, rest = 0, b""
+    chunks = ctx.storage.read(record.storage_key)
+    while True:
+        chunk = await anext(chunks, None)
+        rows = (rest + (chunk or b"\n")).split(b"\n")
+        rest = rows.pop()
+        for row in rows:
+            if row.strip():
+                if line_index >= skip:
+                    yield line_index, json.loads(row)
+                line_index += 1
+        if chunk is None:
+            return
+
+
+async def _validate(ctx: BatchContext, endpoint: str, body: dict[str, Any]) -> ValidatedRequest:
+    """A line's body through the same checks as the interactive route."""
+    settings, tokenizer = ctx.settings, ctx.tokenizer
+    if endpoint == "/v1/chat/completions":
+        chat = ChatCompletionRequest.model_validate(body)
+        params = chat_params(chat, settings)
+        if tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template")
+        messages = normalize_messages([m.model_dump(exclude_none=True) for m in chat.messages])
+        prompt = await tokenizer.run(tokenizer.chat_template.render, messages)
+    else:
+        completion = CompletionRequest.model_validate(body)
+        params = completion_params(completion, settings)
+        if not isinstance(completion.prompt, str):
+            raise ValueError("a batch line takes one prompt (a string)")
+        prompt = completion.prompt
+    if params.num_choices > 1:
+        raise ValueError("`n` > 1 is not supported in batches")
+    token_ids = await tokenizer.encode(prompt, add_special_tokens=params.add_special_tokens)
+    return validate_tokens(
+        prompt=prompt, token_ids=token_ids, params=params, settings=settings,
+        priority=Priority.BULK, eos_token_ids=tokenizer.eos_token_ids,
+    )  # fmt: skip
