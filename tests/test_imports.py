@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict, deque
@@ -48,11 +49,12 @@ Graph = dict[str, dict[str, list[Site]]]  # package -> imported package -> impor
 
 
 def test_api_and_batcher_never_import_torch(tmp_path: Path) -> None:
-    # cwd outside the repository: nothing of it is importable but through the installed `tgq`
-    # (this process has torch already: the session's conftest imports it).
+    # A fresh interpreter (this one has torch: the session's conftest imports it), outside the
+    # repository, that finds `tgq` where this one did.
     command = [sys.executable, "-c", IMPORT_ALL, *TORCH_FREE]
+    env = {**os.environ, "PYTHONPATH": str(TGQ.parent)}
     done = subprocess.run(
-        command, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.splitlines()[-1])
