@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections import defaultdict, deque
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import tgq
@@ -106,6 +107,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
 # --- the package graph ------------------------------------------------------------------------
 
 
+@cache
 def package_graph() -> Graph:
     """Every import between two of tgq's packages, from every module's source: module-level and
     function-local imports alike, except those under `if TYPE_CHECKING:`. Left out: the imports
@@ -220,7 +222,7 @@ def describe_cycle(graph: Graph, component: list[str]) -> str:
 
 
 def by_file(sites: list[Site]) -> str:
-    """ "a.py:1, a.py:5, b.py:2" as "a.py:1,5 b.py:2"."""
+    """The sites grouped by file: `a.py:1,5 b.py:2`."""
     lines: dict[str, list[str]] = defaultdict(list)
     for site in sites:
         path, line = site.rsplit(":", 1)
