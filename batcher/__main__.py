@@ -28,7 +28,7 @@ from tgq.batcher.options import BatcherOptions
 from tgq.batcher.ranks import ServedWith, ShardConfig, ShardedRunner, WorkerLostError
 from tgq.batcher.service import BatcherService, ServiceConfig
 from tgq.batcher.tracing import TracingUnavailableError, configure_tracing, shutdown_tracing
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.redis import RedisBatcherTransport
 from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
 from tgq.gpu_worker.quantization import QuantizedCheckpointError, refuse_quantized_checkpoint
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    transport = RedisTransport.from_url(
+    transport = RedisBatcherTransport.from_url(
         options.redis_url or DEFAULT_REDIS_URL, options.redis_prefix, options.transport_config()
     )
     try:

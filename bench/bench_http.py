@@ -76,7 +76,8 @@ from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.detokenize import HFTokenDecoder
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.request import StoppingParams
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.aio import AsyncRedisApiTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.devtools.demo import add_chat_template
 from tgq.devtools.random_model import SHAPES, make_config, write_model
 from tgq.devtools.tokenizer import train_tokenizer
@@ -249,13 +250,13 @@ async def run_http(stack: Stack, cases: list[ChatCase]) -> Run:
         )
     wall = time.perf_counter() - start
     cpu_s = {name: seconds - cpu[name] for name, seconds in stack.cpu_seconds().items()}
-    transport = RedisTransport(redis.Redis.from_url(stack.redis_url), stack.prefix)
+    transport = AsyncRedisApiTransport.from_url(stack.redis_url, stack.prefix)
     step_times = []
     for trace in traces:  # the engine's clock for the first token, on the client's time base
-        events = transport.read_tokens(request_id_of(trace.job_id, 0), 0, 0)
+        events = await transport.read_tokens(request_id_of(trace.job_id, 0), 0, 0)
         trace.first_step = start + (events[0].created_at - start_unix)
         step_times += [event.created_at for event in events if event.token_ids]
-    transport.client.close()
+    await transport.close()
     step_times.sort()  # one step's events are stamped within a ms; steps are >= ms apart
     num_token_steps = 1 + sum(later - earlier > 2e-3 for earlier, later in pairwise(step_times))
     tok_s = tokens_per_second(start, traces, cases)
@@ -436,7 +437,7 @@ def running_stack(stack: Stack) -> Iterator[Stack]:
 
 def first_step_latency(stack: Stack, num_jobs: int, rate: float) -> list[float]:
     """POST -> first scheduled step, ms, sorted (see the module docstring)."""
-    transport = RedisTransport(redis.Redis.from_url(stack.redis_url), stack.prefix)
+    transport = BlockingApiTransport.from_url(stack.redis_url, stack.prefix)
     latencies_ms = []
     with httpx.Client(base_url=stack.url, timeout=60) as client:
         next_at = time.monotonic()
@@ -452,7 +453,7 @@ def first_step_latency(stack: Stack, num_jobs: int, rate: float) -> list[float]:
             if not events:
                 raise RuntimeError("no token event within 30 s")
             latencies_ms.append(1e3 * (events[0].created_at - sent))
-    transport.client.close()
+    transport.close()
     return sorted(latencies_ms)
 
 

@@ -4,7 +4,8 @@ process, against the offline engine in the same run.
 Medium Llama shape, random bf16 weights, CPU, 2 threads. The offline engine runs the 64 mixed
 requests (prompts uniform in 32..512 tokens, outputs uniform in 16..256, EOS ignored) first; then
 a `python -m tgq.batcher` process runs the same requests submitted through Redis, while one reader
-thread per request follows its token stream as an api replica would (blocking XREAD).
+thread per request follows its token stream through the api's side of the transport (one api
+replica: its token hub reads every stream in one blocking XREAD).
 
 Reports tokens/s both ways (best of `--repeats` runs each, taken in turns) and their ratio;
 per-token publish latency, from the engine step that produced a token (the event's `created_at`)
@@ -32,7 +33,8 @@ import torch
 from bench.bench_scheduler import RESULTS, Tgq, Workload, medium_model, random_workload
 from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.request import StoppingParams
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.base import ApiTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.gpu_worker.plan import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +49,7 @@ def start_batcher(model_dir: Path, redis_url: str, prefix: str) -> subprocess.Po
     return subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stderr=subprocess.DEVNULL)
 
 
-def wait_until_live(transport: RedisTransport, process: subprocess.Popen[bytes]) -> None:
+def wait_until_live(transport: ApiTransport, process: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 300
     while not transport.live_batchers():
         if process.poll() is not None or time.monotonic() > deadline:
@@ -55,7 +57,7 @@ def wait_until_live(transport: RedisTransport, process: subprocess.Popen[bytes])
         time.sleep(0.2)
 
 
-def follow(transport: RedisTransport, request_id: str, latencies: list[float]) -> int:
+def follow(transport: ApiTransport, request_id: str, latencies: list[float]) -> int:
     """Reads one request's events until its final result; returns its number of tokens. One
     blocking read per wake-up, as an SSE handler would; the final result is checked only when a
     read comes back empty (the end marker wakes it)."""
@@ -71,7 +73,7 @@ def follow(transport: RedisTransport, request_id: str, latencies: list[float]) -
             return num_tokens
 
 
-def submit(transport: RedisTransport, workload: Workload, tag: str) -> list[str]:
+def submit(transport: ApiTransport, workload: Workload, tag: str) -> list[str]:
     request_ids = []
     for i, (prompt, num_out) in enumerate(workload):
         request_id = f"{tag}-{i}"
@@ -81,10 +83,12 @@ def submit(transport: RedisTransport, workload: Workload, tag: str) -> list[str]
     return request_ids
 
 
-def run_through_redis(transport: RedisTransport, workload: Workload, tag: str) -> dict[str, float]:
+def run_through_redis(
+    transport: ApiTransport, client: redis.Redis, workload: Workload, tag: str
+) -> dict[str, float]:
     latencies: list[float] = []
     num_tokens: list[int] = []
-    calls_before = total_calls(transport.client)
+    calls_before = total_calls(client)
     start = time.perf_counter()
     request_ids = submit(transport, workload, tag)
     readers = [
@@ -108,7 +112,7 @@ def run_through_redis(transport: RedisTransport, workload: Workload, tag: str) -
         "tok_s": generated / seconds,
         "publish_latency_p50_ms": 1e3 * percentile(latencies, 0.5),
         "publish_latency_p99_ms": 1e3 * percentile(latencies, 0.99),
-        "redis_commands_per_token": (total_calls(transport.client) - calls_before) / generated,
+        "redis_commands_per_token": (total_calls(client) - calls_before) / generated,
     }
 
 
@@ -137,7 +141,8 @@ def main() -> None:
     offline = Tgq(model_dir, num_blocks=NUM_BLOCKS)
     offline.run(random_workload(4, (32, 64), (4, 4), seed=2))  # warm-up
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    transport = RedisTransport(redis.Redis.from_url(args.redis_url), prefix)
+    client = redis.Redis.from_url(args.redis_url)
+    transport = BlockingApiTransport.from_url(args.redis_url, prefix)
     process = start_batcher(model_dir, args.redis_url, prefix)
     offline_runs, redis_runs = [], []
     try:
@@ -147,13 +152,15 @@ def main() -> None:
             follow(transport, request_id, [])
         for repeat in range(args.repeats):  # in turns, so a slow phase hits both alike
             offline_runs.append(offline.run(workload)["tok_s"])
-            redis_runs.append(run_through_redis(transport, workload, f"run{repeat}"))
+            redis_runs.append(run_through_redis(transport, client, workload, f"run{repeat}"))
     finally:
         process.terminate()
         process.wait(timeout=60)
-        keys = list(transport.client.scan_iter(match=f"{prefix}:*"))
+        transport.close()
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
         if keys:
-            transport.client.delete(*keys)
+            client.delete(*keys)
+        client.close()
     results: dict[str, Any] = {"offline_tok_s": max(offline_runs)}
     results |= max(redis_runs, key=lambda run: run["tok_s"])
     results["redis_over_offline"] = results["tok_s"] / results["offline_tok_s"]

@@ -1,1 +1,1 @@
-"""The queue between the api and the batchers: one contract (`base.Transport`), two backends."""
+"""The queue between the api and the batchers: one contract (`base.py`), two backends."""

@@ -1,22 +1,26 @@
 """The api side of the transport, for asyncio: the api's event loop must never block.
 
-`AsyncRedisApiTransport` speaks the Redis layout of `redis_keys.py` with `redis.asyncio` (each
-waiting reader holds one pooled connection while it blocks, so the pool is sized to the api's
-concurrency). `ThreadedApiTransport` runs any synchronous `ApiTransport` (the in-process one of
-`tgq serve`) on its own thread pool. Both honour the contract of `base.ApiTransport`.
+`AsyncRedisApiTransport` is the api's side of Redis, the one implementation of it: enqueue,
+abort, follow token streams (through the replica's `TokenHub`), read and persist final results,
+the started log, the epoch. It speaks the layout of `redis_keys.py` and the entry format and
+consumer-group rule of `redis_wire.py` with `redis.asyncio` (each waiting reader holds one pooled
+connection while it blocks, so the pool is sized to the api's concurrency); the batcher's side is
+`redis.RedisBatcherTransport`. `ThreadedApiTransport` runs the in-process transport (`tgq serve`)
+on its own thread pool. Both honour the contract of `base.ApiTransport`; a synchronous caller
+uses them through `blocking.BlockingApiTransport`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
+import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import redis
@@ -25,34 +29,35 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.driver_info import DriverInfo
 
-from tgq.batcher.messages import (
-    AbortRequest,
-    FinalResult,
-    Heartbeat,
-    SubmitRequest,
-    TokenEvent,
-    encode,
-)
+from tgq.batcher.messages import AbortRequest, FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.request import Priority
 from tgq.batcher.transport.base import ApiTransport, StoredFinal, TransportConfig
-from tgq.batcher.transport.redis import (
-    MAX_ABORT_LOG,
-    decode_event,
-    decode_final,
-    decode_heartbeat,
-    entry_id_str,
-    started_ids,
-)
 from tgq.batcher.transport.redis_keys import (
     AFTER_EVENTS_ID,
     END_ID,
+    MAX_ABORT_LOG,
     PERSISTERS,
     RedisKeys,
     event_id,
 )
+from tgq.batcher.transport.redis_wire import (
+    CREATE_GROUPS,
+    block_cap_ms,
+    decode_as,
+    entry_id_str,
+    entry_message,
+    is_missing_group,
+    message_fields,
+    ms,
+    stream_entries,
+)
+from tgq.batcher.transport.token_hub import TokenHub
 
+log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 HEALTH_CHECK_S = 1
+SOCKET_TIMEOUT_S = 5.0
+HUB_BLOCK_MS = 1000  # the token hub's XREAD: a new reader wakes it sooner (`TokenHub`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,9 @@ class Epoch:
 
 
 class AsyncApiTransport(Protocol):
+    """The api side, awaited: `base.ApiTransport`'s contract (each call's meaning is there),
+    plus a warm-up of connections, the epoch and close."""
+
     async def submit(self, requests: list[SubmitRequest]) -> None:
         """Enqueues them in one round trip, in order."""
         ...
@@ -185,15 +193,16 @@ class AsyncRedisApiTransport:
         prefix: str = "tgq",
         config: TransportConfig | None = None,
         *,
-        max_block_ms: int = 4000,
+        max_block_ms: int = block_cap_ms(SOCKET_TIMEOUT_S),
     ) -> None:
-        """`max_block_ms` must stay under the client's socket timeout."""
+        """`max_block_ms` must stay under the client's socket timeout (`block_cap_ms`)."""
         self.client = client
         self.keys = RedisKeys(prefix)
         self.config = config or TransportConfig()
         self._max_block_ms = max_block_ms
-        self._has_group = False
-        self._hub = TokenHub(client, self.keys.hub_wake(uuid.uuid4().hex))
+        self._create_groups = client.register_script(CREATE_GROUPS)
+        hub_block_ms = min(HUB_BLOCK_MS, max_block_ms)
+        self._hub = TokenHub(client, self.keys.hub_wake(uuid.uuid4().hex), block_ms=hub_block_ms)
 
     @classmethod
     def from_url(
@@ -208,7 +217,7 @@ class AsyncRedisApiTransport:
             url,
             max_connections=max_connections,
             timeout=10,
-            socket_timeout=5.0,
+            socket_timeout=SOCKET_TIMEOUT_S,
             # A connection idle this long is PINGed before its next command, and reconnected
             # (the one retry) when Redis restarted meanwhile: without it, a connection kept
             # through a restart failed its first command after it ("Connection closed by
@@ -223,9 +232,9 @@ class AsyncRedisApiTransport:
 
     async def submit(self, requests: list[SubmitRequest]) -> None:
         pipe = self.client.pipeline(transaction=False)
-        known_ms = _ms(self.config.final_ttl_s)
+        known_ms = ms(self.config.final_ttl_s)
         for request in requests:
-            pipe.xadd(self.keys.queue(request.priority), {"m": encode(request)})
+            pipe.xadd(self.keys.queue(request.priority), message_fields(request))
             pipe.set(self.keys.known(request.request_id), 1, px=known_ms)
         await pipe.execute()
 
@@ -238,9 +247,9 @@ class AsyncRedisApiTransport:
 
     async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         pipe = self.client.pipeline()
-        pipe.set(self.keys.abort(request_id), 1, px=_ms(self.config.final_ttl_s))
-        message = encode(AbortRequest(request_id, reason))
-        pipe.xadd(self.keys.aborts, {"m": message}, maxlen=MAX_ABORT_LOG, approximate=True)
+        pipe.set(self.keys.abort(request_id), 1, px=ms(self.config.final_ttl_s))
+        message = message_fields(AbortRequest(request_id, reason))
+        pipe.xadd(self.keys.aborts, message, maxlen=MAX_ABORT_LOG, approximate=True)
         await pipe.execute()
 
     async def read_tokens(
@@ -252,12 +261,18 @@ class AsyncRedisApiTransport:
             entries = await self._hub.read(key, from_seq, timeout_s)
         else:
             entries = await self.client.xrange(key, event_id(from_seq), "+")
-        return [decode_event(f) for entry_id, f in entries if entry_id_str(entry_id) != END_ID]
+        return [
+            entry_message(fields, TokenEvent)
+            for entry_id, fields in entries
+            if entry_id_str(entry_id) != END_ID
+        ]
 
     async def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
+        """The final result, waiting up to `timeout_s` for it: in blocking reads of at most
+        the client's cap, so a long wait is not cut to one cap."""
         key, deadline = self.keys.final(request_id), time.monotonic() + timeout_s
         data: Any = await self.client.get(key)
-        while data is None and (left_s := deadline - time.monotonic()) > 0:  # as RedisTransport
+        while data is None and (left_s := deadline - time.monotonic()) > 0:
             tokens = self.keys.tokens(request_id)
             ended: Any = await self.client.xread(
                 {tokens: AFTER_EVENTS_ID}, block=max(1, self._block(left_s))
@@ -265,12 +280,12 @@ class AsyncRedisApiTransport:
             data = await self.client.get(key)
             if ended and data is None:  # the end marker without a final: none will come
                 break
-        return None if data is None else decode_final(data)
+        return None if data is None else decode_as(data, FinalResult)
 
     async def live_batchers(self) -> list[Heartbeat]:
         keys = [key async for key in self.client.scan_iter(match=self.keys.heartbeat("*"))]
         values: Any = await self.client.mget(keys) if keys else []
-        return [decode_heartbeat(v) for v in values if v is not None]
+        return [decode_as(v, Heartbeat) for v in values if v is not None]
 
     async def queue_depth(self) -> int:
         pipe = self.client.pipeline(transaction=False)
@@ -279,35 +294,36 @@ class AsyncRedisApiTransport:
         return sum(await pipe.execute())
 
     async def pull_finals(self, consumer: str, max_count: int, block_ms: int) -> list[StoredFinal]:
-        stream, lease_ms = self.keys.finals, _ms(self.config.lease_s)
-        await self._ensure_group()
-        try:
-            claimed: Any = await self.client.xautoclaim(
-                stream, PERSISTERS, consumer, lease_ms, count=max_count
-            )
-            entries = list(claimed[1])
-            if len(entries) < max_count:
-                block = self._block(block_ms / 1000) if block_ms > 0 else None
-                found: Any = await self.client.xreadgroup(
+        stream, lease_ms = self.keys.finals, ms(self.config.lease_s)
+        claimed: Any = await self._in_group(
+            lambda: self.client.xautoclaim(stream, PERSISTERS, consumer, lease_ms, count=max_count)
+        )
+        entries = list(claimed[1])
+        if len(entries) < max_count:
+            block = self._block(block_ms / 1000) if block_ms > 0 else None
+            found: Any = await self._in_group(
+                lambda: self.client.xreadgroup(
                     PERSISTERS, consumer, {stream: ">"}, max_count - len(entries), block
                 )
-                entries += found[0][1] if found else []
-        except redis.ResponseError as error:
-            if "NOGROUP" not in str(error):
-                raise
-            self._has_group = False  # Redis lost the stream; recreated on the next pull
-            return []
-        return [StoredFinal(entry_id_str(i), decode_final(f[b"m"])) for i, f in entries if f]
+            )
+            entries += stream_entries(found)
+        return [
+            StoredFinal(entry_id_str(entry_id), entry_message(fields, FinalResult))
+            for entry_id, fields in entries
+            if fields  # an entry deleted while pending: nothing left to persist
+        ]
 
-    async def _ensure_group(self) -> None:
-        if self._has_group:
-            return
+    async def _in_group(self, command: Callable[[], Awaitable[_T]]) -> _T:
+        """Runs a command on the persisters' consumer group, creating the group first when it
+        is missing (`redis_wire.py`)."""
         try:
-            await self.client.xgroup_create(self.keys.finals, PERSISTERS, id="0", mkstream=True)
+            return await command()
         except redis.ResponseError as error:
-            if "BUSYGROUP" not in str(error):
+            if not is_missing_group(error):
                 raise
-        self._has_group = True
+        log.info("no consumer group %r on the finals stream (a new or emptied Redis): creating")
+        await self._create_groups(keys=[self.keys.finals], args=[PERSISTERS])
+        return await command()
 
     async def ack_finals(self, entry_ids: list[str]) -> None:
         if entry_ids:
@@ -325,7 +341,11 @@ class AsyncRedisApiTransport:
             return (entry_id_str(last[0][0]) if last else "0-0"), []
         block = self._block(block_ms / 1000) if block_ms > 0 else None
         found: Any = await self.client.xread({stream: cursor}, count=max_count, block=block)
-        return started_ids(cursor, found)
+        entries = stream_entries(found)
+        if not entries:
+            return cursor, []
+        ids = [fields[b"r"].decode() for _, fields in entries]
+        return entry_id_str(entries[-1][0]), ids
 
     async def epoch(self) -> Epoch:
         candidate = Epoch.start()
@@ -334,7 +354,6 @@ class AsyncRedisApiTransport:
         pipe.get(self.keys.epoch)
         created, token = await pipe.execute()
         if created:
-            self._has_group = False  # the finals stream and its group went with the data
             return candidate
         return Epoch.parse(token.decode(), is_new=False)
 
@@ -351,164 +370,4 @@ class AsyncRedisApiTransport:
         await self.client.aclose()
 
     def _block(self, timeout_s: float) -> int:
-        return min(_ms(timeout_s), self._max_block_ms)
-
-
-WAKE_TTL_S = 86400  # a replica's wake stream outlives its last wake-up by a day at most
-
-
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    from_seq: int
-    found: asyncio.Future[list[Any]]
-
-
-@dataclass(eq=False, slots=True)
-class _Stream:
-    """One followed token stream: what the hub has read of it and who waits for more."""
-
-    next_seq: int  # the hub's XREAD cursor: entries from this seq on are not read yet
-    entries: list[Any] = field(default_factory=list)  # read, not yet passed by every reader
-    waiters: list[_Waiter] = field(default_factory=list)
-    last_wanted: float = 0.0  # monotonic time a reader last asked
-    is_ended: bool = False  # the end marker was read: nothing more will come
-
-    @property
-    def first_seq(self) -> int:
-        """The oldest seq this stream can still hand out without reading Redis again."""
-        return min([self.next_seq, *(_seq_of(e[0]) for e in self.entries[:1])])
-
-    def take(self, from_seq: int) -> list[Any]:
-        """Buffered entries from `from_seq` on; older ones are dropped (readers move forward)."""
-        self.entries = [e for e in self.entries if _seq_of(e[0]) >= from_seq]
-        return list(self.entries)
-
-
-class TokenHub:
-    """Every blocking token read of this replica through one XREAD over all followed streams.
-
-    A stream joins when a reader first asks for it and stays while readers keep asking (and
-    `linger_s` after), so the XREAD's key set is stable while tokens flow: about one round trip
-    per engine step for all requests, not one per request per token. Entries that arrive between
-    two reads of a reader wait in the stream's buffer. A reader of a stream the hub does not read
-    yet wakes the blocked XREAD through the hub's own wake stream (one XADD per new request)."""
-
-    def __init__(
-        self, client: aioredis.Redis, wake_key: str, *, block_ms: int = 1000, linger_s: float = 5.0
-    ) -> None:
-        self.client = client
-        self.wake_key = wake_key
-        self.block_ms = block_ms
-        self.linger_s = linger_s
-        self._streams: dict[str, _Stream] = {}
-        self._wake_seen = "$"
-        self._idle = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._is_closing = False
-
-    async def read(self, key: str, from_seq: int, timeout_s: float) -> list[Any]:
-        """Entries of `key` from `from_seq` on, as soon as there are any; [] on timeout."""
-        stream = self._streams.get(key)
-        is_new = stream is None or from_seq < stream.first_seq
-        if stream is None:
-            stream = self._streams[key] = _Stream(from_seq)
-        elif is_new:  # a reader from further back (a reconnect): read the stream again from there
-            stream.next_seq, stream.entries, stream.is_ended = from_seq, [], False
-        stream.last_wanted = time.monotonic()
-        buffered = stream.take(from_seq)
-        if buffered:
-            return buffered
-        waiter = _Waiter(from_seq, asyncio.get_running_loop().create_future())
-        stream.waiters.append(waiter)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="token-hub")
-        self._idle.set()
-        if is_new:  # the blocked XREAD does not read this stream yet
-            await self._wake()
-        try:
-            return await asyncio.wait_for(waiter.found, timeout_s)
-        except TimeoutError:
-            return []
-        finally:
-            if waiter in stream.waiters:
-                stream.waiters.remove(waiter)
-
-    async def _run(self) -> None:
-        while not self._is_closing:
-            self._forget_idle_streams()
-            if not self._streams:
-                self._idle.clear()
-                await self._idle.wait()
-                continue
-            cursors: dict[Any, Any] = {
-                key: f"0-{stream.next_seq}"
-                for key, stream in self._streams.items()
-                if not stream.is_ended
-            }
-            cursors[self.wake_key] = self._wake_seen
-            try:
-                found: Any = await self.client.xread(cursors, count=1000, block=self.block_ms)
-            except Exception as error:  # every waiter learns it; the next read retries
-                self._fail_all(error)
-                await asyncio.sleep(0.1)
-                continue
-            for raw_key, entries in found or []:
-                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-                if key == self.wake_key:
-                    self._wake_seen = entry_id_str(entries[-1][0])
-                elif (stream := self._streams.get(key)) is not None:
-                    self._hand_out(stream, entries)
-
-    def _hand_out(self, stream: _Stream, entries: list[Any]) -> None:
-        stream.entries += entries
-        if entry_id_str(entries[-1][0]) == END_ID:
-            stream.is_ended = True  # kept in the buffer: every later reader sees the end
-        else:
-            stream.next_seq = _seq_of(entries[-1][0]) + 1
-        for waiter in list(stream.waiters):
-            mine = stream.take(waiter.from_seq) if not waiter.found.done() else []
-            if mine:
-                waiter.found.set_result(mine)
-                stream.waiters.remove(waiter)
-
-    def _forget_idle_streams(self) -> None:
-        horizon = time.monotonic() - self.linger_s
-        for key, stream in list(self._streams.items()):
-            if not stream.waiters and stream.last_wanted < horizon:
-                del self._streams[key]
-
-    def _fail_all(self, error: Exception) -> None:
-        for stream in self._streams.values():
-            for waiter in stream.waiters:
-                if not waiter.found.done():
-                    waiter.found.set_exception(error)
-
-    async def close(self) -> None:
-        """Stops the loop by waking its XREAD rather than cancelling it: cancelling a blocked
-        redis-py read can leave the awaiting task hanging on this machine's redis 8.1."""
-        self._is_closing = True
-        self._idle.set()
-        if self._task is None or self._task.done():
-            return
-        with contextlib.suppress(Exception):
-            await self._wake()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), 2 * self.block_ms / 1000)
-        except TimeoutError:
-            self._task.cancel()
-
-    async def _wake(self) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xadd(self.wake_key, {"k": ""}, maxlen=100, approximate=True)
-        pipe.expire(self.wake_key, WAKE_TTL_S)
-        await pipe.execute()
-
-
-def _seq_of(entry_id: Any) -> int:
-    """The seq index of a token-stream entry id; the end marker sorts after every event."""
-    major, _, minor = entry_id_str(entry_id).partition("-")
-    return int(minor) - 1 if major == "0" else 1 << 62
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
+        return min(ms(timeout_s), self._max_block_ms)

@@ -1,5 +1,9 @@
-"""The transport contract, as both sides see it. Redis and in-process backends honour the same
-one; `tests/batcher/test_transport_contract.py` runs the same tests against both.
+"""The transport contract, as both sides see it. Two backends honour it, and
+`tests/batcher/test_transport_contract.py` runs the same tests against both: in process
+(`memory.MemoryTransport`, both sides in one object) and Redis, whose batcher side is
+`redis.RedisBatcherTransport` (synchronous, the batcher's) and whose api side is
+`aio.AsyncRedisApiTransport` (asyncio, the api's; `blocking.BlockingApiTransport` serves it to
+synchronous callers).
 
 Lifecycle of a request:
 
@@ -77,7 +81,9 @@ def failed_result(request: SubmitRequest, batcher_id: str) -> FinalResult:
 
 
 class ApiTransport(Protocol):
-    """What the api does: enqueue, cancel, follow a request's tokens, read its result."""
+    """What the api does: enqueue, cancel, follow a request's tokens, read its result. The api
+    awaits these calls (`aio.AsyncApiTransport`); this synchronous form is the in-process
+    backend's, which the api runs on threads, and `BlockingApiTransport`'s."""
 
     def submit(self, request: SubmitRequest) -> None: ...
 
@@ -155,7 +161,3 @@ class BatcherTransport(Protocol):
         batcher id. A previous process with the same id left it; its heartbeat (ours now) would
         keep `reclaim` off it forever."""
         ...
-
-
-class Transport(ApiTransport, BatcherTransport, Protocol):
-    """Both sides: each backend implements the whole contract."""

@@ -49,6 +49,7 @@ from tgq.batcher.request import Priority
 
 GROUP = "batchers"  # the one consumer group on each queue stream
 PERSISTERS = "persisters"  # the consumer group on the finals stream
+MAX_ABORT_LOG = 10_000  # the aborts stream keeps about this many of the latest
 END_ID = "1-0"  # above every token event id `0-n`: written once, with the final result
 AFTER_EVENTS_ID = f"0-{2**64 - 1}"  # XREAD from here wakes only on END_ID
 

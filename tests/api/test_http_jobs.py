@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from tests.api.stack import REDIS_URL, Stack
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,6 +21,13 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> httpx.Client:
     return httpx.Client(base_url=stack.url, timeout=60)
+
+
+@pytest.fixture
+def transport(stack: Stack) -> Iterator[BlockingApiTransport]:
+    """The api's side of the stack's Redis, as a test watching it from outside."""
+    with BlockingApiTransport.from_url(REDIS_URL, stack.prefix) as transport:
+        yield transport
 
 
 def wait_for(client: httpx.Client, job_id: str, timeout_s: float = 60) -> dict[str, Any]:
@@ -87,8 +94,9 @@ def test_list_and_filter(client: httpx.Client) -> None:
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "status"
 
 
-def test_cancel_a_running_job_frees_its_blocks(client: httpx.Client, stack: Stack) -> None:
-    transport = RedisTransport(redis.Redis.from_url(REDIS_URL), stack.prefix)
+def test_cancel_a_running_job_frees_its_blocks(
+    client: httpx.Client, transport: BlockingApiTransport
+) -> None:
     free_before = max(b.num_free_blocks for b in transport.live_batchers())
     params = {"max_new_tokens": 900, "ignore_eos": True}
     job = client.post(

@@ -8,12 +8,12 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 from sqlalchemy import text
 
 from tests.api.stack import BLOCK_SIZE, NUM_BLOCKS, REDIS_URL, Stack
@@ -23,7 +23,7 @@ from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.detokenize import HFTokenDecoder
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.request import StoppingParams
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.devtools.demo import CHAT_TEMPLATE
 from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
@@ -36,6 +36,13 @@ PROMPTS = [
     "A list comprehension",
 ]
 MAX_NEW = 12
+
+
+@pytest.fixture
+def transport(stack: Stack) -> Iterator[BlockingApiTransport]:
+    """The api's side of the stack's Redis, as a test watching it from outside."""
+    with BlockingApiTransport.from_url(REDIS_URL, stack.prefix) as transport:
+        yield transport
 
 
 def offline(model_dir: Path, token_ids: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
@@ -313,11 +320,12 @@ def test_interactive_requests_are_recorded(client: httpx.Client, stack: Stack) -
     assert row.started_at is not None and row.finished_at >= row.started_at
 
 
-def test_client_disconnect_aborts_in_the_batcher(stack: Stack) -> None:
+def test_client_disconnect_aborts_in_the_batcher(
+    stack: Stack, transport: BlockingApiTransport
+) -> None:
     """The client hangs up once its request's first token exists (seen in the transport's
     started log), streaming or not: the batcher ends it as `abort`, its blocks come back, and
     its row says `cancelled`."""
-    transport = RedisTransport(redis.Redis.from_url(REDIS_URL), stack.prefix)
     free_before = max(b.num_free_blocks for b in transport.live_batchers())
     body = {"inputs": "a long one", "parameters": {"max_new_tokens": 900, "ignore_eos": True}}
     for route in ("/generate_stream", "/generate"):

@@ -23,7 +23,7 @@ from tgq.api.validation import validate_tokens
 from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.request import Priority
 from tgq.batcher.transport.aio import AsyncRedisApiTransport
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.redis import RedisBatcherTransport
 from tgq.batcher.transport.redis_keys import RedisKeys
 from tgq.gpu_worker.plan import SamplingParams
 
@@ -82,7 +82,7 @@ def test_lost_items_are_enqueued_again_as_first_submitted(
     pg_engine: AsyncEngine, prefix: str
 ) -> None:
     job, requests = submitted()
-    batcher = RedisTransport(redis.Redis.from_url(REDIS_URL), prefix)
+    batcher = RedisBatcherTransport(redis.Redis.from_url(REDIS_URL), prefix)
 
     async def run() -> tuple[int, int]:
         transport = AsyncRedisApiTransport.from_url(REDIS_URL, prefix)
@@ -159,7 +159,7 @@ def test_interactive_items_are_never_rerun_and_fail_once_the_epoch_has_settled(
     job, _ = submitted(num_copies=1)
     job = dataclasses.replace(job, kind="interactive", route="/generate")
     server = redis.Redis.from_url(REDIS_URL)
-    batcher = RedisTransport(server, prefix)
+    batcher = RedisBatcherTransport(server, prefix)
 
     async def reconcile(transport: AsyncRedisApiTransport) -> tuple[int, str]:
         count = await reconcile_once(

@@ -18,14 +18,14 @@ from tgq.batcher.transport.aio import (
     AsyncRedisApiTransport,
     ThreadedApiTransport,
 )
-from tgq.batcher.transport.base import Transport, TransportConfig
+from tgq.batcher.transport.base import BatcherTransport, TransportConfig
 from tgq.batcher.transport.memory import MemoryTransport
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.redis import RedisBatcherTransport
 from tgq.gpu_worker.plan import SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 CONFIG = TransportConfig(lease_s=0.05, heartbeat_ttl_s=0.5)
-Pair = tuple[Callable[[], AsyncApiTransport], Transport]
+Pair = tuple[Callable[[], AsyncApiTransport], BatcherTransport]
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -41,7 +41,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     client = redis.Redis.from_url(REDIS_URL)
     yield (
         (lambda: AsyncRedisApiTransport.from_url(REDIS_URL, prefix, CONFIG)),
-        RedisTransport(client, prefix, CONFIG),
+        RedisBatcherTransport(client, prefix, CONFIG),
     )
     keys = list(client.scan_iter(match=f"{prefix}:*"))
     if keys:
@@ -49,7 +49,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     client.close()
 
 
-def run(pair: Pair, body: Callable[[AsyncApiTransport, Transport], Awaitable[None]]) -> None:
+def run(pair: Pair, body: Callable[[AsyncApiTransport, BatcherTransport], Awaitable[None]]) -> None:
     async def main() -> None:
         api = pair[0]()
         try:
@@ -65,7 +65,7 @@ def submit_request(request_id: str) -> SubmitRequest:
 
 
 def test_submit_reaches_the_batcher_in_order(pair: Pair) -> None:
-    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+    async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         await api.submit([submit_request(f"r{i}") for i in range(3)])
         assert await api.queue_depth() == 3
         pulled = batcher.pull("b0", 10, 0)
@@ -75,7 +75,7 @@ def test_submit_reaches_the_batcher_in_order(pair: Pair) -> None:
 
 
 def test_a_reader_follows_tokens_then_the_final(pair: Pair) -> None:
-    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+    async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         async def produce() -> None:
             for seq in range(3):
                 await asyncio.sleep(0.02)
@@ -104,7 +104,7 @@ def test_a_reader_follows_tokens_then_the_final(pair: Pair) -> None:
 
 
 def test_abort_and_live_batchers(pair: Pair) -> None:
-    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+    async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         batcher.poll_aborts("b0")
         batcher.heartbeat(Heartbeat("b0", 0, 0, 10, 4, time.time()))
         assert [b.batcher_id for b in await api.live_batchers()] == ["b0"]
@@ -117,7 +117,7 @@ def test_abort_and_live_batchers(pair: Pair) -> None:
 
 
 def test_the_started_log(pair: Pair) -> None:
-    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+    async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         cursor, ids = await api.read_started(None, 10, 0)
         assert ids == []
         batcher.publish_tokens([TokenEvent("r0", 0, [5], [None]), TokenEvent("r0", 1, [6], [None])])
@@ -145,7 +145,7 @@ def test_many_readers_at_once_each_get_their_own_stream_in_order(pair: Pair) -> 
             if not events and await api.read_final(request_id) is not None:
                 return token_ids
 
-    def publish(batcher: Transport) -> None:
+    def publish(batcher: BatcherTransport) -> None:
         for seq in range(num_events):
             batcher.publish_tokens(
                 [TokenEvent(f"r{i}", seq, [i * 100 + seq], [None]) for i in range(num_requests)]
@@ -154,7 +154,7 @@ def test_many_readers_at_once_each_get_their_own_stream_in_order(pair: Pair) -> 
         for i in range(num_requests):
             batcher.publish_final(FinalResult(f"r{i}", [], "length", None, 2, 6, 0, 1, "b0"))
 
-    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+    async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         readers = [asyncio.create_task(follow(api, f"r{i}")) for i in range(num_requests)]
         await asyncio.sleep(0.05)
         await asyncio.to_thread(publish, batcher)
@@ -169,7 +169,7 @@ def test_many_readers_at_once_each_get_their_own_stream_in_order(pair: Pair) -> 
 
 
 def test_a_reader_from_further_back_reads_the_stream_again(pair: Pair) -> None:
-    async def body(api: AsyncApiTransport, batcher: Transport) -> None:
+    async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         batcher.publish_tokens([TokenEvent("r0", seq, [seq], [None]) for seq in range(3)])
         assert [e.seq_index for e in await api.read_tokens("r0", 0, 1.0)] == [0, 1, 2]
         assert await api.read_tokens("r0", 3, 0.05) == []
@@ -185,7 +185,7 @@ def test_a_reader_from_further_back_reads_the_stream_again(pair: Pair) -> None:
 def test_warm_up_opens_the_connections_ahead(pair: Pair) -> None:
     """The Redis pool holds the warmed connections, connected and idle, for the first burst."""
 
-    async def body(api: AsyncApiTransport, _: Transport) -> None:
+    async def body(api: AsyncApiTransport, _: BatcherTransport) -> None:
         await api.warm_up(5)
         if isinstance(api, AsyncRedisApiTransport):
             pool = api.client.connection_pool

@@ -25,8 +25,9 @@ from tests.batcher.test_batcher_process import (
 )
 from tgq.batcher.messages import FinalResult, SubmitRequest
 from tgq.batcher.request import Priority, StoppingParams
-from tgq.batcher.transport.redis import RedisTransport
-from tgq.batcher.transport.redis_keys import GROUP
+from tgq.batcher.transport.base import ApiTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
+from tgq.batcher.transport.redis_keys import GROUP, RedisKeys
 from tgq.gpu_worker.plan import SamplingParams
 
 STOPPING = StoppingParams(max_new_tokens=64, ignore_eos=True)
@@ -52,12 +53,12 @@ def wait_for(
         time.sleep(poll_s)
 
 
-def submit_all(transport: RedisTransport, prompts: list[list[int]]) -> None:
+def submit_all(transport: ApiTransport, prompts: list[list[int]]) -> None:
     for i, prompt in enumerate(prompts):
         transport.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING))
 
 
-def check_results(transport: RedisTransport, expected: list[list[int]]) -> list[FinalResult]:
+def check_results(transport: ApiTransport, expected: list[list[int]]) -> list[FinalResult]:
     results = []
     for i, reference in enumerate(expected):
         assert follow(transport, f"r{i}") == reference
@@ -81,8 +82,8 @@ def test_kill_9_of_one_batcher_loses_nothing(
     model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(30)
     prefix = f"test-{uuid.uuid4().hex}"
     client = redis.Redis.from_url(REDIS_URL)
+    transport = BlockingApiTransport.from_url(REDIS_URL, prefix)
     try:
-        transport = RedisTransport(client, prefix)
         processes += [start_batcher(model_dir, prefix, b, *FAST_FAILOVER) for b in ("b0", "b1")]
         expected = offline_tokens(model_dir, prompts, STOPPING)
         wait_for(lambda: len(transport.live_batchers()) == 2, what=transport.live_batchers)
@@ -90,7 +91,9 @@ def test_kill_9_of_one_batcher_loses_nothing(
         # b1 holds unacknowledged requests, i.e. unfinished ones: watched on the consumer group
         # itself, since a tiny model can finish a request between two heartbeats.
         wait_for(
-            lambda: _holds_requests(transport, "b1"), what=transport.live_batchers, poll_s=0.002
+            lambda: _holds_requests(client, prefix, "b1"),
+            what=transport.live_batchers,
+            poll_s=0.002,
         )
         processes[1].kill()  # mid-generation
         results = check_results(transport, expected)
@@ -98,16 +101,17 @@ def test_kill_9_of_one_batcher_loses_nothing(
         assert any(r.batcher_id == "b0" and r.attempt == 2 for r in results)  # b1's, rerun
         drain(processes[0])
     finally:
+        transport.close()
         keys = list(client.scan_iter(match=f"{prefix}:*"))
         if keys:
             client.delete(*keys)
         client.close()
 
 
-def _holds_requests(transport: RedisTransport, batcher_id: str) -> bool:
+def _holds_requests(client: redis.Redis, prefix: str, batcher_id: str) -> bool:
     for priority in Priority:
-        pending: Any = transport.client.xpending_range(
-            transport.keys.queue(priority), GROUP, "-", "+", 1, consumername=batcher_id
+        pending: Any = client.xpending_range(
+            RedisKeys(prefix).queue(priority), GROUP, "-", "+", 1, consumername=batcher_id
         )
         if pending:
             return True
@@ -152,8 +156,7 @@ def test_a_redis_restart_mid_run_is_survived(
     url = f"redis://127.0.0.1:{port}/0"
     processes.append(start_redis(port, tmp_path))
     processes.append(start_batcher(model_dir, "tgq", "b0", redis_url=url))
-    client = redis.Redis.from_url(url)
-    transport = RedisTransport(client, "tgq")
+    transport = BlockingApiTransport.from_url(url, "tgq")
     expected = offline_tokens(model_dir, prompts, STOPPING)
     submit_all(transport, prompts)
     assert transport.read_final("r0", 60) is not None
@@ -166,4 +169,4 @@ def test_a_redis_restart_mid_run_is_survived(
     assert processes[1].poll() is None  # the same batcher process, no crash loop
     assert {r.batcher_id for r in results} == {"b0"}
     drain(processes[1])
-    client.close()
+    transport.close()

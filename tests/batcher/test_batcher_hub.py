@@ -9,11 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import redis
 
 from tests.batcher import test_batcher_process
 from tests.batcher.test_batcher_process import (
-    REDIS_URL,
     STOPPING,
     follow,
     make_prompts,
@@ -22,17 +20,19 @@ from tests.batcher.test_batcher_process import (
 )
 from tests.gpu_worker.test_loading import hub_cache
 from tgq.batcher.messages import SubmitRequest
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.gpu_worker.plan import SamplingParams
 
 REPO = "tgq-test/tiny-llama"
 redis_prefix = test_batcher_process.redis_prefix  # the fixture: a fresh key prefix per test
+api = test_batcher_process.api  # the fixture: the api's side on that prefix
 
 
 @pytest.mark.timeout(120)
 def test_a_hub_id_is_served_from_the_cache(
     model_dirs: dict[str, Path],
     redis_prefix: str,
+    api: BlockingApiTransport,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -41,11 +41,10 @@ def test_a_hub_id_is_served_from_the_cache(
     monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", REPO, model_dir)))
     process = start_batcher(Path(REPO), redis_prefix, "b0")
     try:
-        transport = RedisTransport(redis.Redis.from_url(REDIS_URL), redis_prefix)
         for i, prompt in enumerate(prompts):
-            transport.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING))
+            api.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING))
         expected = offline_tokens(model_dir, prompts)
-        assert [follow(transport, f"r{i}") for i in range(len(prompts))] == expected
+        assert [follow(api, f"r{i}") for i in range(len(prompts))] == expected
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
         assert process.returncode == 0, stderr.decode()[-2000:]

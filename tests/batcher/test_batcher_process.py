@@ -20,7 +20,8 @@ from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.request import Priority, StoppingParams
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.base import ApiTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
@@ -42,6 +43,13 @@ def redis_prefix() -> Iterator[str]:
     if keys:
         client.delete(*keys)
     client.close()
+
+
+@pytest.fixture
+def api(redis_prefix: str) -> Iterator[BlockingApiTransport]:
+    """The api's side of Redis on the test's prefix, as the test plays an api replica."""
+    with BlockingApiTransport.from_url(REDIS_URL, redis_prefix) as api:
+        yield api
 
 
 def make_prompts(num_prompts: int = NUM_REQUESTS) -> list[list[int]]:
@@ -70,7 +78,7 @@ def start_batcher(
     return subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE)
 
 
-def follow(transport: RedisTransport, request_id: str) -> list[int]:
+def follow(transport: ApiTransport, request_id: str) -> list[int]:
     """A streaming reader: token ids of every event in order, until the final result."""
     token_ids: list[int] = []
     seq_index = 0
@@ -86,24 +94,23 @@ def follow(transport: RedisTransport, request_id: str) -> list[int]:
 
 @pytest.mark.timeout(180)
 def test_fifty_requests_through_redis_match_the_offline_engine(
-    model_dirs: dict[str, Path], redis_prefix: str
+    model_dirs: dict[str, Path], redis_prefix: str, api: BlockingApiTransport
 ) -> None:
     model_dir, prompts = model_dirs["llama3-gqa"], make_prompts()
     process = start_batcher(model_dir, redis_prefix, "b0")
     try:
         expected = offline_tokens(model_dir, prompts)
-        transport = RedisTransport(redis.Redis.from_url(REDIS_URL), redis_prefix)
         for i, prompt in enumerate(prompts):
             priority = Priority.BULK if i % 3 == 0 else Priority.INTERACTIVE
-            transport.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING, priority))
+            api.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING, priority))
         for i, reference in enumerate(expected):
-            assert follow(transport, f"r{i}") == reference
-            result = transport.read_final(f"r{i}", 60)
+            assert follow(api, f"r{i}") == reference
+            result = api.read_final(f"r{i}", 60)
             assert result is not None
             assert result.token_ids == reference
             assert (result.attempt, result.batcher_id) == (1, "b0")
             assert result.finish_reason in ("length", "stop")
-        assert [b.batcher_id for b in transport.live_batchers()] == ["b0"]
+        assert [b.batcher_id for b in api.live_batchers()] == ["b0"]
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
         assert process.returncode == 0, stderr.decode()[-2000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,13 +26,15 @@ from tests.batcher.test_batcher_failover import (
 )
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
+    api,
     make_prompts,
     offline_tokens,
+    redis_prefix,
     start_batcher,
 )
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
 
-__all__ = ["processes"]  # the fixture
+__all__ = ["api", "processes", "redis_prefix"]  # the fixtures
 SHARDED = ("--num-shard", "2", "--threads-per-rank", "1")
 EXIT_RANK_LOST = 3
 
@@ -53,14 +54,9 @@ def is_running(pid: int) -> bool:
 
 
 @pytest.fixture
-def transport() -> Iterator[RedisTransport]:
-    """A transport on a prefix of its own, whose keys are deleted afterwards."""
-    prefix = f"test-{uuid.uuid4().hex}"
+def client() -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(REDIS_URL)
-    yield RedisTransport(client, prefix)
-    keys = list(client.scan_iter(match=f"{prefix}:*"))
-    if keys:
-        client.delete(*keys)
+    yield client
     client.close()
 
 
@@ -74,17 +70,19 @@ def test_a_lost_rank_hands_the_work_to_another_batcher(
     rank: int,
     model_dirs: dict[str, Path],
     processes: list[subprocess.Popen[bytes]],
-    transport: RedisTransport,
+    redis_prefix: str,
+    api: BlockingApiTransport,
+    client: redis.Redis,
 ) -> None:
     model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(24)
-    prefix = transport.keys.prefix
+    prefix = redis_prefix
     processes.append(start_batcher(model_dir, prefix, "b0", *FAST_FAILOVER, *SHARDED))
     expected = offline_tokens(model_dir, prompts, STOPPING)
-    wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
+    wait_for(lambda: len(api.live_batchers()) == 1, what=api.live_batchers)
     ranks = ranks_of(processes[0])
     assert len(ranks) == 2
-    submit_all(transport, prompts)
-    wait_for(lambda: _holds_requests(transport, "b0"), poll_s=0.002)
+    submit_all(api, prompts)
+    wait_for(lambda: _holds_requests(client, prefix, "b0"), poll_s=0.002)
     subprocess.run(["kill", f"-{signal_name}", str(ranks[rank])], check=True)  # mid-generation
     lost_at = time.monotonic()
     code = processes[0].wait(60)
@@ -94,7 +92,7 @@ def test_a_lost_rank_hands_the_work_to_another_batcher(
     assert noticed_s < 10  # a hang: the 5 s heartbeat timeout
     wait_for(lambda: not any(is_running(pid) for pid in ranks), 10)  # the batcher killed them
     processes.append(start_batcher(model_dir, prefix, "b1", *FAST_FAILOVER))
-    results = check_results(transport, expected)
+    results = check_results(api, expected)
     assert any(r.batcher_id == "b1" for r in results)
     drain(processes[1])
 
@@ -103,11 +101,12 @@ def test_a_lost_rank_hands_the_work_to_another_batcher(
 def test_kill_9_of_the_batcher_takes_its_ranks_down(
     model_dirs: dict[str, Path],
     processes: list[subprocess.Popen[bytes]],
-    transport: RedisTransport,
+    redis_prefix: str,
+    api: BlockingApiTransport,
 ) -> None:
     model_dir = model_dirs["llama3-gqa"]
-    processes.append(start_batcher(model_dir, transport.keys.prefix, "b0", *SHARDED))
-    wait_for(lambda: len(transport.live_batchers()) == 1, what=transport.live_batchers)
+    processes.append(start_batcher(model_dir, redis_prefix, "b0", *SHARDED))
+    wait_for(lambda: len(api.live_batchers()) == 1, what=api.live_batchers)
     ranks = ranks_of(processes[0])
     assert len(ranks) == 2 and all(is_running(pid) for pid in ranks)
     processes[0].kill()

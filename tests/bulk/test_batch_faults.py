@@ -24,7 +24,7 @@ from tests.api.conftest import _create_database, _drop_database
 from tests.api.stack import REDIS_URL, Stack
 from tgq.api.db import create_engine
 from tgq.api.db.migrate import upgrade
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.timeout(300)
 CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"
@@ -125,7 +125,7 @@ async def _results_of(database_url: str, batch_id: str) -> tuple[int, int, int]:
 def starts_per_request(stack: Stack) -> dict[str, int]:
     """How many times a batcher started each request (the started log of the transport)."""
     client = redis.Redis.from_url(REDIS_URL)
-    stream = RedisTransport(client, stack.prefix).keys.started
+    stream = RedisKeys(stack.prefix).started
     counts: dict[str, int] = {}
     entries: Any = client.xrange(stream)
     for _, fields in entries:

@@ -24,7 +24,8 @@ from tgq.api.service import job_params
 from tgq.api.settings import Settings
 from tgq.api.validated import GenerationParams
 from tgq.batcher.request import Priority
-from tgq.batcher.transport.redis import RedisTransport
+from tgq.batcher.transport.blocking import BlockingApiTransport
+from tgq.batcher.transport.redis import RedisBatcherTransport
 from tgq.bulk.celery_app import make_app
 from tgq.gpu_worker.plan import SamplingParams
 
@@ -111,23 +112,26 @@ def test_beat_and_a_worker_re_enqueue_what_redis_lost(
     deployment: dict[str, str], tmp_path: Path
 ) -> None:
     job_id = lost_job(deployment["DATABASE_URL"], num_items=3)
-    transport = RedisTransport(redis.Redis.from_url(REDIS_URL), deployment["REDIS_PREFIX"])
+    prefix = deployment["REDIS_PREFIX"]
+    api = BlockingApiTransport.from_url(REDIS_URL, prefix)
+    batcher = RedisBatcherTransport(redis.Redis.from_url(REDIS_URL), prefix)
     processes = [start("worker", deployment, tmp_path), start("beat", deployment, tmp_path)]
     try:
         deadline = time.monotonic() + 60
-        while transport.queue_depth() < 3:
+        while api.queue_depth() < 3:
             for process in processes:
                 assert process.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
             assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
             time.sleep(0.2)
-        pulled = transport.pull("b0", 10, 0)
+        pulled = batcher.pull("b0", 10, 0)
         assert sorted(d.request.request_id for d in pulled) == [
             request_id_of(job_id, i) for i in range(3)
         ]
         assert all(d.request.stopping.max_new_tokens == 4 for d in pulled)
         time.sleep(1.5)  # more beats: nothing is enqueued twice (Redis knows them now)
-        assert transport.queue_depth() == 3  # the 3 pulled, still pending, and nothing else
+        assert api.queue_depth() == 3  # the 3 pulled, still pending, and nothing else
     finally:
+        api.close()
         for process in processes:
             process.terminate()
         for process in processes:

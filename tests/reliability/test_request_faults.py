@@ -40,8 +40,8 @@ from tgq.api.db import create_engine
 from tgq.batcher.faults import FailingRunner, InjectedFaultError, inject_fault, parse_fault
 from tgq.batcher.messages import FinalResult, Heartbeat
 from tgq.batcher.request import Priority
-from tgq.batcher.transport.redis import decode_final, decode_heartbeat
 from tgq.batcher.transport.redis_keys import RedisKeys
+from tgq.batcher.transport.redis_wire import decode_as
 
 FAST_BEATS = ("--heartbeat-ttl-s", "1")  # a heartbeat every 0.25 s: KV state seen promptly
 NUM_USABLE_BLOCKS = NUM_BLOCKS - 1  # block 0 is reserved
@@ -106,7 +106,7 @@ def redis_client() -> redis.Redis:
 
 def heartbeat(stack: Stack, batcher_id: str = "b0") -> Heartbeat | None:
     data: Any = redis_client().get(RedisKeys(stack.prefix).heartbeat(batcher_id))
-    return None if data is None else decode_heartbeat(data)
+    return None if data is None else decode_as(data, Heartbeat)
 
 
 def is_idle(beat: Heartbeat | None) -> bool:
@@ -138,7 +138,7 @@ def final_reason(stack: Stack, request_id: str) -> tuple[str, int] | None:
     data: Any = redis_client().get(RedisKeys(stack.prefix).final(request_id))
     if data is None:
         return None
-    final = decode_final(data)
+    final = decode_as(data, FinalResult)
     return final.finish_reason, final.num_output_tokens
 
 
@@ -256,7 +256,7 @@ class Watcher:
                 del self._events[request_id]
         for request_id, data in zip(final_ids, replies[len(event_ids) :], strict=True):
             if data is not None:
-                self._finals.pop(request_id).set_result((decode_final(data), now))
+                self._finals.pop(request_id).set_result((decode_as(data, FinalResult), now))
 
 
 class Gate:
