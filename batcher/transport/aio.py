@@ -1,13 +1,13 @@
 """The api side of the transport, for asyncio: the api's event loop must never block.
 
-`AsyncRedisApiTransport` is the api's side of Redis, the one implementation of it: enqueue,
-abort, follow token streams (through the replica's `TokenHub`), read and persist final results,
-the started log, the epoch. It speaks the layout of `redis_keys.py` and the entry format and
-consumer-group rule of `redis_wire.py` with `redis.asyncio` (each waiting reader holds one pooled
-connection while it blocks, so the pool is sized to the api's concurrency); the batcher's side is
-`redis.RedisBatcherTransport`. `ThreadedApiTransport` runs the in-process transport (`tgq serve`)
-on its own thread pool. Both honour the contract of `base.ApiTransport`; a synchronous caller
-uses them through `blocking.BlockingApiTransport`.
+`AsyncRedisApiTransport` is the one implementation of the api's side of Redis: enqueue, abort,
+follow token streams (through the replica's `TokenHub`), read and persist final results, the
+started log, the epoch. It speaks `redis_keys.py`'s layout and `redis_wire.py`'s entry format
+and consumer-group rule with `redis.asyncio` (a waiting final or started reader holds one pooled
+connection while it blocks, so the pool is sized to the api's concurrency); the batcher's side
+is `redis.RedisBatcherTransport`. `ThreadedApiTransport` runs the in-process transport (`tgq
+serve`) on its own thread pool. Both honour `base.ApiTransport`'s contract, awaited;
+`blocking.BlockingApiTransport` serves either to synchronous callers.
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ class AsyncRedisApiTransport:
         except redis.ResponseError as error:
             if not is_missing_group(error):
                 raise
-        log.info("no consumer group %r on the finals stream (a new or emptied Redis): creating")
+        log.info("no consumer group %r on the finals stream (a new or emptied Redis)", PERSISTERS)
         await self._create_groups(keys=[self.keys.finals], args=[PERSISTERS])
         return await command()
 

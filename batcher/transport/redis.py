@@ -1,4 +1,4 @@
-"""The batcher's side of the Redis transport (synchronous: the batcher's step loop is a thread):
+"""The batcher's side of the Redis transport (synchronous, as the batcher's step loop is):
 pull requests, publish their tokens and final results, ack, heartbeat, reclaim. The api's side
 is `aio.AsyncRedisApiTransport`; what both share (key names, entry encoding, consumer groups):
 `redis_keys.py` and `redis_wire.py`.
@@ -89,7 +89,7 @@ class RedisBatcherTransport:
         except redis.ResponseError as error:
             if not is_missing_group(error):
                 raise
-        log.info("no consumer group %r on the request queues (a new or emptied Redis): creating")
+        log.info("no consumer group %r on the request queues (a new or emptied Redis)", GROUP)
         self._create_groups(keys=[self.keys.queue(p) for p in Priority], args=[GROUP])
         return command()
 
