@@ -1,4 +1,5 @@
-"""The metrics exposition: TGI's exact names (counters without `_total`), types, and values."""
+"""The metrics exposition: TGI's exact names (counters without `_total`, no `_created`), types,
+and values, as prometheus_client writes them (`le="1.0"`, `3.0`)."""
 
 from __future__ import annotations
 
@@ -83,9 +84,20 @@ def new_metrics() -> Metrics:
 def test_names_and_types_are_tgis_with_no_total_suffix() -> None:
     types, samples = parse(new_metrics())
     assert types == TGI_TYPES | TGQ_TYPES
-    assert not any("_total" in series for series in samples)
+    assert not any("_total" in series or "_created" in series for series in samples)
     assert samples["tgi_request_count"] == 0
     assert samples["tgi_queue_size"] == 0
+
+
+def test_each_instance_counts_apart() -> None:
+    """Two apps in one process (the tests start several) keep their own registries."""
+    first, second = new_metrics(), new_metrics()
+    first.on_request()
+    first.set_batchers([beat("b0", 5, 75, 1000, 640)])
+    _, samples = parse(second)
+    assert samples["tgi_request_count"] == 0
+    assert samples["tgq_batchers_alive"] == 0
+    assert parse(first)[1]["tgi_request_count"] == 1
 
 
 def test_counters_count_and_labels_separate_series() -> None:
@@ -167,11 +179,11 @@ def test_success_feeds_every_request_histogram() -> None:
     assert samples["tgi_request_validation_duration_sum"] == 0.004
     assert samples["tgi_request_mean_time_per_token_duration_count"] == 1
     assert samples["tgi_request_input_length_sum"] == 1070
-    assert samples['tgi_request_input_length_bucket{le="100"}'] == 0
-    assert samples['tgi_request_input_length_bucket{le="200"}'] == 1
-    assert samples['tgi_request_input_length_bucket{le="1000"}'] == 2
-    assert samples['tgi_request_generated_tokens_bucket{le="200"}'] == 2
-    assert samples['tgi_request_max_new_tokens_bucket{le="200"}'] == 2
+    assert samples['tgi_request_input_length_bucket{le="100.0"}'] == 0
+    assert samples['tgi_request_input_length_bucket{le="200.0"}'] == 1
+    assert samples['tgi_request_input_length_bucket{le="1000.0"}'] == 2
+    assert samples['tgi_request_generated_tokens_bucket{le="200.0"}'] == 2
+    assert samples['tgi_request_max_new_tokens_bucket{le="200.0"}'] == 2
 
 
 def test_histogram_buckets_are_cumulative_and_inf_equals_count() -> None:
@@ -181,7 +193,7 @@ def test_histogram_buckets_are_cumulative_and_inf_equals_count() -> None:
         metrics.observe_ttft(seconds)
     _, samples = parse(metrics)
     name = "tgq_time_to_first_token_seconds"
-    buckets = [samples[f'{name}_bucket{{le="{bound:g}"}}'] for bound in LATENCY_BUCKETS_S]
+    buckets = [samples[f'{name}_bucket{{le="{bound!r}"}}'] for bound in LATENCY_BUCKETS_S]
     expected = [sum(seconds <= bound for seconds in observed) for bound in LATENCY_BUCKETS_S]
     assert buckets == expected
     assert samples[f'{name}_bucket{{le="+Inf"}}'] == samples[f"{name}_count"] == len(observed)
@@ -191,9 +203,9 @@ def test_histogram_buckets_are_cumulative_and_inf_equals_count() -> None:
 def test_token_buckets_end_at_the_limits() -> None:
     _, samples = parse(Metrics(max_input_tokens=4096, max_total_tokens=8192))
     assert 'tgi_request_input_length_bucket{le="409.6"}' in samples
-    assert 'tgi_request_input_length_bucket{le="4096"}' in samples
-    assert 'tgi_request_generated_tokens_bucket{le="8192"}' in samples
-    assert 'tgi_request_max_new_tokens_bucket{le="8192"}' in samples
+    assert 'tgi_request_input_length_bucket{le="4096.0"}' in samples
+    assert 'tgi_request_generated_tokens_bucket{le="8192.0"}' in samples
+    assert 'tgi_request_max_new_tokens_bucket{le="8192.0"}' in samples
 
 
 def test_job_counts_always_show_all_five_statuses() -> None:
@@ -210,7 +222,7 @@ def test_label_values_are_escaped() -> None:
     err = 'say "hi"\\ok\nbye'
     metrics.on_failure(err)
     text = metrics.render().decode()
-    assert 'tgi_request_failure{err="say \\"hi\\"\\\\ok\\nbye"} 1\n' in text
+    assert 'tgi_request_failure{err="say \\"hi\\"\\\\ok\\nbye"} 1.0\n' in text
     families = {family.name: family for family in text_string_to_metric_families(text)}
     failures = {s.labels["err"]: s.value for s in families["tgi_request_failure"].samples}
     assert failures[err] == 1
