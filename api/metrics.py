@@ -1,7 +1,7 @@
 """The api process's Prometheus metrics: TGI's names (`tgi_*`) and what TGI lacks (`tgq_*`).
 
 `prometheus_client` holds the values and writes the text format 0.0.4, with two differences TGI's
-Rust exporter makes: a counter has no `_total` suffix (`tgi_request_count 3`), and no metric has
+Rust exporter makes: a counter has no `_total` suffix (`tgi_request_count 3.0`), and no metric has
 a `_created` series. Each `Metrics` has its own registry, so several apps share one process.
 """
 
@@ -99,7 +99,7 @@ class BatcherCollector(Collector):
 def without_total_suffix(registry: CollectorRegistry) -> Callable[[str], str]:
     """Takes off the `_total` that prometheus_client's text format appends to each counter of
     `registry`, on its samples and in its `# HELP` / `# TYPE` lines (TGI writes
-    `tgi_request_count 3`)."""
+    `tgi_request_count 3.0`)."""
     counters = sorted(family.name for family in registry.collect() if family.type == "counter")
     names = "|".join(re.escape(name) for name in counters)
     pattern = re.compile(rf"^(# (?:HELP|TYPE) )?({names})_total\b", re.MULTILINE)
