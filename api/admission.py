@@ -10,6 +10,7 @@ flight (prompt + max new tokens) are under `max_queued_tokens`. Otherwise: `Over
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class Ticket:
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
+        self.admitted_at = time.time()
         self.num_tokens = 0
         self.is_released = False
 
@@ -42,12 +44,6 @@ class Ticket:
             self.is_released = True
             self._admission.num_in_flight -= 1
             self._admission.num_tokens -= self.num_tokens
-
-    def __enter__(self) -> Ticket:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class Admission:

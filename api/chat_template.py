@@ -8,8 +8,9 @@ tokenize=False)` without importing transformers or torch: the same sandboxed Jin
 `strftime_now`), the same `tojson` filter, the same variables (`messages`, `tools`, `documents`,
 `add_generation_prompt`, the special tokens) and the same message clean-up (keys whose value is
 `None` are dropped). Templates are untrusted code from the model repo, so everything that goes
-wrong while compiling or rendering one becomes a `TemplateError` whose message the route returns
-as a 422, worded like TGI's ("Template error: ...").
+wrong while compiling or rendering one becomes a `TemplateError`, which a request answers with a
+422 (`api.chat_prompt`); the client reads its message after TGI's "Template error: ", which the
+api's error adds.
 
 `normalize_messages` is the step before: OpenAI content may be a list of parts, while most
 templates concatenate `message['content']` as a string, so parts are flattened the way TGI does.
@@ -46,7 +47,7 @@ NO_TEMPLATE_MESSAGE = (
 
 
 class TemplateError(Exception):
-    """The chat template could not be compiled or rendered; the message is what the client sees."""
+    """The chat template could not be compiled or rendered (the message says why)."""
 
 
 class NoChatTemplateError(TemplateError):
@@ -94,10 +95,10 @@ _ENVIRONMENT = _make_environment()  # stateless once built; shared by every Chat
 
 def _describe(exc: Exception) -> str:
     if isinstance(exc, jinja2.TemplateSyntaxError):
-        return f"Template error: syntax error: {exc.message} (line {exc.lineno})"
+        return f"syntax error: {exc.message} (line {exc.lineno})"
     if isinstance(exc, jinja2.TemplateError):
-        return f"Template error: {exc}"
-    return f"Template error: {type(exc).__name__}: {exc}"
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _token_text(value: Any) -> str | None:
@@ -159,8 +160,7 @@ class ChatTemplate:
             return "default"
         names = ", ".join(sorted(self.templates))
         raise TemplateError(
-            f"Template error: this model has several chat templates and none is named "
-            f"'default' (found: {names})"
+            f"this model has several chat templates and none is named 'default' (found: {names})"
         )
 
     def render(

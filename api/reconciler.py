@@ -22,22 +22,21 @@ grace, instead of within `reconcile_interval_s` + `reconcile_grace_s`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tgq.api.db import batches as db_batches
 from tgq.api.db import store
 from tgq.api.settings import Settings
-from tgq.batcher.messages import SubmitRequest
-from tgq.batcher.request import Priority, StoppingParams
+
+# Re-exported: bulk/batches/window.py imports it from here until it imports from api.submit
+# (issue 24).
+from tgq.api.submit import rebuild_request as rebuild_request  # noqa: PLC0414
 from tgq.batcher.transport.aio import AsyncApiTransport, Epoch
-from tgq.gpu_worker.plan import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -108,42 +107,6 @@ async def resume_batches(
         log.warning("reconciler: batch %s has no live runner: starting one", batch_id)
         await start(batch_id)
     return lapsed
-
-
-def rebuild_request(
-    item: store.ItemRecord,
-    job: store.JobRecord,
-    settings: Settings,
-    eos: frozenset[int],
-    *,
-    attempt: int | None = None,
-) -> SubmitRequest:
-    """The item's request as it was first submitted (same rules as `api.service`), as attempt
-    `attempt` (default: the one after the item's last)."""
-    params: dict[str, Any] = item.params or job.params or {}
-    sampling = SamplingParams(**params.get("sampling", {}))
-    copies = max(params.get("best_of", 1), params.get("num_choices", 1))
-    copy = item.item_index % copies
-    if copy and sampling.seed is not None:
-        sampling = dataclasses.replace(sampling, seed=sampling.seed + copy)
-    num_prompt = len(item.prompt_token_ids)
-    max_new_tokens = params.get("max_new_tokens") or max(settings.max_total_tokens - num_prompt, 1)
-    stopping = StoppingParams(
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos,
-        stop_strings=tuple(params.get("stop_strings", ())),
-        ignore_eos=params.get("ignore_eos", False),
-    )
-    deadline = None if job.deadline is None else job.deadline.timestamp()
-    return SubmitRequest(
-        item.request_id,
-        item.prompt_token_ids,
-        sampling,
-        stopping,
-        Priority(job.priority if job.priority is not None else Priority.BULK),
-        deadline,
-        attempt=attempt or max(item.attempts, 1) + 1,
-    )
 
 
 class EpochWatch:

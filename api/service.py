@@ -19,10 +19,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Receive
@@ -30,9 +30,14 @@ from starlette.types import Receive
 from tgq.api.admission import Admission, Ticket
 from tgq.api.db import store
 from tgq.api.errors import ApiError, GenerationError, TemplateError, UnavailableError
-from tgq.api.generation import Recorder, follow, new_job_id, request_id_of
+from tgq.api.generation import Recorder, follow, new_job_id
 from tgq.api.metrics import Metrics
 from tgq.api.settings import Settings
+
+# Re-exported: bulk/batches/validating.py and tests/bulk import it from here until they import
+# from api.submit (issue 24).
+from tgq.api.submit import job_items, job_requests, num_copies
+from tgq.api.submit import job_params as job_params  # noqa: PLC0414
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.api.validated import GenerationParams, ValidatedRequest
 from tgq.api.validation import validate_tokens
@@ -53,7 +58,7 @@ class Run:
     requests: list[SubmitRequest]
     copies: int  # items per prompt
     ticket: Ticket
-    started_at: float  # time.time() when the HTTP request arrived
+    started_at: float  # time.time() when the HTTP request was admitted
     validated_at: float
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -91,6 +96,18 @@ class Generation:
         self._background: set[asyncio.Task[None]] = set()
         self._runs: dict[str, Run] = {}  # by job id: the requests this replica's clients wait for
 
+    @contextmanager
+    def admitted(self, *, num_requests: int = 1) -> Iterator[Ticket]:
+        """Admits a request (429 before any other work) for the body of the `with`, which
+        validates and starts it. A body that raises gives the ticket back and counts why: the
+        request never started. A started request keeps its ticket until its run ends."""
+        ticket = self.admit(num_requests=num_requests)
+        try:
+            yield ticket
+        except BaseException as error:
+            self._abandon(ticket, error)
+            raise
+
     def admit(self, *, num_requests: int = 1) -> Ticket:
         self.metrics.on_request()
         try:
@@ -105,8 +122,7 @@ class Generation:
         ticket.release()
         self.metrics.set_in_flight(self.admission.num_in_flight)
 
-    def abandon(self, ticket: Ticket, error: BaseException) -> None:
-        """An admitted request that never started: its slot back, its failure counted."""
+    def _abandon(self, ticket: Ticket, error: BaseException) -> None:
         self.release(ticket)
         if isinstance(error, ApiError) and error.status_code == 422:
             self.metrics.on_failure(
@@ -149,27 +165,14 @@ class Generation:
         ticket: Ticket,
         *,
         route: str,
-        started_at: float,
         api_key_id: int | None = None,
         keep_events: bool = False,
     ) -> Run:
         """Records the request as a job, commits it, enqueues its items."""
         validated_at = time.time()
         params = prompts[0].params
-        copies = max(params.best_of, params.num_choices)
         job_id = new_job_id()
-        requests = [
-            SubmitRequest(
-                request_id_of(job_id, index * copies + copy),
-                prompt.prompt_token_ids,
-                _copy_sampling(prompt, copy),
-                prompt.stopping,
-                prompt.priority,
-                prompt.deadline,
-            )
-            for index, prompt in enumerate(prompts)
-            for copy in range(copies)
-        ]
+        requests = job_requests(job_id, prompts)
         ticket.add_tokens(
             sum(len(r.prompt_token_ids) + r.stopping.max_new_tokens for r in requests)
         )
@@ -180,13 +183,14 @@ class Generation:
             priority=int(prompts[0].priority),
             model=self.settings.model_id,
             params=job_params(params),
-            items=[(r.request_id, r.prompt_token_ids) for r in requests],
+            items=job_items(requests),
             api_key_id=api_key_id,
             deadline=_as_datetime(prompts[0].deadline),
         )
         await self.recorder.submit(job, requests)
         self.admission.note_submitted(len(requests))
-        run = Run(job_id, prompts, requests, copies, ticket, started_at, validated_at)
+        copies = num_copies(params)
+        run = Run(job_id, prompts, requests, copies, ticket, ticket.admitted_at, validated_at)
         run.keep_events = keep_events
         self._runs[job_id] = run
         return run
@@ -325,20 +329,6 @@ def check_failed(finals: Sequence[FinalResult]) -> None:
     for final in finals:
         if final.finish_reason in FAILED_REASONS:
             raise GenerationError(final.finish_detail or final.finish_reason)
-
-
-def job_params(params: GenerationParams) -> dict[str, Any]:
-    """The parameters as recorded in the job row (JSON)."""
-    values = dataclasses.asdict(params)
-    values["stop_strings"] = list(params.stop_strings)
-    return values
-
-
-def _copy_sampling(prompt: ValidatedRequest, copy: int) -> Any:
-    sampling = prompt.sampling
-    if copy == 0 or sampling.seed is None:
-        return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + copy)
 
 
 def _as_datetime(deadline: float | None) -> datetime | None:

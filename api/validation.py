@@ -66,8 +66,9 @@ from tgq.api.request_fields import check_adapter_id, check_openai_fields, check_
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest, ImagePart
 from tgq.api.schemas.tgi import GenerateParameters, default_parameters
 from tgq.api.settings import Settings
+from tgq.api.submit import resolve_max_new_tokens, stopping_params
 from tgq.api.validated import GenerationParams, ValidatedRequest
-from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.request import Priority
 from tgq.gpu_worker.plan import SamplingParams
 
 T = TypeVar("T")
@@ -378,7 +379,9 @@ def validate_tokens(
     _require(bool(token_ids), "`inputs` cannot be empty", param)
     kept_ids = token_ids[-params.truncate :] if params.truncate else token_ids
     num_input, max_total = len(kept_ids), settings.max_total_tokens
-    max_new_tokens = _default(params.max_new_tokens, max(max_total - num_input, 0))
+    max_new_tokens = resolve_max_new_tokens(
+        params.max_new_tokens, num_prompt_tokens=num_input, max_total_tokens=max_total
+    )
     _require(
         num_input + max_new_tokens <= max_total,
         f"`inputs` tokens + `max_new_tokens` must be <= {max_total}. "
@@ -397,17 +400,13 @@ def validate_tokens(
         f"Given: {min_tokens}",
         "min_tokens",
     )
-    stopping = StoppingParams(
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_token_ids,
-        stop_strings=params.stop_strings,
-        ignore_eos=params.ignore_eos,
-    )
     return ValidatedRequest(
         prompt=prompt,
         prompt_token_ids=kept_ids,
         params=params,
-        stopping=stopping,
+        stopping=stopping_params(
+            params, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
+        ),
         priority=priority,
         deadline=deadline,
     )

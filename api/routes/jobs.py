@@ -24,9 +24,8 @@ from tgq.api.db import store
 from tgq.api.errors import NotFoundError, RouteValidationError, ValidationError
 from tgq.api.generation import new_job_id, request_id_of
 from tgq.api.schemas.tgi import GenerateParameters
-from tgq.api.service import job_params
+from tgq.api.submit import job_items, job_params, job_requests
 from tgq.api.validation import check_inputs, tgi_params
-from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.request import Priority
 
 router = APIRouter(tags=["Jobs"])
@@ -168,12 +167,7 @@ async def create_job(
         prompts, params, priority=priority, deadline=deadline, param="prompt"
     )
     job_id = new_job_id()
-    requests = [
-        SubmitRequest(
-            request_id_of(job_id, i), v.prompt_token_ids, v.sampling, v.stopping, priority, deadline
-        )
-        for i, v in enumerate(validated)
-    ]
+    requests = job_requests(job_id, validated)
     job = store.NewJob(
         job_id=job_id,
         kind="job",
@@ -181,7 +175,7 @@ async def create_job(
         priority=int(priority),
         model=settings.model_id,
         params=job_params(params),
-        items=[(r.request_id, r.prompt_token_ids) for r in requests],
+        items=job_items(requests),
         idempotency_key=idempotency_key,
         idempotency_scope=_scope(request),
         fingerprint=None if idempotency_key is None else await _fingerprint(request),

@@ -14,16 +14,15 @@ copies), a multiple of the KV block size.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from tgq.api.admission import Ticket
 from tgq.api.app import VERSION, AppState, state_of
-from tgq.api.chat_template import InvalidMessageError, NoChatTemplateError, normalize_messages
-from tgq.api.chat_template import TemplateError as RenderError
-from tgq.api.errors import ApiError, GenerationError, TemplateError, ValidationError, error_body
+from tgq.api.chat_prompt import render_chat
+from tgq.api.errors import ApiError, GenerationError, error_body
 from tgq.api.routes.tgi import output_text
 from tgq.api.schemas.openai import (
     ChatCompletion,
@@ -107,42 +106,23 @@ def _token_logprobs(state: AppState, event: TokenEvent) -> list[ChatTokenLogprob
 
 
 async def _start(
-    request: Request, prompts: Sequence[str], params: GenerationParams, *, route: str, param: str
+    request: Request,
+    ticket: Ticket,
+    prompts: Sequence[str],
+    params: GenerationParams,
+    *,
+    route: str,
+    param: str,
 ) -> Run:
-    state = state_of(request)
-    generation = state.generation
+    generation = state_of(request).generation
     validated = await generation.validate(prompts, params, param=param)
     return await generation.start(
         validated,
-        request.state.ticket,
+        ticket,
         route=route,
-        started_at=request.state.started_at,
         api_key_id=request.state.api_key_id,
         keep_events=params.sampling.wants_logprobs,
     )
-
-
-def _admit(request: Request, *, num_requests: int = 1) -> None:
-    request.state.started_at = time.time()
-    request.state.ticket = state_of(request).generation.admit(num_requests=num_requests)
-
-
-def _abandon(request: Request, error: BaseException) -> None:
-    state_of(request).generation.abandon(request.state.ticket, error)
-
-
-async def _render_chat(state: AppState, body: ChatCompletionRequest) -> str:
-    template = state.tokenizer.chat_template
-    if template is None:
-        raise TemplateError(str(NoChatTemplateError()))
-    try:
-        messages = normalize_messages([m.model_dump(exclude_none=True) for m in body.messages])
-    except InvalidMessageError as error:
-        raise ValidationError(str(error), param="messages") from error
-    try:
-        return await state.tokenizer.run(template.render, messages, add_generation_prompt=True)
-    except RenderError as error:
-        raise TemplateError(str(error)) from error
 
 
 # --- chat --------------------------------------------------------------------------------------
@@ -152,16 +132,12 @@ async def _render_chat(state: AppState, body: ChatCompletionRequest) -> str:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """OpenAI chat completions; `stream: true` for Server-Sent Events."""
     state = state_of(request)
-    _admit(request)
-    try:
+    with state.generation.admitted() as ticket:
         params = chat_params(body, state.settings)
-        prompt = await _render_chat(state, body)
+        prompt = await render_chat(state.tokenizer, body.messages)
         run = await _start(
-            request, [prompt], params, route="/v1/chat/completions", param="messages"
+            request, ticket, [prompt], params, route="/v1/chat/completions", param="messages"
         )
-    except BaseException as error:
-        _abandon(request, error)
-        raise
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     if body.stream:
         return sse_response(_chat_chunks(state, run, include_usage=include_usage), {})
@@ -261,14 +237,12 @@ def _content_chunk(
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """OpenAI (legacy) completions: one prompt or a list of them."""
     state = state_of(request)
-    _admit(request)
-    try:
+    with state.generation.admitted() as ticket:
         params = completion_params(body, state.settings)
         prompts = completion_prompts(body, state.settings)
-        run = await _start(request, prompts, params, route="/v1/completions", param="prompt")
-    except BaseException as error:
-        _abandon(request, error)
-        raise
+        run = await _start(
+            request, ticket, prompts, params, route="/v1/completions", param="prompt"
+        )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     if body.stream:
         return sse_response(_completion_chunks(state, run, include_usage=include_usage), {})

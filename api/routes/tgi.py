@@ -149,10 +149,9 @@ async def start_generation(
     return_full_text_default: bool = False,
 ) -> Run:
     """Admit (429 before anything else), validate and tokenize (422), record and enqueue."""
-    state, started_at = state_of(request), time.time()
+    state = state_of(request)
     generation = state.generation
-    ticket = generation.admit()
-    try:
+    with generation.admitted() as ticket:
         check_tgi_fields(body)
         params = tgi_params(
             body.parameters,
@@ -166,13 +165,9 @@ async def start_generation(
             prompts,
             ticket,
             route=route,
-            started_at=started_at,
             api_key_id=request.state.api_key_id,
             keep_events=params.top_n_tokens > 0,
         )
-    except BaseException as error:
-        generation.abandon(ticket, error)
-        raise
 
 
 async def generate_once(request: Request, body: GenerateRequest, *, route: str) -> Response:

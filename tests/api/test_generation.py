@@ -10,11 +10,13 @@ import time
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
+from tokenizers import Tokenizer
+from tokenizers.models import BPE
 
 from tgq.api.admission import Admission, Limits
 from tgq.api.app import Health
 from tgq.api.db import create_engine, store
-from tgq.api.errors import OverloadedError, UnavailableError
+from tgq.api.errors import OverloadedError, TemplateError, UnavailableError, ValidationError
 from tgq.api.generation import (
     RECANCEL_S,
     Persister,
@@ -24,6 +26,10 @@ from tgq.api.generation import (
     parse_request_id,
     request_id_of,
 )
+from tgq.api.metrics import Metrics
+from tgq.api.service import Generation
+from tgq.api.settings import Settings
+from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher.messages import FinalResult, SubmitRequest
 from tgq.batcher.request import StoppingParams
 from tgq.batcher.transport.aio import ThreadedApiTransport
@@ -237,6 +243,49 @@ def test_admission_limits() -> None:
         admission.check_queue(2)
     assert rejected == ["concurrency", "queue_tokens", "queue_requests"]
     assert (admission.num_in_flight, admission.num_tokens) == (0, 0)
+
+
+def test_admitted_gives_the_ticket_back_only_when_the_request_never_started(
+    pg_engine: AsyncEngine,
+) -> None:
+    """The routes' admit, then validate and start: a start that raises frees the slot and
+    counts why (a 422 as `validation` or `template`); one that returns keeps its ticket."""
+    settings = Settings.model_validate({})
+    metrics = Metrics(max_input_tokens=6, max_total_tokens=10)
+    admission = Admission(
+        Limits(max_concurrent_requests=1, max_queued_requests=5, max_queued_tokens=100,
+               retry_after_s=1),
+    )  # fmt: skip
+
+    async def run() -> None:
+        transport = ThreadedApiTransport(MemoryTransport(), max_workers=1)
+        tokenizer = ModelTokenizer(Tokenizer(BPE()), max_workers=1)
+        generation = Generation(
+            settings=settings, engine=pg_engine, transport=transport, tokenizer=tokenizer,
+            metrics=metrics, admission=admission, recorder=Recorder(pg_engine, transport),
+        )  # fmt: skip
+        for error in (ValidationError("bad"), TemplateError("broken"), asyncio.CancelledError()):
+            with pytest.raises(type(error)), generation.admitted():
+                await asyncio.sleep(0)
+                raise error
+            assert admission.num_in_flight == 0
+        with generation.admitted() as ticket:
+            await asyncio.sleep(0)
+        assert admission.num_in_flight == 1 and not ticket.is_released
+        with pytest.raises(OverloadedError), generation.admitted():  # the held ticket's slot
+            pytest.fail("a refused request runs nothing")
+        generation.release(ticket)
+        assert admission.num_in_flight == 0
+        tokenizer.close()
+        await transport.close()
+
+    asyncio.run(run())
+    lines = [line for line in metrics.render().decode().splitlines() if not line.startswith("#")]
+    samples = {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)}
+    assert samples['tgi_request_failure{err="validation"}'] == 1
+    assert samples['tgi_request_failure{err="template"}'] == 1
+    assert samples['tgi_request_failure{err="overloaded"}'] == 1
+    assert samples["tgi_request_count"] == 5
 
 
 def test_health_names_its_problem() -> None:

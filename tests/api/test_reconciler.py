@@ -14,10 +14,10 @@ import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tgq.api.db import store
-from tgq.api.generation import new_job_id, request_id_of
-from tgq.api.reconciler import EPOCH_SETTLE_S, rebuild_request, reconcile_once
-from tgq.api.service import job_params
+from tgq.api.generation import new_job_id
+from tgq.api.reconciler import EPOCH_SETTLE_S, reconcile_once
 from tgq.api.settings import Settings
+from tgq.api.submit import job_items, job_params, job_requests, rebuild_request
 from tgq.api.validated import GenerationParams
 from tgq.api.validation import validate_tokens
 from tgq.batcher.messages import SubmitRequest
@@ -50,22 +50,18 @@ def submitted(num_copies: int = 2) -> tuple[store.NewJob, list[SubmitRequest]]:
         sampling=sampling, max_new_tokens=None, stop_strings=("\n\n",), num_choices=num_copies
     )
     job_id = new_job_id()
-    requests = []
-    for index, prompt_ids in enumerate([[5, 6, 7], [8, 9]]):
-        validated = validate_tokens(
-            prompt="p", token_ids=prompt_ids, params=params, settings=SETTINGS, eos_token_ids=EOS
+    validated = [
+        validate_tokens(
+            prompt="p",
+            token_ids=prompt_ids,
+            params=params,
+            settings=SETTINGS,
+            priority=Priority.BULK,
+            eos_token_ids=EOS,
         )
-        for copy in range(num_copies):
-            seeded = dataclasses.replace(sampling, seed=11 + copy)
-            requests.append(
-                SubmitRequest(
-                    request_id_of(job_id, index * num_copies + copy),
-                    validated.prompt_token_ids,
-                    seeded,
-                    validated.stopping,
-                    Priority.BULK,
-                )
-            )
+        for prompt_ids in ([5, 6, 7], [8, 9])
+    ]
+    requests = job_requests(job_id, validated)
     job = store.NewJob(
         job_id=job_id,
         kind="job",
@@ -73,7 +69,7 @@ def submitted(num_copies: int = 2) -> tuple[store.NewJob, list[SubmitRequest]]:
         priority=int(Priority.BULK),
         model="m",
         params=job_params(params),
-        items=[(r.request_id, r.prompt_token_ids) for r in requests],
+        items=job_items(requests),
     )
     return job, requests
 
