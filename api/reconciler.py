@@ -3,9 +3,9 @@
 Postgres is the record; Redis only carries work. An item that is still open (queued or running)
 some time after it was committed, and that the transport has no trace of (`missing`: Redis was
 flushed or restarted without persistence, or the enqueue after the commit failed), is rebuilt
-from its row (prompt token ids) and its job's recorded parameters, and submitted again with the
-next attempt number. A duplicate run is harmless: the first final result wins, in Redis and in
-the results table.
+from its row (prompt token ids) and its job's recorded parameters (`api.submit.rebuild_request`),
+and submitted again with the next attempt number. A duplicate run is harmless: the first final
+result wins, in Redis and in the results table.
 
 Interactive items are the exception: the reconciler never runs one again. Its client waits on
 one api replica, and only that replica enqueues it again when the transport loses it
