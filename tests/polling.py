@@ -1,0 +1,28 @@
+"""Waiting for a state instead of sleeping for it: `eventually` polls a condition within a
+deadline, so a test passes as soon as the state holds and fails with a message that names it.
+
+Plain Python, no pytest: any test module (and the benchmarks) can wait with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def eventually(
+    condition: Callable[[], T], timeout_s: float, message: str, *, interval_s: float = 0.05
+) -> T:
+    """Calls `condition` every `interval_s` until it returns something truthy, and returns that;
+    raises AssertionError naming `message` and the last value if `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {message} (last: {value!r})")
+        time.sleep(interval_s)
