@@ -14,15 +14,21 @@ T = TypeVar("T")
 
 
 def eventually(
-    condition: Callable[[], T], timeout_s: float, message: str, *, interval_s: float = 0.05
+    condition: Callable[[], T],
+    timeout_s: float,
+    message: str | Callable[[], object],
+    *,
+    interval_s: float = 0.05,
 ) -> T:
     """Calls `condition` every `interval_s` until it returns something truthy, and returns that;
-    raises AssertionError naming `message` and the last value if `timeout_s` passes first."""
+    raises AssertionError naming what it waited for and the last value if `timeout_s` passes
+    first. `message` is that name, or a callable that tells more when it fails (a log's tail)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {message} (last: {value!r})")
+            told = message() if callable(message) else message
+            raise AssertionError(f"not within {timeout_s:g} s: {told} (last: {value!r})")
         time.sleep(interval_s)
