@@ -25,8 +25,14 @@ import httpx
 import pytest
 import redis
 
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import REDIS_URL, free_port, wait_healthy, write_text_model
+from tests.api.stack import (
+    REDIS_URL,
+    create_database,
+    drop_database,
+    free_port,
+    wait_healthy,
+    write_text_model,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"  # the local CPU build: any other torch downloads gigabytes
@@ -150,7 +156,7 @@ def _assert_kernels_is_hugging_faces(venv: Path, cwd: Path) -> dict[str, object]
 def _serving(venv: Path, model_dir: Path, workdir: Path) -> Iterator[str]:
     """`tgq serve` of `venv`, run in `workdir` on a fresh database and a Redis prefix of its own;
     stopped (and its database dropped, its Redis keys deleted) whatever happens."""
-    database_url, prefix, port = _create_database(), f"test-install-{uuid.uuid4().hex}", free_port()
+    database_url, prefix, port = create_database(), f"test-install-{uuid.uuid4().hex}", free_port()
     env = _env(
         DATABASE_URL=database_url, REDIS_URL=REDIS_URL, REDIS_PREFIX=prefix, PORT=str(port),
         HOSTNAME="127.0.0.1", MODEL_DIR=str(model_dir), MAX_TOTAL_TOKENS="1024",
@@ -196,7 +202,7 @@ def _forget(database_url: str, prefix: str) -> None:
             client.delete(*keys)
     finally:
         client.close()
-        _drop_database(database_url)
+        drop_database(database_url)
 
 
 def _complete_requests(url: str) -> None:

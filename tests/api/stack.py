@@ -1,32 +1,60 @@
-"""The real stack for HTTP tests: a tiny text model (random weights, a tokenizer trained here, a
-chat template), a batcher process on Redis, and the api as a uvicorn process on Postgres.
+"""The real stack, for the HTTP tests and the HTTP benchmarks alike: Postgres (a database of its
+own), Redis, batcher processes, Celery workers and the api as a uvicorn process.
 
-`Stack` starts and stops the processes; the fixtures in `conftest.py` share one per module.
+`Stack` starts and stops the processes and `running` holds one up for a block; the fixtures in
+`conftest.py` share one per module. Around it: free ports, the Postgres admin (databases made
+and dropped), a private redis-server, and the tests' tiny text model (random weights, a
+tokenizer trained here, a chat template). Plain Python, no pytest: `bench/` imports it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import secrets
+import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import redis
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
+from tests.polling import eventually
+from tgq.api.db import create_engine
+from tgq.api.db.migrate import upgrade
 from tgq.devtools.demo import add_chat_template
 from tgq.devtools.random_model import make_config, write_model
 from tgq.devtools.tokenizer import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = "redis://127.0.0.1:6379/0"
+# Set `TGQ_TEST_POSTGRES` to the admin URL of another server (default: root on 127.0.0.1:5432).
+ADMIN_URL = os.environ.get("TGQ_TEST_POSTGRES", "postgresql+asyncpg://root@127.0.0.1:5432/postgres")
 NUM_BLOCKS = 512
 BLOCK_SIZE = 16
+# What a test stack's processes run with: one torch thread each; an api that waits at most 5 s
+# for requests still admitted when it stops (30 s by default) and takes 1024 tokens per
+# sequence, not the test model's whole context (4096): the messages the tests spell, and short
+# default generations.
+TEST_SETTINGS = {
+    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DRAIN_TIMEOUT_S": "5",
+    "MAX_TOTAL_TOKENS": "1024",
+}  # fmt: skip
+# A test batcher's size: a small KV cache, batches of at most 64, a heartbeat that lapses in 4 s.
+TEST_BATCHER_SIZING = (
+    "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-batch-size", "64",
+    "--heartbeat-ttl-s", "4",
+)  # fmt: skip
 
 
 def write_text_model(path: Path, *, chat_template: bool = True, seed: int = 7) -> Path:
@@ -45,17 +73,118 @@ def free_port() -> int:
         return port
 
 
-def _env(**extra: str) -> dict[str, str]:
+# --- Postgres and Redis -------------------------------------------------------------------------
+
+
+def admin(statement: str, admin_url: str = ADMIN_URL) -> None:
+    """Runs `statement` (CREATE/DROP DATABASE) on the server's admin database, outside a
+    transaction."""
+
+    async def run() -> None:
+        engine = create_engine(admin_url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
+        async with engine.connect() as conn:
+            await conn.execute(text(statement))
+        await engine.dispose()
+
+    asyncio.run(run())
+
+
+def create_database() -> str:
+    """A new, empty database on `ADMIN_URL`'s server; its URL."""
+    name = f"tgq_test_{secrets.token_hex(6)}"
+    admin(f'CREATE DATABASE "{name}"')
+    return make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(url: str) -> None:
+    admin(f'DROP DATABASE IF EXISTS "{make_url(url).database}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def migrated_database() -> Iterator[str]:
+    """A migrated Postgres database of its own, dropped after the block."""
+    url = create_database()
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        drop_database(url)
+
+
+def delete_keys(redis_url: str, prefix: str) -> None:
+    """Deletes every key under `prefix` (a stack's, a test's)."""
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+class RedisServer:
+    """A redis-server of the caller's own on a free port: without persistence (a restart loses
+    every key), or with an append-only file in `data_dir` (as compose runs it)."""
+
+    def __init__(self, data_dir: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.data_dir = data_dir
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.start()
+
+    def start(self) -> None:
+        """Starts it (again, on the same port: empty, or with what its append-only file kept)
+        and waits until it answers."""
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        if self.data_dir is None:
+            command += ["--appendonly", "no"]
+        else:
+            command += ["--appendonly", "yes", "--appendfsync", "always"]
+            command += ["--dir", str(self.data_dir)]
+        self.processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+        client = redis.Redis(port=self.port)
+        eventually(lambda: _pings(client), 10, f"redis-server on port {self.port} answers")
+        client.close()
+
+    def kill(self) -> None:
+        self.processes[-1].kill()
+        self.processes[-1].wait()
+
+    def stop(self) -> None:
+        """A clean shutdown (SIGTERM): it writes its append-only file first."""
+        self.processes[-1].send_signal(signal.SIGTERM)
+        self.processes[-1].wait(10)
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def private_redis(data_dir: Path | None = None) -> Iterator[RedisServer]:
+    server = RedisServer(data_dir)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+# --- the stack ----------------------------------------------------------------------------------
+
+
+def process_env(**settings: str) -> dict[str, str]:
+    """This process's environment for a child, without what would point it elsewhere, plus
+    `settings`."""
     inherited = ("HOSTNAME", "PORT", "REDIS_URL", "DATABASE_URL")
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    # A test's api that stops waits at most 5 s for requests still admitted (30 s by default),
-    # and takes 1024 tokens per sequence, not the test model's whole context (4096): the
-    # messages the tests spell, and short default generations.
-    quick = {
-        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DRAIN_TIMEOUT_S": "5",
-        "MAX_TOTAL_TOKENS": "1024",
-    }  # fmt: skip
-    return {**env, **quick, **extra}
+    return {**{k: v for k, v in os.environ.items() if k not in inherited}, **settings}
 
 
 @dataclass
@@ -65,10 +194,13 @@ class Stack:
     log_dir: Path
     prefix: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex}")
     port: int = field(default_factory=free_port)
-    api_env: dict[str, str] = field(default_factory=dict)
-    batcher_options: tuple[str, ...] = ()
+    api_env: dict[str, str] = field(default_factory=dict)  # more settings of the api (and workers)
+    batcher_options: tuple[str, ...] = ()  # after `batcher_sizing`: the last of a flag wins
     name: str = "api"  # of the api's log file
     redis_url: str | None = REDIS_URL  # None: the api runs its own batcher (embedded mode)
+    settings: dict[str, str] = field(default_factory=lambda: dict(TEST_SETTINGS))  # every process's
+    batcher_sizing: tuple[str, ...] = TEST_BATCHER_SIZING
+    batcher_env: dict[str, str] = field(default_factory=dict)  # more settings of the batchers
     api: subprocess.Popen[bytes] | None = None
     batchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)  # Celery's
@@ -78,14 +210,14 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def start_batcher(self, batcher_id: str = "b0") -> subprocess.Popen[bytes]:
+        assert self.redis_url is not None, "an embedded api runs its own batcher"
         command = [
             sys.executable, "-m", "tgq.batcher", "--model-id", str(self.model_dir),
-            "--redis-url", REDIS_URL, "--prefix", self.prefix, "--batcher-id", batcher_id,
-            "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-            "--max-batch-size", "64", "--heartbeat-ttl-s", "4", *self.batcher_options,
+            "--redis-url", self.redis_url, "--prefix", self.prefix, "--batcher-id", batcher_id,
+            *self.batcher_sizing, *self.batcher_options,
         ]  # fmt: skip
-        log = open(self.log_dir / f"batcher-{batcher_id}.log", "wb")  # noqa: SIM115
-        process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=log)
+        env = process_env(**self.settings, **self.batcher_env)
+        process = self._spawn(f"batcher-{batcher_id}", command, env)
         self.batchers.append(process)
         return process
 
@@ -100,7 +232,7 @@ class Stack:
             "MODEL_DIR": str(self.model_dir),
             "FILE_STORAGE_DIR": str(self.log_dir / "files"),
         }
-        return _env(**{**shared, **self.api_env})
+        return process_env(**{**self.settings, **shared, **self.api_env})
 
     def start_worker(self, name: str = "w0") -> subprocess.Popen[bytes]:
         """A Celery worker (one task at a time) that runs this stack's batches."""
@@ -108,10 +240,7 @@ class Stack:
             sys.executable, "-m", "celery", "-A", "tgq.bulk.celery_app", "worker", "--pool", "solo",
             "--concurrency", "1", "--loglevel", "INFO", "--hostname", f"{name}@{self.prefix}",
         ]  # fmt: skip
-        log = open(self.log_dir / f"worker-{name}.log", "wb")  # noqa: SIM115
-        process = subprocess.Popen(
-            command, cwd=ROOT, env=self.service_env(), stdout=log, stderr=log
-        )
+        process = self._spawn(f"worker-{name}", command, self.service_env())
         self.workers.append(process)
         return process
 
@@ -121,10 +250,7 @@ class Stack:
             sys.executable, "-m", "celery", "-A", "tgq.bulk.celery_app", "beat", "--loglevel",
             "INFO", "--schedule", str(self.log_dir / "beat-schedule"),
         ]  # fmt: skip
-        log = open(self.log_dir / "beat.log", "wb")  # noqa: SIM115
-        process = subprocess.Popen(
-            command, cwd=ROOT, env=self.service_env(), stdout=log, stderr=log
-        )
+        process = self._spawn("beat", command, self.service_env())
         self.workers.append(process)
         return process
 
@@ -135,10 +261,7 @@ class Stack:
         """Starts the api and waits until `/health` says 200 (or, with `healthy=False`, until it
         answers at all: an api without a live batcher is up but unhealthy)."""
         env = {**self.service_env(), "PORT": str(self.port)}
-        log = open(self.log_dir / f"{self.name}.log", "wb")  # noqa: SIM115
-        self.api = subprocess.Popen(
-            [sys.executable, "-m", "tgq.api"], cwd=ROOT, env=env, stdout=log, stderr=log
-        )
+        self.api = self._spawn(self.name, [sys.executable, "-m", "tgq.api"], env)
         self.wait_healthy(timeout_s, healthy=healthy)
 
     def wait_healthy(self, timeout_s: float = 60.0, *, healthy: bool = True) -> None:
@@ -149,22 +272,71 @@ class Stack:
     def api_log(self) -> str:
         return (self.log_dir / f"{self.name}.log").read_text(errors="replace")[-4000:]
 
+    def _spawn(
+        self, log_name: str, command: list[str], env: dict[str, str]
+    ) -> subprocess.Popen[bytes]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{log_name}.log", "wb")  # noqa: SIM115 (the child holds it)
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
+
     def stop(self) -> None:
+        """Stops every process (SIGTERM to all, then SIGKILL to any still there after 30 s) and
+        deletes the prefix's keys."""
         processes = [p for p in (self.api, *self.batchers, *self.workers) if p is not None]
         for process in processes:
             if process.poll() is None:
                 process.terminate()
         for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=f"{self.prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+            _wait_or_kill(process, 30)
+        if self.redis_url is not None:
+            # A private server may be gone already, and its keys with it.
+            with contextlib.suppress(redis.ConnectionError):
+                delete_keys(self.redis_url, self.prefix)
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """SIGTERM (a clean stop drains), then SIGKILL if it has not exited within `timeout_s`."""
+    if process.poll() is None:
+        process.terminate()
+    _wait_or_kill(process, timeout_s)
+
+
+def _wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def running(
+    stack: Stack, *, batcher: bool = True, celery_worker: bool = False, timeout_s: float = 60.0
+) -> Iterator[Stack]:
+    """The stack's batcher (b0), optionally a Celery worker (it runs the batches), and its api
+    (healthy within `timeout_s`; unhealthy but up without a batcher); all stopped after."""
+    try:
+        if batcher:
+            stack.start_batcher()
+        if celery_worker:
+            stack.start_worker()
+        stack.start_api(timeout_s, healthy=batcher)
+        yield stack
+    finally:
+        stack.stop()
+
+
+@contextlib.contextmanager
+def running_stack(
+    model_dir: Path, log_dir: Path, *, celery_worker: bool = False
+) -> Iterator[Stack]:
+    """A test stack on a database of its own: one batcher process, optionally a Celery worker,
+    and the api process."""
+    with (
+        migrated_database() as url,
+        running(Stack(model_dir, url, log_dir), celery_worker=celery_worker) as stack,
+    ):
+        yield stack
 
 
 def wait_healthy(

@@ -18,8 +18,7 @@ from sqlalchemy import func, inspect, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import NullPool
 
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import Stack
+from tests.api.stack import Stack, create_database, drop_database
 from tgq.api.db import api_keys, create_engine, models
 from tgq.api.db import files as db_files
 from tgq.api.db.migrate import current_revision, downgrade, head_revision, main, upgrade
@@ -296,7 +295,7 @@ def apis(
     text_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Stack, Stack]]:
     """Two apis on one database: default limits, and small ones (`SMALL_MAX_*`)."""
-    url = _create_database()
+    url = create_database()
     upgrade(url)
     log_dir, storage = tmp_path_factory.mktemp("logs"), tmp_path_factory.mktemp("files")
     started: list[Stack] = []
@@ -310,7 +309,7 @@ def apis(
     finally:
         for api in started:
             api.stop()
-        _drop_database(url)
+        drop_database(url)
 
 
 @pytest.fixture(scope="module")

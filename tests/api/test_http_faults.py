@@ -9,8 +9,7 @@ import httpx
 import pytest
 import redis
 
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import REDIS_URL, Stack
+from tests.api.stack import REDIS_URL, Stack, create_database, drop_database
 from tgq.api.db.migrate import upgrade
 from tgq.batcher.request import Priority
 from tgq.batcher.transport.redis_keys import RedisKeys
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_database_gone_means_503_and_nothing_enqueued(text_model_dir: Path, tmp_path: Path) -> None:
-    url = _create_database()
+    url = create_database()
     upgrade(url)
     stack = Stack(text_model_dir, url, tmp_path)  # no batcher: whatever is enqueued stays queued
     try:
@@ -27,7 +26,7 @@ def test_database_gone_means_503_and_nothing_enqueued(text_model_dir: Path, tmp_
         client = httpx.Client(base_url=stack.url, timeout=30)
         accepted = client.post("/v1/jobs", json={"prompt": "before", "parameters": {}})
         assert accepted.status_code == 202
-        _drop_database(url)
+        drop_database(url)
         body = {"prompt": ["a", "b"], "parameters": {"max_new_tokens": 4}}
         refused = client.post("/v1/jobs", json=body)
         assert refused.status_code == 503, refused.text
@@ -44,4 +43,4 @@ def test_database_gone_means_503_and_nothing_enqueued(text_model_dir: Path, tmp_
         assert depth == 1  # only the job accepted before the database went away
     finally:
         stack.stop()
-        _drop_database(url)
+        drop_database(url)

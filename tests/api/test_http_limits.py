@@ -14,7 +14,6 @@ import contextlib
 import json
 import signal
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.api.stack import Stack
+from tests.polling import eventually
 from tgq.api.chat_template import ChatTemplate
 from tgq.api.security import INVALID_KEY, MISSING_KEY
 from tgq.api.validation import EMPTY_PROMPTS_MESSAGE, SUFFIX_MESSAGE
@@ -521,10 +521,9 @@ def test_concurrency_limit(sibling: StartApi, stack: Stack) -> None:
         assert metric(client, rejected) == before[rejected] + 3
         assert metric(client, overloaded) == before[overloaded] + 3
         assert metric(client, invalid) == before[invalid]  # none reached the tokenizer
-        deadline = time.monotonic() + 10
-        while metric(client, "tgq_requests_in_flight") != 0:
-            assert time.monotonic() < deadline, "the slot was not given back"
-            time.sleep(0.1)
+        eventually(
+            lambda: metric(client, "tgq_requests_in_flight") == 0, 10, "the slot is given back"
+        )
         assert client.post("/generate", json=generate()).status_code == 200
         assert client.post(CHAT, json=chat()).status_code == 200
         assert client.post("/generate", json=TOO_LONG).status_code == 422  # now it is tokenized
@@ -566,7 +565,11 @@ def test_queue_bound(orphan: httpx.Client) -> None:
     before, invalid_before = metric(orphan, rejected), metric(orphan, invalid)
     for _ in range(MAX_QUEUED):
         assert orphan.post("/v1/jobs", json=job()).status_code == 202
-    time.sleep(0.6)  # the monitor reads the queue's depth from Redis every 0.25 s
+    # The monitor reads the queue's depth from Redis (every 0.25 s) into the admission and the
+    # gauge at once: the gauge shows when the admission knows the queue is full.
+    eventually(
+        lambda: metric(orphan, "tgi_queue_size") == MAX_QUEUED, 10, "the monitor read a full queue"
+    )
     message = f"Queue is full: {MAX_QUEUED} requests queued (max_queued_requests={MAX_QUEUED})"
     response = orphan.post("/v1/jobs", json=job())
     assert response.status_code == 429 and response.headers["retry-after"] == "1"

@@ -5,17 +5,17 @@ engine's greedy tokens and one final result each."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
+from tests.api.stack import delete_keys, private_redis
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
     follow,
@@ -23,6 +23,7 @@ from tests.batcher.test_batcher_process import (
     offline_tokens,
     start_batcher,
 )
+from tests.polling import eventually
 from tgq.batcher.messages import FinalResult, SubmitRequest
 from tgq.batcher.request import Priority, StoppingParams
 from tgq.batcher.transport.base import ApiTransport
@@ -42,15 +43,6 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
         if process.poll() is None:
             process.kill()
         process.wait()
-
-
-def wait_for(
-    condition: Callable[[], bool], timeout_s: float = 60, what: object = "", poll_s: float = 0.05
-) -> None:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < end, f"timed out: {what() if callable(what) else what}"
-        time.sleep(poll_s)
 
 
 def submit_all(transport: ApiTransport, prompts: list[list[int]]) -> None:
@@ -86,14 +78,19 @@ def test_kill_9_of_one_batcher_loses_nothing(
     try:
         processes += [start_batcher(model_dir, prefix, b, *FAST_FAILOVER) for b in ("b0", "b1")]
         expected = offline_tokens(model_dir, prompts, STOPPING)
-        wait_for(lambda: len(transport.live_batchers()) == 2, what=transport.live_batchers)
+        eventually(
+            lambda: len(transport.live_batchers()) == 2,
+            60,
+            lambda: f"two batchers live: {transport.live_batchers()}",
+        )
         submit_all(transport, prompts)
         # b1 holds unacknowledged requests, i.e. unfinished ones: watched on the consumer group
         # itself, since a tiny model can finish a request between two heartbeats.
-        wait_for(
+        eventually(
             lambda: _holds_requests(client, prefix, "b1"),
-            what=transport.live_batchers,
-            poll_s=0.002,
+            60,
+            lambda: f"b1 holds requests; live: {transport.live_batchers()}",
+            interval_s=0.002,
         )
         processes[1].kill()  # mid-generation
         results = check_results(transport, expected)
@@ -102,10 +99,8 @@ def test_kill_9_of_one_batcher_loses_nothing(
         drain(processes[0])
     finally:
         transport.close()
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
         client.close()
+        delete_keys(REDIS_URL, prefix)
 
 
 def _holds_requests(client: redis.Redis, prefix: str, batcher_id: str) -> bool:
@@ -118,55 +113,23 @@ def _holds_requests(client: redis.Redis, prefix: str, batcher_id: str) -> bool:
     return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def start_redis(port: int, data_dir: Path | None) -> subprocess.Popen[bytes]:
-    """A private redis-server: with an append-only file in `data_dir`, or (None) without
-    persistence, so a restart loses every key."""
-    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    if data_dir is None:
-        command += ["--appendonly", "no"]
-    else:
-        command += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(data_dir)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    wait_for(lambda: _pings(client), 10)
-    client.close()
-    return process
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
-
-
 @pytest.mark.timeout(240)
 def test_a_redis_restart_mid_run_is_survived(
     model_dirs: dict[str, Path], processes: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
     model_dir, prompts = model_dirs["llama3-gqa"], make_prompts(20)
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    processes.append(start_redis(port, tmp_path))
-    processes.append(start_batcher(model_dir, "tgq", "b0", redis_url=url))
-    transport = BlockingApiTransport.from_url(url, "tgq")
-    expected = offline_tokens(model_dir, prompts, STOPPING)
-    submit_all(transport, prompts)
-    assert transport.read_final("r0", 60) is not None
-    assert transport.read_final(f"r{len(prompts) - 1}") is None  # mid-run
-    processes[0].send_signal(signal.SIGTERM)  # a clean shutdown keeps the AOF
-    processes[0].wait(10)
-    time.sleep(1)
-    processes[0] = start_redis(port, tmp_path)
-    results = check_results(transport, expected)
-    assert processes[1].poll() is None  # the same batcher process, no crash loop
-    assert {r.batcher_id for r in results} == {"b0"}
-    drain(processes[1])
-    transport.close()
+    with private_redis(tmp_path) as server:
+        processes.append(start_batcher(model_dir, "tgq", "b0", redis_url=server.url))
+        transport = BlockingApiTransport.from_url(server.url, "tgq")
+        expected = offline_tokens(model_dir, prompts, STOPPING)
+        submit_all(transport, prompts)
+        assert transport.read_final("r0", 60) is not None
+        assert transport.read_final(f"r{len(prompts) - 1}") is None  # mid-run
+        server.stop()  # a clean shutdown keeps the AOF
+        time.sleep(1)  # the outage itself: the batcher's calls fail for a second
+        server.start()
+        results = check_results(transport, expected)
+        assert processes[0].poll() is None  # the same batcher process, no crash loop
+        assert {r.batcher_id for r in results} == {"b0"}
+        drain(processes[0])
+        transport.close()

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.batcher.fake_runner import FakeRunner
+from tests.polling import eventually
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
@@ -274,12 +275,14 @@ class OutageError(Exception):
 
 
 class FlakyTransport(MemoryTransport):
-    """Publishing fails while `is_down`."""
+    """Publishing fails while `is_down`; `num_refused` counts the failed calls."""
 
     is_down = False
+    num_refused = 0
 
     def publish_tokens(self, events: list[TokenEvent]) -> None:
         if self.is_down:
+            self.num_refused += 1
             raise OutageError("transport down")
         super().publish_tokens(events)
 
@@ -311,7 +314,7 @@ def test_run_backs_off_and_carries_on_after_an_outage() -> None:
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,))
     thread.start()
-    time.sleep(0.2)
+    eventually(lambda: transport.num_refused >= 3, 5, "three tries during the outage")
     assert transport.read_final("r0") is None
     transport.is_down = False
     result = transport.read_final("r0", 5)
@@ -331,7 +334,7 @@ def test_a_stop_during_an_outage_still_ends_within_the_drain_timeout() -> None:
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,))
     thread.start()
-    time.sleep(0.1)
+    eventually(lambda: transport.num_refused >= 1, 5, "a try during the outage")
     stop.set()
     thread.join(3)
     assert not thread.is_alive()

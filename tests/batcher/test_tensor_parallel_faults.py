@@ -22,7 +22,6 @@ from tests.batcher.test_batcher_failover import (
     drain,
     processes,
     submit_all,
-    wait_for,
 )
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
@@ -32,6 +31,7 @@ from tests.batcher.test_batcher_process import (
     redis_prefix,
     start_batcher,
 )
+from tests.polling import eventually
 from tgq.batcher.transport.blocking import BlockingApiTransport
 
 __all__ = ["api", "processes", "redis_prefix"]  # the fixtures
@@ -78,11 +78,17 @@ def test_a_lost_rank_hands_the_work_to_another_batcher(
     prefix = redis_prefix
     processes.append(start_batcher(model_dir, prefix, "b0", *FAST_FAILOVER, *SHARDED))
     expected = offline_tokens(model_dir, prompts, STOPPING)
-    wait_for(lambda: len(api.live_batchers()) == 1, what=api.live_batchers)
+    eventually(
+        lambda: len(api.live_batchers()) == 1,
+        60,
+        lambda: f"one batcher live: {api.live_batchers()}",
+    )
     ranks = ranks_of(processes[0])
     assert len(ranks) == 2
     submit_all(api, prompts)
-    wait_for(lambda: _holds_requests(client, prefix, "b0"), poll_s=0.002)
+    eventually(
+        lambda: _holds_requests(client, prefix, "b0"), 60, "b0 holds requests", interval_s=0.002
+    )
     subprocess.run(["kill", f"-{signal_name}", str(ranks[rank])], check=True)  # mid-generation
     lost_at = time.monotonic()
     code = processes[0].wait(60)
@@ -90,7 +96,9 @@ def test_a_lost_rank_hands_the_work_to_another_batcher(
     print(f"rank {rank} SIG{signal_name}: the batcher exited {code} after {noticed_s:.1f} s")
     assert code == EXIT_RANK_LOST, processes[0].stderr.read().decode()[-3000:]  # type: ignore[union-attr]
     assert noticed_s < 10  # a hang: the 5 s heartbeat timeout
-    wait_for(lambda: not any(is_running(pid) for pid in ranks), 10)  # the batcher killed them
+    eventually(  # the batcher killed them
+        lambda: not any(is_running(pid) for pid in ranks), 10, f"ranks {ranks} gone"
+    )
     processes.append(start_batcher(model_dir, prefix, "b1", *FAST_FAILOVER))
     results = check_results(api, expected)
     assert any(r.batcher_id == "b1" for r in results)
@@ -106,11 +114,15 @@ def test_kill_9_of_the_batcher_takes_its_ranks_down(
 ) -> None:
     model_dir = model_dirs["llama3-gqa"]
     processes.append(start_batcher(model_dir, redis_prefix, "b0", *SHARDED))
-    wait_for(lambda: len(api.live_batchers()) == 1, what=api.live_batchers)
+    eventually(
+        lambda: len(api.live_batchers()) == 1,
+        60,
+        lambda: f"one batcher live: {api.live_batchers()}",
+    )
     ranks = ranks_of(processes[0])
     assert len(ranks) == 2 and all(is_running(pid) for pid in ranks)
     processes[0].kill()
     processes[0].wait()
     killed_at = time.monotonic()
-    wait_for(lambda: not any(is_running(pid) for pid in ranks), 10, what=ranks)
+    eventually(lambda: not any(is_running(pid) for pid in ranks), 10, f"ranks {ranks} gone")
     print(f"ranks gone {time.monotonic() - killed_at:.2f} s after the batcher")

@@ -4,21 +4,15 @@ Postgres holding jobs whose requests Redis never got; beat's schedule alone brin
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import REDIS_URL, ROOT
+from tests.api.stack import REDIS_URL, Stack, migrated_database
+from tests.polling import eventually
 from tgq.api.db import create_engine, store
-from tgq.api.db.migrate import upgrade
 from tgq.api.generation import new_job_id, request_id_of
 from tgq.api.service import job_params
 from tgq.api.settings import Settings
@@ -33,47 +27,22 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def deployment(text_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
-    url = _create_database()
-    upgrade(url)
-    prefix = f"test-{uuid.uuid4().hex}"
-    env = {
-        "DATABASE_URL": url,
-        "REDIS_URL": REDIS_URL,
-        "REDIS_PREFIX": prefix,
-        "MODEL_DIR": str(text_model_dir),
-        "RECONCILE_INTERVAL_S": "0.5",
-        "RECONCILE_GRACE_S": "0",
-    }
-    try:
-        yield env
-    finally:
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
-        _drop_database(url)
+def stack(text_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
+    """A deployment without an api or a batcher: Postgres, Redis, and (started by the test) a
+    Celery worker and beat, whose reconciler runs every 0.5 s."""
+    env = {"RECONCILE_INTERVAL_S": "0.5", "RECONCILE_GRACE_S": "0"}
+    with migrated_database() as url:
+        deployment = Stack(text_model_dir, url, tmp_path, api_env=env)
+        try:
+            yield deployment
+        finally:
+            deployment.stop()
 
 
-def start(kind: str, env: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "tgq.bulk.celery_app",
-        kind,
-        "--loglevel",
-        "INFO",
-    ]
-    if kind == "worker":
-        command += ["--pool", "solo", "--concurrency", "1"]
-    else:
-        command += ["--schedule", str(log_dir / "beat-schedule")]
-    log = open(log_dir / f"{kind}.log", "wb")  # noqa: SIM115
-    inherited = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    return subprocess.Popen(command, cwd=ROOT, env={**inherited, **env}, stdout=log, stderr=log)
+def num_reconciles(stack: Stack) -> int:
+    """Reconciler runs the worker has finished so far (Celery logs each task's success)."""
+    lines = (stack.log_dir / "worker-w0.log").read_text(errors="replace").splitlines()
+    return sum("Task tgq.reconcile[" in line and "] succeeded in" in line for line in lines)
 
 
 def lost_job(database_url: str, num_items: int) -> str:
@@ -108,36 +77,28 @@ def test_the_app_accepts_json_only_and_acks_late() -> None:
     assert conf.beat_schedule["reconcile"]["task"] == "tgq.reconcile"
 
 
-def test_beat_and_a_worker_re_enqueue_what_redis_lost(
-    deployment: dict[str, str], tmp_path: Path
-) -> None:
-    job_id = lost_job(deployment["DATABASE_URL"], num_items=3)
-    prefix = deployment["REDIS_PREFIX"]
-    api = BlockingApiTransport.from_url(REDIS_URL, prefix)
-    batcher = RedisBatcherTransport(redis.Redis.from_url(REDIS_URL), prefix)
-    processes = [start("worker", deployment, tmp_path), start("beat", deployment, tmp_path)]
+def test_beat_and_a_worker_re_enqueue_what_redis_lost(stack: Stack) -> None:
+    job_id = lost_job(stack.database_url, num_items=3)
+    api = BlockingApiTransport.from_url(REDIS_URL, stack.prefix)
+    batcher = RedisBatcherTransport(redis.Redis.from_url(REDIS_URL), stack.prefix)
+    processes = [stack.start_worker(), stack.start_beat()]
+
+    def queued(num_requests: int) -> bool:
+        for process in processes:
+            assert process.poll() is None, stack.worker_log()
+        return api.queue_depth() >= num_requests
+
     try:
-        deadline = time.monotonic() + 60
-        while api.queue_depth() < 3:
-            for process in processes:
-                assert process.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
-            time.sleep(0.2)
+        eventually(lambda: queued(3), 60, "the reconciler re-enqueued 3 requests")
         pulled = batcher.pull("b0", 10, 0)
         assert sorted(d.request.request_id for d in pulled) == [
             request_id_of(job_id, i) for i in range(3)
         ]
         assert all(d.request.stopping.max_new_tokens == 4 for d in pulled)
-        time.sleep(1.5)  # more beats: nothing is enqueued twice (Redis knows them now)
+        # Two more runs of the reconciler see them in Redis and enqueue nothing again.
+        runs = num_reconciles(stack)
+        eventually(lambda: num_reconciles(stack) >= runs + 2, 30, "two more reconciler runs")
         assert api.queue_depth() == 3  # the 3 pulled, still pending, and nothing else
     finally:
         api.close()
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-    assert "Task tgq.reconcile" in (tmp_path / "worker.log").read_text()
+    assert "Task tgq.reconcile" in stack.worker_log()

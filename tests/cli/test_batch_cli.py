@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,9 +242,11 @@ def test_ctrl_c_while_waiting_leaves_the_batch_running(server: Stack, tmp_path: 
         text=True,
         preexec_fn=sigint_as_at_a_terminal,  # noqa: PLW1509 (the test process starts no threads)
     )
-    assert process.stdout is not None
+    assert process.stdout is not None and process.stderr is not None
     batch_id = process.stdout.readline().strip()
-    time.sleep(0.3)  # into the polling loop; the batch takes seconds
+    # Its first progress line: it is in the polling loop (the batch takes seconds).
+    progress = next((line for line in process.stderr if "completed/failed/total" in line), None)
+    assert progress is not None, "no progress line"
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 130, stderr

@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import running_stack
-from tests.api.stack import Stack
+from tests.api.stack import Stack, running_stack
 from tgq.cli import CommandError
 from tgq.cli.bench.backends import sse_data
 from tgq.cli.bench.datasets import Prompt, Words, build_prompts, load_tokenizer

@@ -13,8 +13,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.pool import NullPool
 
-from tests.api.conftest import migrated_database
-from tests.api.stack import Stack, write_text_model
+from tests.api.stack import Stack, migrated_database, write_text_model
 from tgq.api.db import create_engine, models
 from tgq.cli.main import main
 

@@ -17,8 +17,7 @@ import httpx
 import pytest
 import redis
 
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import free_port, wait_healthy
+from tests.api.stack import create_database, drop_database, free_port, wait_healthy
 from tests.api.test_http_routes import encode
 from tests.cli.test_service_cli import REDIS_URL, _children, _serve
 
@@ -77,7 +76,7 @@ def served(
     cwd, port = tmp_path_factory.mktemp(request.param), free_port()
     env: dict[str, str] = {}
     if request.param == "services":
-        env = {"DATABASE_URL": _create_database(), "REDIS_URL": REDIS_URL}
+        env = {"DATABASE_URL": create_database(), "REDIS_URL": REDIS_URL}
         env["REDIS_PREFIX"] = f"tgq-test-{secrets.token_hex(4)}"
     process = _serve(cwd, env, *flags(text_model_dir, port))
     log = cwd / "serve.log"
@@ -91,7 +90,7 @@ def served(
         finally:
             process.kill()
             if env:
-                _drop_database(env["DATABASE_URL"])
+                drop_database(env["DATABASE_URL"])
                 client = redis.Redis.from_url(REDIS_URL)
                 keys = list(client.scan_iter(match=f"{env['REDIS_PREFIX']}:*"))
                 if keys:

@@ -16,8 +16,7 @@ import httpx
 import pytest
 import redis
 
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import free_port, wait_healthy
+from tests.api.stack import create_database, drop_database, free_port, wait_healthy
 from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
 from tgq.api.db.migrate import head_revision
 from tgq.api.settings import Settings
@@ -178,14 +177,14 @@ def test_celery_options_follow_a_double_dash() -> None:
 
 
 def test_migrate_a_fresh_database(capsys: pytest.CaptureFixture[str]) -> None:
-    url = _create_database()
+    url = create_database()
     try:
         assert main(["migrate", "--database-url", url]) == 0
         assert capsys.readouterr().out.endswith(f": revision none -> {head_revision()}\n")
         assert main(["migrate", "--database-url", url]) == 0
         assert f"revision {head_revision()} -> {head_revision()}" in capsys.readouterr().out
     finally:
-        _drop_database(url)
+        drop_database(url)
 
 
 def test_download_from_a_local_cache_offline(
@@ -276,7 +275,7 @@ def test_serve_embedded(text_model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_serve_with_postgres_and_redis(text_model_dir: Path, tmp_path: Path) -> None:
-    url, prefix, port = _create_database(), f"tgq-test-{secrets.token_hex(4)}", free_port()
+    url, prefix, port = create_database(), f"tgq-test-{secrets.token_hex(4)}", free_port()
     env = {"DATABASE_URL": url, "REDIS_URL": REDIS_URL, "REDIS_PREFIX": prefix}
     process = _serve(tmp_path, env, "--model-id", str(text_model_dir), "--port", str(port))
     log = tmp_path / "serve.log"
@@ -285,7 +284,7 @@ def test_serve_with_postgres_and_redis(text_model_dir: Path, tmp_path: Path) -> 
         assert len(_stops_cleanly(process, log)) >= 3  # api, batcher, worker (and its pool)
     finally:
         process.kill()
-        _drop_database(url)
+        drop_database(url)
         client = redis.Redis.from_url(REDIS_URL)
         keys = list(client.scan_iter(match=f"{prefix}:*"))
         if keys:

@@ -14,13 +14,11 @@ server, so that the shared services other tests use are never flushed or stopped
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import signal
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +29,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from tests.api.conftest import migrated_database
-from tests.api.stack import REDIS_URL, Stack
-from tests.batcher.test_batcher_failover import free_port, start_redis, wait_for
+from tests.api.stack import REDIS_URL, Stack, migrated_database, private_redis, running
+from tests.polling import eventually
 from tests.reliability.tcp_proxy import TcpProxy
 from tgq.api.db import create_engine
 from tgq.batcher.request import Priority
@@ -43,19 +40,6 @@ NUM_JOBS = 1000
 SHORT = {"max_new_tokens": 4, "ignore_eos": True}  # 1,000 jobs in well under a minute
 FAST_RECONCILE = {"RECONCILE_INTERVAL_S": "0.5", "RECONCILE_GRACE_S": "0.5"}
 NUM_KILL_ROUNDS = 5
-
-
-@contextlib.contextmanager
-def running(stack: Stack, *, batcher: bool = True) -> Iterator[Stack]:
-    """The stack's batcher (b0), Celery worker and api, stopped after the block."""
-    try:
-        if batcher:
-            stack.start_batcher()
-        stack.start_worker()
-        stack.start_api()
-        yield stack
-    finally:
-        stack.stop()
 
 
 def query(url: str, sql: str) -> list[Any]:
@@ -99,7 +83,7 @@ def submit_jobs(
 def wait_done(url: str, num_jobs: int, timeout_s: float, *, log: Callable[[], str]) -> float:
     """Waits until `num_jobs` jobs have finished; returns when (time.monotonic)."""
     finished = "SELECT count(*) FROM jobs WHERE finished_at IS NOT NULL"
-    wait_for(lambda: scalar(url, finished) >= num_jobs, timeout_s, log, poll_s=0.2)
+    eventually(lambda: scalar(url, finished) >= num_jobs, timeout_s, log, interval_s=0.2)
     return time.monotonic()
 
 
@@ -162,7 +146,7 @@ def check_metrics(stack: Stack, num_jobs: int) -> None:
             and metrics["tgi_queue_size"] == 0
         )
 
-    wait_for(agrees, 10, lambda: metrics_of(stack))
+    eventually(agrees, 10, lambda: metrics_of(stack))
 
 
 def report(name: str, figures: dict[str, Any]) -> None:
@@ -179,9 +163,9 @@ def kill_and_restart(stack: Stack, kill_at: int) -> float:
     client = redis.Redis.from_url(REDIS_URL)
     keys = RedisKeys(stack.prefix)
     streams = [keys.queue(p) for p in Priority]
-    wait_for(lambda: client.xlen(keys.started) >= kill_at, 120, stack.api_log)
+    eventually(lambda: client.xlen(keys.started) >= kill_at, 120, stack.api_log)
     # It finishes a short request within a few steps: watched on the consumer group, tightly.
-    wait_for(lambda: holds_requests(client, streams), 60, stack.api_log, poll_s=0.001)
+    eventually(lambda: holds_requests(client, streams), 60, stack.api_log, interval_s=0.001)
     (batcher,) = stack.batchers
     batcher.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -201,7 +185,10 @@ def holds_requests(client: redis.Redis, streams: list[str]) -> bool:
 
 def run_with_kill(model_dir: Path, log_dir: Path, kill_at: int) -> dict[str, Any]:
     """1,000 jobs, submitted while the batcher is killed at job `kill_at` and restarted."""
-    with migrated_database() as url, running(Stack(model_dir, url, log_dir)) as stack:
+    with (
+        migrated_database() as url,
+        running(Stack(model_dir, url, log_dir), celery_worker=True) as stack,
+    ):
         started_at = time.monotonic()
         job_ids: list[str] = []
         submitter = threading.Thread(
@@ -210,7 +197,7 @@ def run_with_kill(model_dir: Path, log_dir: Path, kill_at: int) -> dict[str, Any
         submitter.start()
         killed_at = kill_and_restart(stack, kill_at)
         rerun = "SELECT count(*) FROM results WHERE attempt > 1"
-        wait_for(lambda: scalar(url, rerun) > 0, 120, stack.api_log, poll_s=0.1)
+        eventually(lambda: scalar(url, rerun) > 0, 120, stack.api_log, interval_s=0.1)
         rerun_at = time.monotonic()  # the killed work is back: rerun and persisted
         submitter.join()
         assert len(job_ids) == NUM_JOBS
@@ -254,46 +241,30 @@ NUM_REDIS_JOBS = 40
 REDIS_PARAMS = {"max_new_tokens": 32, "ignore_eos": True}
 
 
-@contextlib.contextmanager
-def private_redis() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
-    """A redis-server of this test: its port, and its process (appended to on a restart)."""
-    port = free_port()
-    processes = [start_redis(port, None)]
-    try:
-        yield port, processes
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["restart", pytest.param("flushall", marks=pytest.mark.slow)])
 def test_redis_losing_everything_mid_run_loses_no_accepted_job(
     text_model_dir: Path, tmp_path: Path, fault: str
 ) -> None:
-    with private_redis() as (port, processes), migrated_database() as url:
-        redis_url = f"redis://127.0.0.1:{port}/0"
+    with private_redis() as server, migrated_database() as url:
         stack = Stack(
             text_model_dir,
             url,
             tmp_path,
             api_env=FAST_RECONCILE,
-            redis_url=redis_url,
-            # The last --redis-url wins; a batch of 4 keeps most jobs queued in Redis.
-            batcher_options=("--redis-url", redis_url, "--max-batch-size", "4"),
+            redis_url=server.url,
+            batcher_options=("--max-batch-size", "4"),  # most jobs stay queued in Redis
         )
-        with running(stack):
+        with running(stack, celery_worker=True):
             submit_jobs(stack.url, NUM_REDIS_JOBS, REDIS_PARAMS)
-            wait_for(lambda: scalar(url, "SELECT count(*) FROM results") >= 2, 60, stack.api_log)
+            eventually(lambda: scalar(url, "SELECT count(*) FROM results") >= 2, 60, stack.api_log)
             assert scalar(url, "SELECT count(*) FROM results") < NUM_REDIS_JOBS // 2  # mid-run
             fault_at = time.monotonic()
             if fault == "restart":
-                processes[-1].kill()
-                processes[-1].wait()
-                processes.append(start_redis(port, None))
+                server.kill()
+                server.start()
             else:
-                redis.Redis(port=port).flushall()
+                redis.Redis.from_url(server.url).flushall()
             done_at = wait_done(url, NUM_REDIS_JOBS, 180, log=stack.api_log)
             figures = check_invariants(url, NUM_REDIS_JOBS, REDIS_PARAMS["max_new_tokens"])
             check_metrics(stack, NUM_REDIS_JOBS)
@@ -359,7 +330,7 @@ def run_with_outage(model_dir: Path, log_dir: Path, seconds: float) -> dict[str,
         proxied = where.set(port=proxy.port).render_as_string(hide_password=False)
         stack = Stack(model_dir, proxied, log_dir, api_env=FAST_RECONCILE)
         try:
-            with running(stack):
+            with running(stack, celery_worker=True):
                 submit_jobs(stack.url, NUM_BEFORE, BEFORE_PARAMS)
                 accepted = known_request_ids(stack)
                 figures = outage(stack, proxy, seconds, url)

@@ -26,9 +26,8 @@ import httpx
 import pytest
 import redis
 
-from tests.api.conftest import migrated_database
-from tests.api.stack import Stack
-from tests.batcher.test_batcher_failover import free_port, start_redis, wait_for
+from tests.api.stack import RedisServer, Stack, migrated_database, private_redis, running
+from tests.polling import eventually
 from tests.reliability.pg_server import private_postgres
 from tests.reliability.routes_under_outage import (
     BATCH_LINE,
@@ -52,7 +51,11 @@ def prepare(client: httpx.Client) -> Known:
     posted = client.post("/v1/jobs", json={"prompt": "before", "parameters": {"max_new_tokens": 2}})
     assert posted.status_code == 202, posted.text
     job_id = posted.json()["id"]
-    wait_for(lambda: client.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded", 30)
+    eventually(
+        lambda: client.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded",
+        30,
+        f"job {job_id} succeeded",
+    )
     content = (json.dumps(BATCH_LINE) + "\n").encode()
     uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("a", content)})
     assert uploaded.status_code == 200, uploaded.text
@@ -76,20 +79,15 @@ def health(client: httpx.Client) -> httpx.Response:
 
 def recovered(client: httpx.Client, calls: list[Call], known: Known) -> list[str]:
     """Waits for `/health` 200, then calls every route: [] when each answers as usual."""
-    wait_for(lambda: health(client).status_code == 200, 30, lambda: health(client).text)
+    eventually(lambda: health(client).status_code == 200, 30, lambda: health(client).text)
     return check_answers(calls, call_all(client, calls, known), None)
 
 
 @contextlib.contextmanager
 def serving(stack: Stack) -> Iterator[httpx.Client]:
     """The stack's batcher and api started, and a client of the api; all stopped after."""
-    try:
-        stack.start_batcher()
-        stack.start_api()
-        with httpx.Client(base_url=stack.url, timeout=30) as client:
-            yield client
-    finally:
-        stack.stop()
+    with running(stack), httpx.Client(base_url=stack.url, timeout=30) as client:
+        yield client
 
 
 def test_postgres_stopped_means_503_on_every_route_that_needs_it(
@@ -103,7 +101,7 @@ def test_postgres_stopped_means_503_on_every_route_that_needs_it(
             calls = routes()
             check_covers(client, calls)
             server.stop()
-            wait_for(lambda: health(client).status_code == 503, 10)
+            eventually(lambda: health(client).status_code == 503, 10, "/health says 503")
             problem = health(client).json()["error"]
             assert problem.startswith("unhealthy: the database is unreachable"), problem
             answers = call_all(client, calls, known)
@@ -114,42 +112,9 @@ def test_postgres_stopped_means_503_on_every_route_that_needs_it(
             assert "Traceback" not in stack.api_log()
 
 
-class RedisServer:
-    """A redis-server of the test's own on a free port: without persistence, or with an
-    append-only file in `data_dir` (as compose runs it)."""
-
-    def __init__(self, data_dir: Path | None = None) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.data_dir = data_dir
-        self.processes = [start_redis(self.port, data_dir)]
-
-    def kill(self) -> None:
-        self.processes[-1].kill()
-        self.processes[-1].wait()
-
-    def start(self) -> None:
-        """Again, on the same port: empty, or with what its append-only file kept."""
-        self.processes.append(start_redis(self.port, self.data_dir))
-
-    def close(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.wait()
-
-
-@contextlib.contextmanager
-def private_redis(data_dir: Path | None = None) -> Iterator[RedisServer]:
-    server = RedisServer(data_dir)
-    try:
-        yield server
-    finally:
-        server.close()
-
-
 def redis_stack(model_dir: Path, url: str, log_dir: Path, server: RedisServer) -> Stack:
     """The api and its batcher on `server`; a batch of 2, so that most work waits queued."""
-    options = ("--redis-url", server.url, "--max-batch-size", "2")
+    options = ("--max-batch-size", "2")
     return Stack(model_dir, url, log_dir, redis_url=server.url, batcher_options=options)
 
 
@@ -187,7 +152,7 @@ def test_redis_killed_means_503_and_what_was_refused_never_runs(
             calls = routes(idempotency_key=key)
             check_covers(client, calls)
             server.kill()
-            wait_for(lambda: health(client).status_code == 503, 10)
+            eventually(lambda: health(client).status_code == 503, 10, "/health says 503")
             assert "the queue (Redis) is unreachable" in health(client).json()["error"]
             answers = call_all(client, calls, known)
             report("redis killed", calls, answers)
@@ -197,7 +162,7 @@ def test_redis_killed_means_503_and_what_was_refused_never_runs(
             restarted_at = time.monotonic()
             assert recovered(client, routes(), known) == [], stack.api_log()
             job_id = _repeat_kept(client, key)
-            wait_for(lambda: _job_status(client, job_id) == "succeeded", 15, stack.api_log)
+            eventually(lambda: _job_status(client, job_id) == "succeeded", 15, stack.api_log)
             # The reconciler's period is 30 s: the new epoch brought the job back at once.
             kept_s = time.monotonic() - restarted_at
             print(f"redis killed: the kept job succeeded {kept_s:.1f} s after the restart")
@@ -225,14 +190,16 @@ def test_redis_losing_its_data_is_reconciled_within_seconds(
             waiting = None
             if fault == "flushall":
                 waiting = _generate_in_background(stack.url, WAIT_TOKENS)
-            wait_for(lambda: scalar(url, "SELECT count(*) FROM results") >= 1, 60)
+            eventually(
+                lambda: scalar(url, "SELECT count(*) FROM results") >= 1, 60, "a first result"
+            )
             fault_at = time.monotonic()
             if fault == "restart":
                 server.kill()
                 server.start()
             else:
                 redis.Redis.from_url(server.url).flushall()
-            wait_for(lambda: _all_succeeded(client, job_ids), 20, stack.api_log, poll_s=0.2)
+            eventually(lambda: _all_succeeded(client, job_ids), 20, stack.api_log, interval_s=0.2)
             recover_s = time.monotonic() - fault_at
             print(f"\nredis {fault}: {NUM_LOST} jobs done {recover_s:.1f} s after it")
             if waiting is not None:
@@ -241,7 +208,11 @@ def test_redis_losing_its_data_is_reconciled_within_seconds(
                 assert waiting.answer.json()["details"]["generated_tokens"] == WAIT_TOKENS
             num_results = NUM_LOST + (waiting is not None)
             count = "SELECT count(*), count(DISTINCT (job_id, item_index)) FROM results"
-            wait_for(lambda: tuple(query(url, count)[0]) == (num_results, num_results), 10)
+            eventually(
+                lambda: tuple(query(url, count)[0]) == (num_results, num_results),
+                10,
+                f"{num_results} results, one per item",
+            )
 
 
 def _all_succeeded(client: httpx.Client, job_ids: list[str]) -> bool:
@@ -309,7 +280,11 @@ def test_requests_refused_when_redis_died_are_aborted_in_what_it_kept(
                 waiting = [_generate_in_background(stack.url, 2) for _ in range(NUM_FOLLOWED)]
                 keys, queued = RedisKeys(stack.prefix), redis.Redis.from_url(server.url)
                 interactive = keys.queue(Priority.INTERACTIVE)
-                wait_for(lambda: queued.xlen(interactive) == NUM_FOLLOWED, 30)
+                eventually(
+                    lambda: queued.xlen(interactive) == NUM_FOLLOWED,
+                    30,
+                    f"{NUM_FOLLOWED} interactive requests queued",
+                )
                 server.kill()
                 for thread in waiting:
                     thread.join(30)
@@ -318,12 +293,14 @@ def test_requests_refused_when_redis_died_are_aborted_in_what_it_kept(
                 withdrawn = [row[0] for row in _outage_jobs(url, durable.json()["id"])]
                 request_ids = [f"{job_id}.0" for job_id in withdrawn]
                 aborted = lambda: all(queued.exists(keys.abort(r)) for r in request_ids)  # noqa: E731
-                wait_for(aborted, 15, stack.api_log)  # the aborts reached Redis once it was back
+                eventually(aborted, 15, stack.api_log)  # the aborts reached Redis once it was back
                 assert queued.xlen(interactive) == NUM_FOLLOWED  # still queued, in what it kept
                 stack.start_batcher()
                 job_id = durable.json()["id"]
-                wait_for(lambda: _job_status(client, job_id) == "succeeded", 60, stack.api_log)
-                wait_for(lambda: queued.xlen(interactive) == 0, 15)  # pulled, and dropped
+                eventually(lambda: _job_status(client, job_id) == "succeeded", 60, stack.api_log)
+                eventually(  # pulled, and dropped
+                    lambda: queued.xlen(interactive) == 0, 15, "the interactive queue emptied"
+                )
                 entries: Any = queued.xrange(keys.started)
                 started = {fields[b"r"].decode() for _, fields in entries}
                 assert started == {f"{job_id}.0"}  # none of the refused ones ever started

@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,6 +40,7 @@ from tests.api.test_http_limits import (
     sibling_api,
     tgi_error,
 )
+from tests.polling import eventually
 from tgq.api.metrics import JOB_STATUSES
 from tgq.batcher.request import Priority
 from tgq.batcher.transport.redis_keys import RedisKeys
@@ -49,10 +51,10 @@ MAX_CONCURRENT = 8
 NUM_BURST = 100
 NUM_ROUNDS = 3
 MAX_P99_S = 0.050
-ACCEPT_S = 0.5
 NUM_GOOD = 31
 OVERLOADED = {"error": "Model is overloaded", "error_type": "overloaded"}
 REJECTED = 'tgq_requests_rejected{reason="concurrency"}'
+LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,13 +115,26 @@ def read_outcome(sock: socket.socket, latency_s: float) -> Outcome:
     )
 
 
+def accept_backlog(port: int) -> int:
+    """Connections the kernel has completed on `port` that the server has not accepted yet: the
+    listening socket's receive queue in /proc/net/tcp (what `ss -l` shows as Recv-Q)."""
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if state == LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
+                return int(queues.split(":")[1], 16)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
 def burst(port: int, resume: Callable[[], None]) -> list[Outcome]:
     """`NUM_BURST` requests at once, each on a connection of its own opened beforehand, from
     plain sockets: the client adds next to nothing to the latency it measures (send to first
     byte). `resume` runs once the rejections are in (the admitted ones wait for the engine)."""
     request = raw_request("/generate", generate())
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(NUM_BURST)]
-    time.sleep(ACCEPT_S)  # the api accepts them (uvicorn sets up each one) before the burst
+    # The api accepts them all (uvicorn sets up each one) before the burst it times.
+    eventually(lambda: accept_backlog(port) == 0, 10, "the api accepted every connection")
     selector = selectors.DefaultSelector()
     sent_at: dict[socket.socket, float] = {}
     outcomes: dict[socket.socket, Outcome] = {}

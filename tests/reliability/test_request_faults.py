@@ -32,10 +32,16 @@ import redis.asyncio as aioredis
 from sqlalchemy import Row, text
 from sqlalchemy.pool import NullPool
 
-from tests.api.conftest import migrated_database
-from tests.api.stack import NUM_BLOCKS, REDIS_URL, Stack, write_text_model
+from tests.api.stack import (
+    NUM_BLOCKS,
+    REDIS_URL,
+    Stack,
+    migrated_database,
+    running,
+    write_text_model,
+)
 from tests.api.test_http_limits import paused
-from tests.batcher.test_batcher_failover import wait_for
+from tests.polling import eventually
 from tgq.api.db import create_engine
 from tgq.batcher.faults import FailingRunner, InjectedFaultError, inject_fault, parse_fault
 from tgq.batcher.messages import FinalResult, Heartbeat
@@ -65,13 +71,8 @@ def fresh_stack(
         stack = Stack(
             model_dir, url, log_dir, api_env=api_env or {}, batcher_options=batcher_options
         )
-        try:
-            if with_batcher:
-                stack.start_batcher()
-            stack.start_api(healthy=with_batcher)
+        with running(stack, batcher=with_batcher):
             yield stack
-        finally:
-            stack.stop()
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +122,11 @@ def is_idle(beat: Heartbeat | None) -> bool:
 def idle_heartbeat_after(stack: Stack, since: float, timeout_s: float = 10) -> float:
     """The send time of the first heartbeat sent after `since` (unix time) that shows the batcher
     idle with every block free."""
-    wait_for(
+    eventually(
         lambda: (b := heartbeat(stack)) is not None and b.time > since and is_idle(b),
         timeout_s,
         lambda: f"batcher not idle: {heartbeat(stack)}",
-        poll_s=0.02,
+        interval_s=0.02,
     )
     beat = heartbeat(stack)
     assert beat is not None
@@ -189,7 +190,7 @@ def check_stack_idle(stack: Stack, since: float) -> None:
     queues = RedisKeys(stack.prefix)
     client = redis_client()
     assert sum(client.xlen(queues.queue(p)) for p in Priority) == 0
-    wait_for(lambda: metric(stack, "tgq_requests_in_flight") == 0, 5, "requests in flight")
+    eventually(lambda: metric(stack, "tgq_requests_in_flight") == 0, 5, "requests in flight")
 
 
 # --- 1. cancels at random moments --------------------------------------------------------------
@@ -385,7 +386,7 @@ def test_a_hundred_cancels_at_random_moments(shared: Stack) -> None:
 
     job_ids = [o["id"] for o in outcomes]
     check_stack_idle(shared, started)
-    wait_for(lambda: _num_unpersisted(shared, outcomes) == 0, 10, "abort results not persisted")
+    eventually(lambda: _num_unpersisted(shared, outcomes) == 0, 10, "abort results not persisted")
     check_job_invariants(shared, job_ids)
     acked = {o["id"]: o["acked_at"] for o in outcomes}
     successes = rows(
@@ -467,22 +468,22 @@ def test_a_client_that_goes_away_frees_its_blocks_within_a_second(shared: Stack,
             chunk = sock.recv(65536)
             assert chunk, received
             received += chunk
-    wait_for(lambda: latest_started(shared) not in (before, None), 30, "it never started")
+    eventually(lambda: latest_started(shared) not in (before, None), 30, "it never started")
     request_id = latest_started(shared)
     assert request_id is not None
-    wait_for(lambda: not is_idle(heartbeat(shared)), 5, "its blocks never showed")
+    eventually(lambda: not is_idle(heartbeat(shared)), 5, "its blocks never showed")
     sock.close()
     closed_at = time.time()
-    wait_for(lambda: final_reason(shared, request_id) is not None, 5, "it never left the batch")
+    eventually(lambda: final_reason(shared, request_id) is not None, 5, "it never left the batch")
     left_batch_s = time.time() - closed_at
     reason, num_tokens = final_reason(shared, request_id) or ("", 0)
     assert reason == "abort" and 0 < num_tokens < LONG
     freed_s = idle_heartbeat_after(shared, closed_at) - closed_at
     assert left_batch_s <= 1.0 and freed_s <= 1.0, (left_batch_s, freed_s)
-    wait_for(lambda: metric(shared, "tgq_requests_in_flight") == 0, 5, "still in flight")
+    eventually(lambda: metric(shared, "tgq_requests_in_flight") == 0, 5, "still in flight")
     assert metric(shared, 'tgi_request_failure{err="dropped"}') == dropped_before + 1
     job_id = rows(shared, "SELECT job_id FROM job_items WHERE request_id = :r", r=request_id)[0][0]
-    wait_for(
+    eventually(
         lambda: (
             rows(shared, "SELECT status FROM jobs WHERE id = :j", j=job_id)[0][0] == "cancelled"
         ),
@@ -596,6 +597,9 @@ def test_fault_option_parsing_and_wrapping() -> None:
     assert isinstance(inject_fault(runner, "engine_step:2"), FailingRunner)
 
 
+NO_BATCHER = "unhealthy: no batcher is alive"
+
+
 @pytest.mark.timeout(180)
 def test_engine_fault_at_step_ten_fails_the_batch_and_health(
     text_model_dir: Path, tmp_path: Path
@@ -621,7 +625,7 @@ def test_engine_fault_at_step_ten_fails_the_batch_and_health(
         for response, _ in answers:
             assert response.status_code == 424, response.text
             assert "injected fault at engine step 10" in response.json()["error"]
-        wait_for(lambda: httpx.get(f"{st.url}/health").status_code == 503, 5, "still healthy")
+        eventually(lambda: httpx.get(f"{st.url}/health").status_code == 503, 5, "still healthy")
         unhealthy_s = time.time() - fault_at
         (batcher,) = st.batchers
         assert batcher.wait(10) != 0
@@ -629,13 +633,17 @@ def test_engine_fault_at_step_ten_fails_the_batch_and_health(
         assert InjectedFaultError.__name__ in (tmp_path / "batcher-b0.log").read_text()
         job_ids = [r.id for r in rows(st, "SELECT id FROM jobs")]
         assert len(job_ids) == NUM_IN_FLIGHT
-        wait_for(lambda: _statuses(st) == {"failed"}, 10, lambda: _statuses(st))
+        eventually(lambda: _statuses(st) == {"failed"}, 10, lambda: _statuses(st))
         check_job_invariants(st, job_ids)
         reasons = rows(st, "SELECT finish_reason, count(*) FROM results GROUP BY finish_reason")
         assert [tuple(r) for r in reasons] == [("failed", NUM_IN_FLIGHT)]
-        time.sleep(1.5)  # past the monitor's next look at the (expired) heartbeats
-        health = httpx.get(f"{st.url}/health")
-        assert health.status_code == 503 and "unhealthy" in health.json()["error"]
+        # Still unhealthy once the dead batcher's heartbeat has lapsed (4 s) and the monitor
+        # has seen it: no batcher, where it said the engine was failing.
+        eventually(
+            lambda: httpx.get(f"{st.url}/health").json().get("error") == NO_BATCHER,
+            15,
+            "/health says no batcher is alive",
+        )
         print(
             f"\nengine fault at step 10 with {NUM_IN_FLIGHT} in flight: all 424, /health 503 "
             f"after {unhealthy_s * 1000:.0f} ms, batcher exited {batcher.returncode} "
@@ -649,7 +657,7 @@ def wait_queued(stack: Stack, num_requests: int) -> None:
     def depth() -> int:
         return sum(client.xlen(keys.queue(p)) for p in Priority)
 
-    wait_for(lambda: depth() == num_requests, 30, lambda: f"queue depth {depth()}")
+    eventually(lambda: depth() == num_requests, 30, lambda: f"queue depth {depth()}")
 
 
 def _statuses(stack: Stack) -> set[str]:
@@ -662,6 +670,14 @@ NUM_DRAINED = 16
 DRAIN_TOKENS = 300
 API_DRAIN_TIMEOUT_S = 30  # past the stacks' DRAIN_TIMEOUT_S (5 s) and the persister's last round
 BATCHER_DRAIN_TIMEOUT_S = 20  # --drain-timeout-s
+# What the api's and the batcher's signal handlers log once they run.
+DRAINING = f"signal {int(signal.SIGTERM)}: draining"
+
+
+def wait_logged(stack: Stack, log_name: str, line: str) -> None:
+    """Waits until the log `log_name` of the stack's process holds `line`."""
+    log = stack.log_dir / f"{log_name}.log"
+    eventually(lambda: line in log.read_text(errors="replace"), 30, f"{log.name} says {line!r}")
 
 
 def descendants(pid: int) -> set[int]:
@@ -742,7 +758,7 @@ def test_sigterm_of_the_api_finishes_in_flight_streams(
                 outcome["children"] = descendants(api.pid)
                 api.send_signal(signal.SIGTERM)
                 outcome["sigterm_at"] = time.monotonic()
-                await asyncio.sleep(0.3)  # the signal handler has run: draining
+                await asyncio.to_thread(wait_logged, stack, stack.name, DRAINING)  # 503s now
                 outcome["new"] = await asyncio.to_thread(new_request_refused, stack)
                 finals: list[dict[str, Any]] = await streams
                 return finals
@@ -784,7 +800,7 @@ def test_sigterm_of_the_batcher_drains_in_flight_and_takes_nothing_new(
                 outcome["children"] = descendants(batcher.pid)
                 batcher.send_signal(signal.SIGTERM)
                 outcome["sigterm_at"] = time.monotonic()
-                await asyncio.sleep(0.5)
+                await asyncio.to_thread(wait_logged, stack, "batcher-b0", DRAINING)  # pulls no more
                 accepted = await client.post("/v1/jobs", json=late)
                 assert accepted.status_code == 202, accepted.text
                 outcome["late"] = accepted.json()["id"]
@@ -800,7 +816,7 @@ def test_sigterm_of_the_batcher_drains_in_flight_and_takes_nothing_new(
         assert returncode == 0
         assert drained_s <= BATCHER_DRAIN_TIMEOUT_S
         assert not [pid for pid in outcome["children"] if is_alive(pid)]
-        wait_for(lambda: httpx.get(f"{stack.url}/health").status_code == 503, 6, "healthy")
+        eventually(lambda: httpx.get(f"{stack.url}/health").status_code == 503, 6, "healthy")
         unhealthy_s = time.monotonic() - outcome["sigterm_at"]
         wait_queued(stack, 1)  # the late job waits for another batcher
         statuses = {r.id: r.status for r in rows(stack, "SELECT id, status FROM jobs")}
