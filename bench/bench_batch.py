@@ -2,11 +2,11 @@
 Batches API end to end, against the offline engine on the same prompts, in the same run.
 
 Medium Llama shape (random bf16 weights) whose vocabulary is a tokenizer trained on Python's
-bundled docs (`bench_http`'s model and workload: prompts uniform in 32..512 tokens, outputs
-uniform in 16..256, EOS ignored, greedy). The stack is `bench_http`'s (a fresh Postgres
-database, Redis, the api process and one batcher process with `--threads` torch threads) plus
-the batch runner: a Celery worker (`--runner celery`, the default with Redis) or a task of the
-api process (`--runner api`).
+bundled docs (`bench_http`'s model and workload, from `bench/harness.py`: prompts uniform in
+32..512 tokens, outputs uniform in 16..256, EOS ignored, greedy). The stack is the harness's
+(a fresh Postgres database, Redis, the api process and one batcher process with `--threads`
+torch threads) plus the batch runner: a Celery worker (`--runner celery`, the default with
+Redis) or a task of the api process (`--runner api`).
 
 - offline: every prompt added to the offline engine at t0 (it schedules them as the batcher
   does); tokens/s = completion tokens / (last request done - t0);
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,18 +34,17 @@ from typing import Any
 import httpx
 import torch
 
-from bench.bench_http import (
+from bench.harness import (
     BLOCK_SIZE,
     NUM_BLOCKS,
+    RESULTS,
     ChatCase,
-    Stack,
+    bench_stack,
     chat_cases,
+    chat_llama,
     run_offline,
-    running_stack,
-    stop_process,
-    text_model,
 )
-from bench.bench_scheduler import RESULTS
+from tests.api.stack import Stack, migrated_database, running
 from tgq.devtools.random_model import SHAPES
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
@@ -138,32 +136,23 @@ def main() -> None:
     args = parser.parse_args()
     began = time.perf_counter()
     torch.set_num_threads(args.threads)
-    model_dir = text_model(args.cache, args.model_shape)
+    model_dir = chat_llama(args.cache, args.model_shape)
     workloads = [chat_cases(model_dir, args.num_lines, 1, 1000 + r) for r in range(args.repeats)]
     runner = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
     run_offline(runner, model_dir, chat_cases(model_dir, 4, 2, 99))  # warm-up
-    stack = Stack(model_dir, args.cache / "logs", args.redis_url, args.threads, 4096)
-    stack.api_env = {
-        "BATCH_RUNNER": args.runner,
-        "FILE_STORAGE_DIR": str((args.cache / "files").resolve()),
-        "MAX_FILE_LINES": str(max(50_000, args.num_lines)),
-    }
     offline_runs, batch_runs = [], []
-    with running_stack(stack):
-        worker = None
-        if args.runner == "celery":
-            command = [
-                sys.executable, "-m", "celery", "-A", "tgq.bulk.celery_app", "worker",
-                "--pool", "solo", "--concurrency", "1", "--loglevel", "INFO",
-            ]  # fmt: skip
-            worker = stack.spawn("worker", command, stack.service_env())
-        try:
+    with migrated_database() as database_url:
+        log_dir = args.cache / "logs"
+        stack = bench_stack(model_dir, database_url, log_dir, args.redis_url, args.threads, 4096)
+        stack.api_env |= {
+            "BATCH_RUNNER": args.runner,
+            "FILE_STORAGE_DIR": str((args.cache / "files").resolve()),
+            "MAX_FILE_LINES": str(max(50_000, args.num_lines)),
+        }
+        with running(stack, celery_worker=args.runner == "celery", timeout_s=300):
             for cases in workloads:  # in turns, so a slow phase hits both alike
                 offline_runs.append(run_offline(runner, model_dir, cases))
                 batch_runs.append(run_batch(stack, cases))
-        finally:
-            if worker is not None:
-                stop_process(worker)
     offline = max(offline_runs, key=lambda run: run.tok_s)
     batch = max(batch_runs, key=lambda run: run.tok_s)
     offline_done = sorted(trace.end - trace.start for trace in offline.traces)

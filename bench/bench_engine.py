@@ -25,26 +25,11 @@ from typing import Any
 
 import torch
 
-from tgq.devtools.random_model import make_config, write_model
+from bench.harness import RESULTS, medium_llama_2k, random_prompts
 from tgq.gpu_worker.offline import OfflineEngine
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
-RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 16
-
-
-def medium_model(cache: Path) -> Path:
-    path = cache / "medium-llama-bf16"
-    if not (path / "model.safetensors").is_file():
-        write_model(
-            path, make_config("LlamaForCausalLM", "medium", dtype="bfloat16"), dtype=torch.bfloat16
-        )
-    return path
-
-
-def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(batch * 1000 + length + seed * 1_000_003)
-    return torch.randint(3, 32000, (batch, length), generator=gen).tolist()
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -125,22 +110,22 @@ def measure(engines: Engines, args: argparse.Namespace) -> dict[str, dict[str, f
 
         return sample
 
-    single = prompts(1, PROMPT_LEN)
+    single = random_prompts(1, PROMPT_LEN)
     for engine in engines.values():
         engine.generate(single, args.n1)  # warm-up
     step = best_interleaved(engines, decode_sampler(single, args.n1, args.n2), args.repeats)
     record("decode_b1_ms", {name: 1e3 * seconds for name, seconds in step.items()})
     for batch in args.batches:
-        sample = decode_sampler(prompts(batch, PROMPT_LEN), 2, 2 + args.steps)
+        sample = decode_sampler(random_prompts(batch, PROMPT_LEN), 2, 2 + args.steps)
         step = best_interleaved(engines, sample, args.batch_repeats)
         record(f"decode_b{batch}_tok_s", {name: batch / s for name, s in step.items()})
     for engine in engines.values():
-        engine.prefill(prompts(1, 64))
+        engine.prefill(random_prompts(1, 64))
 
     def prefill_rate(engine: HFEngine | TgqEngine, repeat: int) -> float:
         # Fresh prompts every time: a repeated prompt would hit tgq's prefix cache.
         count = args.hf_prefill_prompts if isinstance(engine, HFEngine) else args.prefill_prompts
-        batch = prompts(count, args.prefill_len, seed=repeat)
+        batch = random_prompts(count, args.prefill_len, seed=repeat)
         return timed(lambda: engine.prefill(batch)) / (count * args.prefill_len)
 
     per_token = best_interleaved(engines, prefill_rate, args.prefill_repeats)
@@ -187,7 +172,7 @@ def main() -> None:
     parser.add_argument("--prefill-repeats", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = medium_model(args.cache)
+    model_dir = medium_llama_2k(args.cache)
     engines: Engines = {
         "transformers": HFEngine(model_dir),
         "tgq": TgqEngine(model_dir, args.backend),

@@ -41,173 +41,47 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import random
-import signal
-import socket
-import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
-import redis
 import torch
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
 from tokenizers import Tokenizer
 
-from bench.bench_scheduler import RESULTS, random_workload
-from bench.bench_transport import percentile
-from tgq.api.chat_template import ChatTemplate
-from tgq.api.db import create_engine
-from tgq.api.db.migrate import upgrade
+from bench.harness import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    RESULTS,
+    ChatCase,
+    Run,
+    Trace,
+    bench_stack,
+    chat_cases,
+    chat_llama,
+    percentile,
+    run_offline,
+    tokens_per_second,
+)
+from tests.api.stack import Stack, migrated_database, running, stop_process
 from tgq.api.generation import request_id_of
 from tgq.batcher.config import SchedulerConfig
-from tgq.batcher.detokenize import HFTokenDecoder
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.request import StoppingParams
 from tgq.batcher.transport.aio import AsyncRedisApiTransport
 from tgq.batcher.transport.blocking import BlockingApiTransport
-from tgq.devtools.demo import add_chat_template
-from tgq.devtools.random_model import SHAPES, make_config, write_model
-from tgq.devtools.tokenizer import train_tokenizer
+from tgq.devtools.random_model import SHAPES
 from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-ADMIN_URL = "postgresql+asyncpg://root@127.0.0.1:5432/postgres"
-NUM_BLOCKS = 4096
-BLOCK_SIZE = 16
 TARGET_RATIO = 0.90
 TARGET_JOBS_S = 500.0
 FIRST_STEP_PROMPT = "first step {}"
-
-
-def text_model(cache: Path, shape: str) -> Path:
-    """The shape with a trained tokenizer's vocabulary (the bundled corpus yields ~9k tokens)."""
-    path = cache / f"{shape}-llama-bf16"
-    if not (path / "model.safetensors").is_file():  # written last: its presence means complete
-        train_tokenizer(path, vocab_size=32000)
-        add_chat_template(path)
-        vocab_size = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
-        config = make_config(
-            "LlamaForCausalLM",
-            shape,
-            dtype="bfloat16",
-            vocab_size=vocab_size,
-            max_position_embeddings=4096,
-        )
-        write_model(path, config, dtype=torch.bfloat16)
-    return path
-
-
-@dataclass(frozen=True)
-class ChatCase:
-    content: str  # the user message
-    prompt_ids: list[int]  # the rendered chat prompt, tokenized as the api does
-    num_out: int
-
-
-def chat_cases(model_dir: Path, count: int, seed: int, text_seed: int) -> list[ChatCase]:
-    """The mixed workload's lengths (seed 1 is the other benches'), as chat messages."""
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    template = ChatTemplate.from_model_dir(model_dir)
-    rng = random.Random(text_seed)
-    vocab_size = tokenizer.get_vocab_size()
-
-    def prompt_ids(content: str) -> list[int]:
-        prompt = template.render([{"role": "user", "content": content}])
-        ids: list[int] = tokenizer.encode(prompt, add_special_tokens=False).ids
-        return ids
-
-    cases = []
-    for prompt, num_out in random_workload(count, (32, 512), (16, 256), seed):
-        ids = [rng.randrange(3, vocab_size) for _ in range(2 * len(prompt))]
-        long_text = tokenizer.decode(ids, skip_special_tokens=True)
-        content = longest_prefix(long_text, lambda t: len(prompt_ids(t)), len(prompt))
-        cases.append(ChatCase(content, prompt_ids(content), num_out))
-    return cases
-
-
-def longest_prefix(long_text: str, num_tokens: Callable[[str], int], limit: int) -> str:
-    """The longest prefix of at most `limit` tokens, by binary search over characters (token
-    counts grow with the prefix, nearly monotonically)."""
-    low, high = 1, len(long_text)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if num_tokens(long_text[:middle]) <= limit:
-            low = middle
-        else:
-            high = middle - 1
-    return long_text[:low]
-
-
-@dataclass
-class Trace:
-    """One request's timeline (perf_counter seconds)."""
-
-    start: float
-    content_times: list[float] = field(default_factory=list)
-    end: float = 0.0
-    num_tokens: int = 0
-    first_step: float = 0.0  # when the engine step that made the first token finished
-    job_id: str = ""  # HTTP: the chat's job, whose item 0 is its engine request
-
-
-@dataclass
-class Run:
-    tok_s: float
-    traces: list[Trace]
-    cpu_s: dict[str, float]  # CPU seconds per process during the run
-    num_token_steps: int  # engine steps that produced at least one token
-
-
-def run_offline(runner: ModelRunner, model_dir: Path, cases: list[ChatCase]) -> Run:
-    """The offline engine, configured as `python -m tgq.batcher` is (tokenizer and EOS ids too)."""
-    decoder = HFTokenDecoder.from_file(str(model_dir / "tokenizer.json"))
-    engine = LLMEngine(runner, SchedulerConfig(), decoder, model_eos_token_ids(model_dir))
-    cpu = time.process_time()
-    start = time.perf_counter()
-    traces = {
-        engine.add_request(
-            case.prompt_ids, stopping=StoppingParams(max_new_tokens=case.num_out, ignore_eos=True)
-        ): Trace(start)
-        for case in cases
-    }
-    num_token_steps = 0
-    while engine.has_unfinished:
-        outputs = engine.step()
-        now = time.perf_counter()
-        num_token_steps += any(output.new_token_ids for output in outputs)
-        for output in outputs:
-            trace = traces[output.request_id]
-            if output.new_token_ids and not trace.num_tokens:
-                trace.first_step = now
-            trace.num_tokens += len(output.new_token_ids)
-            if output.new_text:
-                trace.content_times.append(now)
-            if output.is_finished:
-                trace.end = now
-    cpu_s = {"engine": time.process_time() - cpu, "wall": time.perf_counter() - start}
-    tok_s = tokens_per_second(start, list(traces.values()), cases)
-    return Run(tok_s, list(traces.values()), cpu_s, num_token_steps)
-
-
-def tokens_per_second(start: float, traces: list[Trace], cases: list[ChatCase]) -> float:
-    for i, (trace, case) in enumerate(zip(traces, cases, strict=True)):
-        if trace.num_tokens != case.num_out:
-            raise RuntimeError(f"request {i}: {trace.num_tokens} tokens, expected {case.num_out}")
-    return sum(t.num_tokens for t in traces) / (max(t.end for t in traces) - start)
 
 
 async def stream_chat(session: aiohttp.ClientSession, case: ChatCase, trace: Trace) -> None:
@@ -241,7 +115,7 @@ async def stream_chat(session: aiohttp.ClientSession, case: ChatCase, trace: Tra
 
 
 async def run_http(stack: Stack, cases: list[ChatCase]) -> Run:
-    cpu = stack.cpu_seconds()
+    cpu = stack_cpu_seconds(stack)
     async with client_session(stack.url, len(cases)) as session:
         start, start_unix = time.perf_counter(), time.time()
         traces = [Trace(start) for _ in cases]
@@ -249,7 +123,8 @@ async def run_http(stack: Stack, cases: list[ChatCase]) -> Run:
             *(stream_chat(session, c, t) for c, t in zip(cases, traces, strict=True))
         )
     wall = time.perf_counter() - start
-    cpu_s = {name: seconds - cpu[name] for name, seconds in stack.cpu_seconds().items()}
+    cpu_s = {name: seconds - cpu[name] for name, seconds in stack_cpu_seconds(stack).items()}
+    assert stack.redis_url is not None
     transport = AsyncRedisApiTransport.from_url(stack.redis_url, stack.prefix)
     step_times = []
     for trace in traces:  # the engine's clock for the first token, on the client's time base
@@ -290,146 +165,21 @@ def summary(values: dict[str, list[float]]) -> dict[str, float]:
 # --- the stack ---------------------------------------------------------------------------------
 
 
-async def _admin(statement: str) -> None:
-    engine = create_engine(ADMIN_URL, poolclass=NullPool, isolation_level="AUTOCOMMIT")
-    async with engine.connect() as conn:
-        await conn.execute(text(statement))
-    await engine.dispose()
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def process_env(**extra: str) -> dict[str, str]:
-    inherited = ("HOSTNAME", "PORT", "REDIS_URL", "DATABASE_URL")
-    env = {k: v for k, v in os.environ.items() if k not in inherited}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
-
-
-@dataclass
-class Stack:
-    """A fresh Postgres database, a Redis prefix, one batcher process and one api process."""
-
-    model_dir: Path
-    log_dir: Path
-    redis_url: str
-    threads: int
-    max_queued: int
-    prefix: str = field(default_factory=lambda: f"bench-http-{uuid.uuid4().hex[:8]}")
-    port: int = field(default_factory=free_port)
-    database_url: str | None = None
-    batcher: subprocess.Popen[bytes] | None = None
-    api: subprocess.Popen[bytes] | None = None
-    api_env: dict[str, str] = field(default_factory=dict)  # more settings of the api
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        name = f"tgq_bench_{uuid.uuid4().hex[:12]}"
-        asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-        self.database_url = make_url(ADMIN_URL).set(database=name).render_as_string(False)
-        upgrade(self.database_url)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.start_batcher()
-        self.api = self.spawn("api", [sys.executable, "-m", "tgq.api"], self.service_env())
-        self.wait_healthy()
-
-    def service_env(self) -> dict[str, str]:
-        """The api's environment (a Celery worker of this stack takes the same)."""
-        assert self.database_url is not None
-        return process_env(
-            OMP_NUM_THREADS="1",
-            DATABASE_URL=self.database_url,
-            REDIS_URL=self.redis_url,
-            REDIS_PREFIX=self.prefix,
-            MODEL_ID="tgq-bench",
-            MODEL_DIR=str(self.model_dir),
-            PORT=str(self.port),
-            MAX_CONCURRENT_REQUESTS="512",
-            MAX_QUEUED_REQUESTS=str(self.max_queued),
-            **self.api_env,
-        )
-
-    def start_batcher(self) -> None:
-        command = [
-            sys.executable, "-m", "tgq.batcher", "--model-id", str(self.model_dir),
-            "--redis-url", self.redis_url, "--prefix", self.prefix, "--batcher-id", "bench",
-            "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-        ]  # fmt: skip
-        self.batcher = self.spawn(
-            "batcher", command, process_env(OMP_NUM_THREADS=str(self.threads))
-        )
-
-    def spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (the child holds it)
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
-
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for name, process in (("api", self.api), ("batcher", self.batcher)):
-                if process is not None and process.poll() is not None:
-                    raise RuntimeError(f"the {name} exited; see {self.log_dir}/{name}.log")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise TimeoutError(f"the stack did not become healthy; see {self.log_dir}")
-
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds so far of the batcher, the api and this process (the client)."""
-        assert self.batcher is not None and self.api is not None
-        return {
-            "batcher": cpu_seconds(self.batcher.pid),
-            "api": cpu_seconds(self.api.pid),
-            "client": time.process_time(),
-        }
-
-    def stop_batcher(self) -> None:
-        if self.batcher is not None:
-            stop_process(self.batcher)
-            self.batcher = None
-
-    def stop(self) -> None:
-        """Stops the processes, then deletes the prefix's keys and drops the database."""
-        try:
-            for process in (self.api, self.batcher):
-                if process is not None:
-                    stop_process(process)
-            client = redis.Redis.from_url(self.redis_url)
-            keys = list(client.scan_iter(match=f"{self.prefix}:*"))
-            if keys:
-                client.delete(*keys)
-            client.close()
-        finally:
-            if self.database_url is not None:
-                database = make_url(self.database_url).database
-                asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-@contextlib.contextmanager
-def running_stack(stack: Stack) -> Iterator[Stack]:
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
+def stack_cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of the batcher, the api and this process (the client)."""
+    (batcher,) = stack.batchers
+    assert stack.api is not None
+    return {
+        "batcher": cpu_seconds(batcher.pid),
+        "api": cpu_seconds(stack.api.pid),
+        "client": time.process_time(),
+    }
 
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -437,6 +187,7 @@ def running_stack(stack: Stack) -> Iterator[Stack]:
 
 def first_step_latency(stack: Stack, num_jobs: int, rate: float) -> list[float]:
     """POST -> first scheduled step, ms, sorted (see the module docstring)."""
+    assert stack.redis_url is not None
     transport = BlockingApiTransport.from_url(stack.redis_url, stack.prefix)
     latencies_ms = []
     with httpx.Client(base_url=stack.url, timeout=60) as client:
@@ -472,12 +223,6 @@ def prefill_alone(runner: ModelRunner, model_dir: Path, num_jobs: int) -> list[f
             engine.step()
         step_ms.append(1e3 * (time.perf_counter() - start))
     return sorted(step_ms)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def accept_jobs(stack: Stack, num_jobs: int, connections: int) -> dict[str, float]:
@@ -532,6 +277,25 @@ def client_session(url: str, connections: int) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(url, connector=connector, timeout=timeout)
 
 
+def jobs_results(
+    stack: Stack, runner: ModelRunner, model_dir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """POST -> first step (and the offline prefill alone), then jobs accepted/s with the engine
+    idle: the batcher is stopped, nothing consumes the jobs."""
+    first_step = first_step_latency(stack, args.first_step_jobs, args.first_step_rate)
+    alone = prefill_alone(runner, model_dir, args.first_step_jobs)
+    stop_process(stack.batchers[0])
+    return {
+        "first_step": {
+            "p50_ms": percentile(first_step, 0.5),
+            "p99_ms": percentile(first_step, 0.99),
+            "prefill_alone_p50_ms": percentile(alone, 0.5),
+            "prefill_alone_p99_ms": percentile(alone, 0.99),
+        },
+        "jobs": asyncio.run(accept_jobs(stack, args.num_jobs, args.job_connections)),
+    }
+
+
 # --- main --------------------------------------------------------------------------------------
 
 
@@ -552,36 +316,24 @@ def main() -> None:
     args = parser.parse_args()
     began = time.perf_counter()
     torch.set_num_threads(args.threads)
-    model_dir = text_model(args.cache, args.model_shape)
+    model_dir = chat_llama(args.cache, args.model_shape)
     workloads = [chat_cases(model_dir, args.num_requests, 1, r) for r in range(args.repeats)]
     warm_up = chat_cases(model_dir, 4, 2, 99)
     runner = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
     run_offline(runner, model_dir, warm_up)
-    stack = Stack(
-        model_dir,
-        args.cache / "logs",
-        args.redis_url,
-        args.batcher_threads or args.threads,
-        max(4096, 2 * args.num_jobs),
-    )
     offline_runs, http_runs = [], []
     results: dict[str, Any] = {}
-    with running_stack(stack):
-        asyncio.run(run_http(stack, warm_up))
-        for cases in workloads:  # in turns, so a slow phase hits both alike
-            offline_runs.append(run_offline(runner, model_dir, cases))
-            http_runs.append(asyncio.run(run_http(stack, cases)))
-        if not args.skip_jobs:
-            first_step = first_step_latency(stack, args.first_step_jobs, args.first_step_rate)
-            alone = prefill_alone(runner, model_dir, args.first_step_jobs)
-            results["first_step"] = {
-                "p50_ms": percentile(first_step, 0.5),
-                "p99_ms": percentile(first_step, 0.99),
-                "prefill_alone_p50_ms": percentile(alone, 0.5),
-                "prefill_alone_p99_ms": percentile(alone, 0.99),
-            }
-            stack.stop_batcher()  # engine idle: nothing consumes the jobs
-            results["jobs"] = asyncio.run(accept_jobs(stack, args.num_jobs, args.job_connections))
+    with migrated_database() as database_url:
+        threads, max_queued = args.batcher_threads or args.threads, max(4096, 2 * args.num_jobs)
+        log_dir = args.cache / "logs"
+        stack = bench_stack(model_dir, database_url, log_dir, args.redis_url, threads, max_queued)
+        with running(stack, timeout_s=300):
+            asyncio.run(run_http(stack, warm_up))
+            for cases in workloads:  # in turns, so a slow phase hits both alike
+                offline_runs.append(run_offline(runner, model_dir, cases))
+                http_runs.append(asyncio.run(run_http(stack, cases)))
+            if not args.skip_jobs:
+                results |= jobs_results(stack, runner, model_dir, args)
     offline = max(offline_runs, key=lambda run: run.tok_s)
     http = max(http_runs, key=lambda run: run.tok_s)
     offline_latencies, http_latencies = latencies(offline.traces), latencies(http.traces)

@@ -27,91 +27,15 @@ from typing import Any
 
 import torch
 
-from tgq.batcher.config import SchedulerConfig
-from tgq.batcher.engine import LLMEngine
-from tgq.batcher.request import StoppingParams
-from tgq.devtools.random_model import make_config, write_model
-from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
-
-RESULTS = Path(__file__).parent / "results"
-VOCAB = 32000
-
-
-def medium_model(cache: Path) -> Path:
-    path = cache / "medium-llama-bf16-4k"  # room for the 2,080-token prefix-replay prompts
-    if not (path / "model.safetensors").is_file():
-        config = make_config(
-            "LlamaForCausalLM", "medium", dtype="bfloat16", max_position_embeddings=4096
-        )
-        write_model(path, config, dtype=torch.bfloat16)
-    return path
-
-
-Workload = list[tuple[list[int], int]]  # (prompt, number of output tokens)
-
-
-def random_workload(
-    count: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], seed: int
-) -> Workload:
-    rng = random.Random(seed)
-    return [
-        (
-            [rng.randrange(3, VOCAB) for _ in range(rng.randint(*prompt_lens))],
-            rng.randint(*output_lens),
-        )
-        for _ in range(count)
-    ]
-
-
-class Tgq:
-    def __init__(self, model_dir: Path, num_blocks: int) -> None:
-        self.runner = ModelRunner(
-            RunnerConfig(str(model_dir), num_blocks=num_blocks, block_size=16)
-        )
-
-    def engine(self, *, prefix_cache: bool = True) -> LLMEngine:
-        return LLMEngine(self.runner, SchedulerConfig(enable_prefix_cache=prefix_cache))
-
-    def run(self, workload: Workload, *, prefix_cache: bool = True) -> dict[str, float]:
-        """Tokens/s over the whole workload, and the mean KV waste once none waits."""
-        engine = self.engine(prefix_cache=prefix_cache)
-        for prompt, num_out in workload:
-            engine.add_request(
-                prompt, stopping=StoppingParams(max_new_tokens=num_out, ignore_eos=True)
-            )
-        wastes = []
-        start = time.perf_counter()
-        while engine.has_unfinished:
-            engine.step()
-            scheduler = engine.scheduler
-            if not scheduler.waiting and scheduler.running:  # every request admitted
-                wastes.append(kv_waste(engine))
-        seconds = time.perf_counter() - start
-        return {
-            "tok_s": sum(num_out for _, num_out in workload) / seconds,
-            "kv_waste": sum(wastes) / len(wastes) if wastes else float("nan"),
-        }
-
-    def ttft(self, engine: LLMEngine, prompt: list[int]) -> float:
-        start = time.perf_counter()
-        request_id = engine.add_request(
-            prompt, stopping=StoppingParams(max_new_tokens=2, ignore_eos=True)
-        )
-        while not any(out.request_id == request_id and out.new_token_ids for out in engine.step()):
-            pass
-        seconds = time.perf_counter() - start
-        while engine.has_unfinished:
-            engine.step()
-        return seconds
-
-
-def kv_waste(engine: LLMEngine) -> float:
-    """Allocated slots that hold no token yet, over allocated slots, across running requests."""
-    block_size = engine.runner.block_size
-    running = engine.scheduler.running
-    allocated = sum(len(request.block_ids) for request in running) * block_size
-    used = sum(request.num_computed_tokens for request in running)
-    return (allocated - used) / allocated if allocated else 0.0
+from bench.harness import (
+    NUM_BLOCKS,
+    RESULTS,
+    VOCAB,
+    TgqOffline,
+    Workload,
+    medium_llama_4k,
+    random_workload,
+)
 
 
 class HF:
@@ -145,7 +69,7 @@ class HF:
             )
 
 
-def prefix_replay(tgq: Tgq, prefix_len: int, suffix_len: int) -> dict[str, float]:
+def prefix_replay(tgq: TgqOffline, prefix_len: int, suffix_len: int) -> dict[str, float]:
     rng = random.Random(7)
     prefix = [rng.randrange(3, VOCAB) for _ in range(prefix_len)]
     first, second = (
@@ -158,7 +82,7 @@ def prefix_replay(tgq: Tgq, prefix_len: int, suffix_len: int) -> dict[str, float
     return {"ttft_first_ms": 1e3 * cold, "ttft_second_ms": 1e3 * warm, "speedup": cold / warm}
 
 
-def prefix_cache_cost(tgq: Tgq, workload: Workload, repeats: int) -> dict[str, float]:
+def prefix_cache_cost(tgq: TgqOffline, workload: Workload, repeats: int) -> dict[str, float]:
     """Best of `repeats` runs each way, taken in turns; prompts share nothing, so every lookup
     misses and only the hashing and bookkeeping differ."""
     best = {"on": 0.0, "off": 0.0}
@@ -219,8 +143,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="tgq numbers only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = medium_model(args.cache)
-    tgq = Tgq(model_dir, num_blocks=4096)
+    model_dir = medium_llama_4k(args.cache)
+    tgq = TgqOffline(model_dir, num_blocks=NUM_BLOCKS)
     workload = random_workload(args.requests, (32, 512), (16, 256), seed=1)
     tgq.run(random_workload(4, (32, 64), (4, 4), seed=2))  # warm-up
     ours = tgq.run(workload)

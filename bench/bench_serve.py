@@ -14,21 +14,15 @@ The database `tgq_bench` is created afresh on the local Postgres (`--admin-url`)
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import httpx
-from sqlalchemy import text
-from sqlalchemy.pool import NullPool
-
-from tgq.api.db import create_engine
+from tests.api.stack import admin, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "bench"
@@ -44,16 +38,9 @@ RUNS = {
 SLO = "ttft=500ms,tpot=50ms"
 
 
-async def _admin(url: str, statement: str) -> None:
-    engine = create_engine(url, poolclass=NullPool, isolation_level="AUTOCOMMIT")
-    async with engine.connect() as conn:
-        await conn.execute(text(statement))
-    await engine.dispose()
-
-
 def fresh_database(admin_url: str, name: str) -> str:
-    asyncio.run(_admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    asyncio.run(_admin(admin_url, f'CREATE DATABASE "{name}"'))
+    admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', admin_url)
+    admin(f'CREATE DATABASE "{name}"', admin_url)
     return admin_url.rsplit("/", 1)[0] + f"/{name}"
 
 
@@ -72,21 +59,6 @@ def start_service(
     return subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT
     )
-
-
-def wait_healthy(url: str, service: subprocess.Popen[bytes], timeout_s: float = 900) -> None:
-    """The first start trains the demo model (minutes), so the wait is long."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if service.poll() is not None:
-            raise RuntimeError(f"tgq serve exited {service.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("tgq serve did not become healthy")
 
 
 def run_bench(url: str, name: str, tokenizer: Path) -> dict[str, object]:
@@ -119,7 +91,8 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     service = start_service(database_url, args.redis_url, args.port, OUT / "serve.log")
     try:
-        wait_healthy(url, service)
+        # The first start trains the demo model (minutes), so the wait is long.
+        wait_healthy(url, service, OUT / "serve.log", 900)
         summaries = {name: run_bench(url, name, model_dir) for name in args.runs}
     finally:
         service.send_signal(signal.SIGTERM)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_engine import RESULTS, medium_model, prompts
+from bench.harness import RESULTS, medium_llama_2k, random_prompts
 from tgq.batcher.engine import LLMEngine, StepRunner
 from tgq.batcher.ranks import ShardConfig, ShardedRunner
 from tgq.batcher.request import StoppingParams
@@ -39,7 +39,7 @@ def decode_tok_s(runner: StepRunner, batch: int) -> float:
     engine = LLMEngine(runner)
     stopping = StoppingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     start = time.perf_counter()
-    outputs = engine.generate(prompts(batch, 16), stopping=stopping)
+    outputs = engine.generate(random_prompts(batch, 16), stopping=stopping)
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    model_dir = medium_model(args.cache)
+    model_dir = medium_llama_2k(args.cache)
     single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS))
     sharded = ShardedRunner(
         ShardConfig(str(model_dir), 2, num_blocks=NUM_BLOCKS, threads_per_rank=1)

@@ -30,7 +30,16 @@ from typing import Any
 import redis
 import torch
 
-from bench.bench_scheduler import RESULTS, Tgq, Workload, medium_model, random_workload
+from bench.harness import (
+    NUM_BLOCKS,
+    RESULTS,
+    TgqOffline,
+    Workload,
+    medium_llama_4k,
+    percentile,
+    random_workload,
+)
+from tests.api.stack import delete_keys
 from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.request import StoppingParams
 from tgq.batcher.transport.base import ApiTransport
@@ -38,7 +47,6 @@ from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.gpu_worker.plan import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
-NUM_BLOCKS = 4096
 
 
 def start_batcher(model_dir: Path, redis_url: str, prefix: str) -> subprocess.Popen[bytes]:
@@ -116,12 +124,6 @@ def run_through_redis(
     }
 
 
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * fraction))]
-
-
 def total_calls(client: redis.Redis) -> int:
     stats: Any = client.info("commandstats")
     return sum(int(entry["calls"]) for entry in stats.values())
@@ -136,9 +138,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs each way, best kept")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = medium_model(args.cache)
+    model_dir = medium_llama_4k(args.cache)
     workload = random_workload(args.requests, (32, 512), (16, 256), seed=1)
-    offline = Tgq(model_dir, num_blocks=NUM_BLOCKS)
+    offline = TgqOffline(model_dir, num_blocks=NUM_BLOCKS)
     offline.run(random_workload(4, (32, 64), (4, 4), seed=2))  # warm-up
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     client = redis.Redis.from_url(args.redis_url)
@@ -157,10 +159,8 @@ def main() -> None:
         process.terminate()
         process.wait(timeout=60)
         transport.close()
-        keys = list(client.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            client.delete(*keys)
         client.close()
+        delete_keys(args.redis_url, prefix)
     results: dict[str, Any] = {"offline_tok_s": max(offline_runs)}
     results |= max(redis_runs, key=lambda run: run["tok_s"])
     results["redis_over_offline"] = results["tok_s"] / results["offline_tok_s"]

@@ -216,7 +216,7 @@ class Stack:
             "--redis-url", self.redis_url, "--prefix", self.prefix, "--batcher-id", batcher_id,
             *self.batcher_sizing, *self.batcher_options,
         ]  # fmt: skip
-        env = process_env(**self.settings, **self.batcher_env)
+        env = process_env(**{**self.settings, **self.batcher_env})
         process = self._spawn(f"batcher-{batcher_id}", command, env)
         self.batchers.append(process)
         return process
