@@ -42,7 +42,10 @@ from bench.harness import (
     bench_stack,
     chat_cases,
     chat_llama,
+    pyplot,
     run_offline,
+    save_figure,
+    write_results,
 )
 from tests.api.stack import Stack, migrated_database, running
 from tgq.devtools.random_model import SHAPES
@@ -173,7 +176,6 @@ def main() -> None:
         },
         "seconds": time.perf_counter() - began,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
     title = (
         f"{args.num_lines}-line batch, {args.model_shape} Llama bf16, CPU {args.threads} threads:"
         f" Batches API ({args.runner} runner) vs offline engine"
@@ -185,11 +187,7 @@ def main() -> None:
 def plot(
     offline_done: list[float], progress: list[tuple[float, int]], title: str, path: Path
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     ax.plot(offline_done, range(1, len(offline_done) + 1), label="offline engine", color="#999999")
     ax.plot([t for t, _ in progress], [n for _, n in progress], label="batch", color="#1f77b4")
@@ -197,15 +195,11 @@ def plot(
     ax.set_ylabel("lines done", fontsize=8)
     ax.tick_params(labelsize=8)
     ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, title, path)
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    (RESULTS / "batch-cpu.json").write_text(
-        json.dumps({"args": vars(args) | {"cache": str(args.cache)}, "results": results}, indent=2)
-    )
+    write_results("batch-cpu", args, results)
     offline, batch, ratio = results["offline"], results["batch"], results["batch_over_offline"]
     met = "met" if ratio >= TARGET_RATIO else "missed"
     rows = [

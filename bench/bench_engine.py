@@ -17,7 +17,6 @@ bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,14 @@ from typing import Any
 
 import torch
 
-from bench.harness import RESULTS, medium_llama_2k, random_prompts
+from bench.harness import (
+    RESULTS,
+    medium_llama_2k,
+    pyplot,
+    random_prompts,
+    save_figure,
+    write_results,
+)
 from tgq.gpu_worker.offline import OfflineEngine
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
@@ -134,11 +140,7 @@ def measure(engines: Engines, args: argparse.Namespace) -> dict[str, dict[str, f
 
 
 def plot(results: dict[str, dict[str, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     metrics = list(results["transformers"])
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.4))
     for ax, metric in zip(axes, metrics, strict=True):
@@ -147,12 +149,9 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_title(metric, fontsize=9)
         ax.tick_params(labelsize=8)
-    fig.suptitle(
-        "tgq vs transformers, medium Llama bf16, CPU 2 threads (lower ms / higher tok/s)",
-        fontsize=9,
+    save_figure(
+        fig, "tgq vs transformers, medium Llama bf16, CPU 2 threads (lower ms / higher tok/s)", path
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -181,10 +180,7 @@ def main() -> None:
 
 
 def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine.json").write_text(
-        json.dumps({"args": vars(args) | {"cache": str(args.cache)}, "results": results}, indent=2)
-    )
+    write_results("engine", args, results)
     plot(results, RESULTS / "engine.png")
     base, ours = results["transformers"], results["tgq"]
     print(f"{'metric':<22}{'transformers':>14}{'tgq':>12}{'tgq/hf':>9}")

@@ -65,8 +65,11 @@ from bench.harness import (
     chat_cases,
     chat_llama,
     percentile,
+    pyplot,
     run_offline,
+    save_figure,
     tokens_per_second,
+    write_results,
 )
 from tests.api.stack import Stack, migrated_database, running, stop_process
 from tgq.api.generation import request_id_of
@@ -351,7 +354,6 @@ def main() -> None:
         },
         "seconds": time.perf_counter() - began,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
     title = (
         f"{args.num_requests} mixed streaming chats, {args.model_shape} Llama bf16, CPU "
         f"{args.threads} threads: HTTP + Redis + batcher vs offline engine"
@@ -363,11 +365,7 @@ def main() -> None:
 def plot(
     offline: dict[str, list[float]], http: dict[str, list[float]], title: str, path: Path
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, name in zip(axes, ("ttft", "itl"), strict=True):
         for label, values, color in (("offline", offline, "#999999"), ("HTTP", http, "#1f77b4")):
@@ -383,15 +381,11 @@ def plot(
         ax.set_ylabel("fraction", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, title, path)
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    (RESULTS / "http-cpu.json").write_text(
-        json.dumps({"args": vars(args) | {"cache": str(args.cache)}, "results": results}, indent=2)
-    )
+    write_results("http-cpu", args, results)
     offline, http = results["offline"], results["http"]
     ratio = results["http_over_offline"]
     rows = [

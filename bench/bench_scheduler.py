@@ -19,7 +19,6 @@ Prints one summary table and writes JSON and a PNG chart to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
@@ -34,7 +33,10 @@ from bench.harness import (
     TgqOffline,
     Workload,
     medium_llama_4k,
+    pyplot,
     random_workload,
+    save_figure,
+    write_results,
 )
 
 
@@ -97,11 +99,7 @@ def prefix_cache_cost(tgq: TgqOffline, workload: Workload, repeats: int) -> dict
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.4))
     bars = [
         (
@@ -125,9 +123,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.bar_label(drawn, fmt="%.1f", fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=8)
-    fig.suptitle("tgq scheduler, medium Llama bf16, CPU 2 threads", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, "tgq scheduler, medium Llama bf16, CPU 2 threads", path)
 
 
 def main() -> None:
@@ -161,10 +157,7 @@ def main() -> None:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "scheduler.json").write_text(
-        json.dumps({"args": vars(args) | {"cache": str(args.cache)}, "results": results}, indent=2)
-    )
+    write_results("scheduler", args, results)
     throughput = results["throughput"]
     print(f"{'metric':<44}{'value':>12}")
     print(f"{'tgq 64 mixed requests, tok/s':<44}{throughput['tgq']:>12.1f}")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench.harness import RESULTS, medium_llama_2k, random_prompts
+from bench.harness import RESULTS, medium_llama_2k, pyplot, random_prompts
 from tgq.batcher.engine import LLMEngine, StepRunner
 from tgq.batcher.ranks import ShardConfig, ShardedRunner
 from tgq.batcher.request import StoppingParams
@@ -88,11 +88,7 @@ def main() -> None:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3))
     labels = ["batch 1", "batch 16"]
     for offset, name, color in ((-0.2, "tp1", "#999999"), (0.2, "tp2", "#1f77b4")):

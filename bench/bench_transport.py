@@ -17,7 +17,6 @@ Prints one summary table and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -32,12 +31,12 @@ import torch
 
 from bench.harness import (
     NUM_BLOCKS,
-    RESULTS,
     TgqOffline,
     Workload,
     medium_llama_4k,
     percentile,
     random_workload,
+    write_results,
 )
 from tests.api.stack import delete_keys
 from tgq.batcher.messages import SubmitRequest
@@ -168,10 +167,7 @@ def main() -> None:
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "transport.json").write_text(
-        json.dumps({"args": vars(args) | {"cache": str(args.cache)}, "results": results}, indent=2)
-    )
+    write_results("transport", args, results)
     rows = [
         ("offline engine, tok/s", results["offline_tok_s"], ".1f"),
         ("through Redis + batcher process, tok/s", results["tok_s"], ".1f"),

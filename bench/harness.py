@@ -12,12 +12,15 @@ Models (random bf16 weights, written once under `--cache`):
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -38,6 +41,32 @@ RESULTS = Path(__file__).parent / "results"
 VOCAB = 32000  # the medium shape's
 NUM_BLOCKS = 4096  # KV blocks of the benchmarks' runners and batchers
 BLOCK_SIZE = 16
+
+
+def write_results(name: str, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """`bench/results/<name>.json`: the run's arguments and its results."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {"args": vars(args) | {"cache": str(args.cache)}, "results": results}
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files (the Agg backend), imported only when a benchmark
+    plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, title: str, path: Path) -> None:
+    """Titled, into `path` (its folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def percentile(sorted_values: list[float], fraction: float) -> float:

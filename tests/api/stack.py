@@ -3,7 +3,7 @@ own), Redis, batcher processes, Celery workers and the api as a uvicorn process.
 
 `Stack` starts and stops the processes and `running` holds one up for a block; the fixtures in
 `conftest.py` share one per module. Around it: free ports, the Postgres admin (databases made
-and dropped), a private redis-server, and the tests' tiny text model (random weights, a
+and dropped), Redis keys deleted, and the tests' tiny text model (random weights, a
 tokenizer trained here, a chat template). Plain Python, no pytest: `bench/` imports it.
 """
 
@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,6 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from tests.polling import eventually
 from tgq.api.db import create_engine
 from tgq.api.db.migrate import upgrade
 from tgq.devtools.demo import add_chat_template
@@ -73,7 +71,7 @@ def free_port() -> int:
         return port
 
 
-# --- Postgres and Redis -------------------------------------------------------------------------
+# --- Postgres and Redis keys --------------------------------------------------------------------
 
 
 def admin(statement: str, admin_url: str = ADMIN_URL) -> None:
@@ -118,63 +116,6 @@ def delete_keys(redis_url: str, prefix: str) -> None:
     if keys:
         client.delete(*keys)
     client.close()
-
-
-class RedisServer:
-    """A redis-server of the caller's own on a free port: without persistence (a restart loses
-    every key), or with an append-only file in `data_dir` (as compose runs it)."""
-
-    def __init__(self, data_dir: Path | None = None) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.data_dir = data_dir
-        self.processes: list[subprocess.Popen[bytes]] = []
-        self.start()
-
-    def start(self) -> None:
-        """Starts it (again, on the same port: empty, or with what its append-only file kept)
-        and waits until it answers."""
-        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        if self.data_dir is None:
-            command += ["--appendonly", "no"]
-        else:
-            command += ["--appendonly", "yes", "--appendfsync", "always"]
-            command += ["--dir", str(self.data_dir)]
-        self.processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
-        client = redis.Redis(port=self.port)
-        eventually(lambda: _pings(client), 10, f"redis-server on port {self.port} answers")
-        client.close()
-
-    def kill(self) -> None:
-        self.processes[-1].kill()
-        self.processes[-1].wait()
-
-    def stop(self) -> None:
-        """A clean shutdown (SIGTERM): it writes its append-only file first."""
-        self.processes[-1].send_signal(signal.SIGTERM)
-        self.processes[-1].wait(10)
-
-    def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-
-
-@contextlib.contextmanager
-def private_redis(data_dir: Path | None = None) -> Iterator[RedisServer]:
-    server = RedisServer(data_dir)
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
 
 
 # --- the stack ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.api.stack import delete_keys, private_redis
+from tests.api.stack import delete_keys
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
     follow,
@@ -24,6 +24,7 @@ from tests.batcher.test_batcher_process import (
     start_batcher,
 )
 from tests.polling import eventually
+from tests.reliability.redis_server import private_redis
 from tgq.batcher.messages import FinalResult, SubmitRequest
 from tgq.batcher.request import Priority, StoppingParams
 from tgq.batcher.transport.base import ApiTransport

@@ -29,8 +29,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from tests.api.stack import REDIS_URL, Stack, migrated_database, private_redis, running
+from tests.api.stack import REDIS_URL, Stack, migrated_database, running
 from tests.polling import eventually
+from tests.reliability.redis_server import private_redis
 from tests.reliability.tcp_proxy import TcpProxy
 from tgq.api.db import create_engine
 from tgq.batcher.request import Priority
@@ -260,11 +261,7 @@ def test_redis_losing_everything_mid_run_loses_no_accepted_job(
             eventually(lambda: scalar(url, "SELECT count(*) FROM results") >= 2, 60, stack.api_log)
             assert scalar(url, "SELECT count(*) FROM results") < NUM_REDIS_JOBS // 2  # mid-run
             fault_at = time.monotonic()
-            if fault == "restart":
-                server.kill()
-                server.start()
-            else:
-                redis.Redis.from_url(server.url).flushall()
+            server.lose_everything(fault)
             done_at = wait_done(url, NUM_REDIS_JOBS, 180, log=stack.api_log)
             figures = check_invariants(url, NUM_REDIS_JOBS, REDIS_PARAMS["max_new_tokens"])
             check_metrics(stack, NUM_REDIS_JOBS)

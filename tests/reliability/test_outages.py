@@ -26,9 +26,10 @@ import httpx
 import pytest
 import redis
 
-from tests.api.stack import RedisServer, Stack, migrated_database, private_redis, running
+from tests.api.stack import Stack, migrated_database, running
 from tests.polling import eventually
 from tests.reliability.pg_server import private_postgres
+from tests.reliability.redis_server import RedisServer, private_redis
 from tests.reliability.routes_under_outage import (
     BATCH_LINE,
     SHORT,
@@ -194,11 +195,7 @@ def test_redis_losing_its_data_is_reconciled_within_seconds(
                 lambda: scalar(url, "SELECT count(*) FROM results") >= 1, 60, "a first result"
             )
             fault_at = time.monotonic()
-            if fault == "restart":
-                server.kill()
-                server.start()
-            else:
-                redis.Redis.from_url(server.url).flushall()
+            server.lose_everything(fault)
             eventually(lambda: _all_succeeded(client, job_ids), 20, stack.api_log, interval_s=0.2)
             recover_s = time.monotonic() - fault_at
             print(f"\nredis {fault}: {NUM_LOST} jobs done {recover_s:.1f} s after it")

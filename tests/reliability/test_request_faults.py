@@ -19,6 +19,7 @@ import re
 import signal
 import socket
 import statistics
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -674,6 +675,27 @@ BATCHER_DRAIN_TIMEOUT_S = 20  # --drain-timeout-s
 DRAINING = f"signal {int(signal.SIGTERM)}: draining"
 
 
+async def sigterm_mid_streams(
+    stack: Stack,
+    client: httpx.AsyncClient,
+    process: subprocess.Popen[bytes],
+    log_name: str,
+    outcome: dict[str, Any],
+) -> asyncio.Task[Any]:
+    """Opens `NUM_DRAINED` long streams and, once each has its first token, sends SIGTERM to
+    `process`; returns when its handler has run (its log `log_name` says so: the api answers
+    503 from then on, the batcher pulls nothing more). The streams' task is returned; `outcome`
+    gets the process's children and when the signal was sent."""
+    started = asyncio.Event()
+    streams = asyncio.create_task(open_streams(stack, client, started))
+    await asyncio.wait_for(started.wait(), 60)
+    outcome["children"] = descendants(process.pid)
+    process.send_signal(signal.SIGTERM)
+    outcome["sigterm_at"] = time.monotonic()
+    await asyncio.to_thread(wait_logged, stack, log_name, DRAINING)
+    return streams
+
+
 def wait_logged(stack: Stack, log_name: str, line: str) -> None:
     """Waits until the log `log_name` of the stack's process holds `line`."""
     log = stack.log_dir / f"{log_name}.log"
@@ -751,14 +773,8 @@ def test_sigterm_of_the_api_finishes_in_flight_streams(
         outcome: dict[str, Any] = {}
 
         async def run() -> list[dict[str, Any]]:
-            started = asyncio.Event()
             async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
-                streams = asyncio.create_task(open_streams(stack, client, started))
-                await asyncio.wait_for(started.wait(), 60)
-                outcome["children"] = descendants(api.pid)
-                api.send_signal(signal.SIGTERM)
-                outcome["sigterm_at"] = time.monotonic()
-                await asyncio.to_thread(wait_logged, stack, stack.name, DRAINING)  # 503s now
+                streams = await sigterm_mid_streams(stack, client, api, stack.name, outcome)
                 outcome["new"] = await asyncio.to_thread(new_request_refused, stack)
                 finals: list[dict[str, Any]] = await streams
                 return finals
@@ -793,14 +809,8 @@ def test_sigterm_of_the_batcher_drains_in_flight_and_takes_nothing_new(
         late = {"prompt": "late", "parameters": {"max_new_tokens": 4}}
 
         async def run() -> list[dict[str, Any]]:
-            started = asyncio.Event()
             async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
-                streams = asyncio.create_task(open_streams(stack, client, started))
-                await asyncio.wait_for(started.wait(), 60)
-                outcome["children"] = descendants(batcher.pid)
-                batcher.send_signal(signal.SIGTERM)
-                outcome["sigterm_at"] = time.monotonic()
-                await asyncio.to_thread(wait_logged, stack, "batcher-b0", DRAINING)  # pulls no more
+                streams = await sigterm_mid_streams(stack, client, batcher, "batcher-b0", outcome)
                 accepted = await client.post("/v1/jobs", json=late)
                 assert accepted.status_code == 202, accepted.text
                 outcome["late"] = accepted.json()["id"]
