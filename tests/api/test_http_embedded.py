@@ -5,15 +5,16 @@ persisted in the SQLite file."""
 from __future__ import annotations
 
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.api.stack import Stack
 from tests.api.test_http_routes import encode, offline
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,13 +44,13 @@ def test_greedy_tokens_equal_the_offline_engine(embedded: Stack) -> None:
 def test_jobs_are_persisted_in_sqlite(embedded: Stack) -> None:
     body = {"prompt": ["a", "b"], "parameters": {"max_new_tokens": 3}}
     job = httpx.post(f"{embedded.url}/v1/jobs", json=body, timeout=60).json()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        status = httpx.get(f"{embedded.url}/v1/jobs/{job['id']}", timeout=10).json()
-        if status["status"] == "succeeded":
-            break
-        time.sleep(0.1)
-    assert status["status"] == "succeeded" and len(status["results"]) == 2
+
+    def status() -> dict[str, Any]:
+        answer: dict[str, Any] = httpx.get(f"{embedded.url}/v1/jobs/{job['id']}", timeout=10).json()
+        return answer
+
+    eventually(lambda: status()["status"] == "succeeded", 60, lambda: f"job succeeded: {status()}")
+    assert len(status()["results"]) == 2
     database = embedded.database_url.removeprefix("sqlite+aiosqlite:///")
     with sqlite3.connect(database) as conn:
         rows = conn.execute("SELECT count(*) FROM results WHERE job_id = ?", (job["id"],))

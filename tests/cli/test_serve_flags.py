@@ -9,7 +9,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import redis
 from tests.api.stack import create_database, drop_database, free_port, wait_healthy
 from tests.api.test_http_routes import encode
 from tests.cli.test_service_cli import REDIS_URL, _children, _serve
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -190,20 +191,13 @@ class _Stream:
         return sum(1 for t in self.token_times if t < moment)
 
 
-def _until(condition: Callable[[], object], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_max_batch_size_caps_the_running_batch(served: Served) -> None:
     """With two long requests running, a third starts only when one of them has finished."""
     first, second, third = (_Stream(served.url, n) for n in (LONG, LONG, 4))
     threads = [first.start()]
-    _until(lambda: first.token_times)
+    eventually(lambda: first.token_times, 60, "the first stream's first token", interval_s=0.01)
     threads.append(second.start())
-    _until(lambda: second.token_times)
+    eventually(lambda: second.token_times, 60, "the second stream's first token", interval_s=0.01)
     sent = time.monotonic()
     threads.append(third.start())
     for thread in threads:
@@ -221,7 +215,7 @@ def test_waiting_requests_join_a_running_batch_as_the_gate_says(served: Served) 
     without admission. By default (ratio 0.3: floor(0.3) = 0) it would join at the next step."""
     running, waiting = _Stream(served.url, 150), _Stream(served.url, 4)
     threads = [running.start()]
-    _until(lambda: running.token_times)
+    eventually(lambda: running.token_times, 60, "the stream's first token", interval_s=0.01)
     sent = time.monotonic()
     threads.append(waiting.start())
     for thread in threads:
@@ -257,7 +251,12 @@ def test_no_step_computes_more_than_the_prefill_budget(served: Served) -> None:
     parameters = {"max_new_tokens": 1, "ignore_eos": True}
     answer = generate(served.url, {"inputs": prompt, "parameters": parameters})
     assert answer.status_code == 200, answer.text
-    _until(lambda: _step_metrics(served.url)[1] >= num_step_tokens + num_tokens)
+    eventually(
+        lambda: _step_metrics(served.url)[1] >= num_step_tokens + num_tokens,
+        60,
+        lambda: f"step tokens counted: {_step_metrics(served.url)}",
+        interval_s=0.01,
+    )
     after = _step_metrics(served.url)
     assert after[0] - num_steps >= -(-num_tokens // 64), (num_steps, after, num_tokens)
     assert after[2] == 64, after
@@ -266,7 +265,12 @@ def test_no_step_computes_more_than_the_prefill_budget(served: Served) -> None:
 def test_the_batcher_runs_as_the_flags_say(served: Served) -> None:
     """Its start-up line: the dtype, the ranks, the pure-torch kernels, the KV cache, the batch
     bounds; its id on /metrics; the rank processes."""
-    _until(lambda: f"batcher {BATCHER_ID} serving" in served.log_text())
+    eventually(
+        lambda: f"batcher {BATCHER_ID} serving" in served.log_text(),
+        60,
+        f"the log says batcher {BATCHER_ID} serving",
+        interval_s=0.01,
+    )
     line = next(x for x in served.log_text().splitlines() if f"batcher {BATCHER_ID} serving" in x)
     expected = (
         f"on cpu x{NUM_SHARD}: dtype bfloat16, attention torch, 0 modules on C++ kernels;"

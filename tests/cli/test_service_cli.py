@@ -8,7 +8,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import redis
 
 from tests.api.stack import create_database, drop_database, free_port, wait_healthy
 from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
+from tests.polling import eventually
 from tgq.api.db.migrate import head_revision
 from tgq.api.settings import Settings
 from tgq.batcher.__main__ import parse_args
@@ -255,10 +255,12 @@ def _stops_cleanly(process: subprocess.Popen[bytes], log: Path) -> list[int]:
     descendants = _children(process.pid)
     process.send_signal(signal.SIGTERM)
     assert process.wait(60) == 0, log.read_text(errors="replace")[-3000:]
-    deadline = time.monotonic() + 5
-    while any(map(_is_alive, descendants)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [pid for pid in descendants if _is_alive(pid)] == []
+    eventually(
+        lambda: not any(map(_is_alive, descendants)),
+        5,
+        lambda: f"its children gone: {[pid for pid in descendants if _is_alive(pid)]} alive",
+        interval_s=0.1,
+    )
     return descendants
 
 
