@@ -24,7 +24,7 @@ run: $(STAMP)
 	HOSTNAME=$${TGQ_HOSTNAME:-127.0.0.1} $(PY) -m tgq.api
 
 generate: $(STAMP)
-	$(PY) -m tgq.gpu_worker.generate --demo --prompt "The Python language" --max-new-tokens 24
+	$(PY) -m tgq.cli.generate --demo --prompt "The Python language" --max-new-tokens 24
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

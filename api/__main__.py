@@ -1,5 +1,6 @@
 """`python -m tgq.api`: the HTTP api under uvicorn, configured by environment variables (see
-`api.settings.Settings`; `HOSTNAME` and `PORT` as TGI's launcher)."""
+`api.settings.Settings`; `HOSTNAME` and `PORT` as TGI's launcher). As a process's entry it may
+assemble from any layer: the batches' starter comes from `bulk/`, above the api."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from tgq.api.drain import GRACEFUL_CLOSE_S, DrainingServer
 from tgq.api.settings import Settings
 from tgq.batcher.logs import configure_logging
 from tgq.batcher.tracing import TracingUnavailableError
+from tgq.bulk.batches.starters import starter_for
 
 
 def main() -> None:
     settings = Settings()
     configure_logging(json_output=settings.json_output)
     try:
-        app = create_app(settings)
+        app = create_app(settings, batch_starter=starter_for)
     except TracingUnavailableError as error:
         sys.exit(f"api: {error}")
     # On SIGTERM sse_starlette would end every open stream at once; in-flight streams are to

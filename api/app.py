@@ -1,4 +1,4 @@
-"""The FastAPI application: `create_app(settings)`.
+"""The FastAPI application: `create_app(settings, batch_starter=...)`.
 
 Start-up (lifespan): the database must be at the migrations' head (else the app refuses to start,
 naming the command to run); the transport is Redis when `REDIS_URL` is set, else the in-process
@@ -132,15 +132,13 @@ def state_of(request: Request) -> AppState:
     return app_state
 
 
-def create_app(
-    settings: Settings | None = None, *, batch_starter: StarterFactory | None = None
-) -> FastAPI:
-    settings = settings or Settings()
-    make_starter = batch_starter or _bulk_starter
+def create_app(settings: Settings, *, batch_starter: StarterFactory) -> FastAPI:
+    """The app for `settings`; `batch_starter` makes, from the started app's state, what drives
+    its OpenAI batches (`bulk.batches.starters.starter_for` in `python -m tgq.api`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.tgq = await _start(settings, make_starter)
+        app.state.tgq = await _start(settings, batch_starter)
         try:
             yield
         finally:
@@ -202,14 +200,6 @@ def model_dir_of(settings: Settings) -> Path:
 
     patterns = ["*.json", "*.jinja"]
     return Path(snapshot_download(settings.model_id, allow_patterns=patterns))
-
-
-def _bulk_starter(state: AppState) -> BatchStarter:
-    """Issue 24: the import that `api/__main__.py` is to make (passing `batch_starter`); until
-    then the api reaches up to `bulk/` here, the package cycle `tests/test_imports.py` names."""
-    from tgq.bulk.batches.starters import starter_for
-
-    return starter_for(state)
 
 
 async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:

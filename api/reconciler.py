@@ -32,10 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tgq.api.db import batches as db_batches
 from tgq.api.db import store
 from tgq.api.settings import Settings
-
-# Re-exported: bulk/batches/window.py imports it from here until it imports from api.submit
-# (issue 24).
-from tgq.api.submit import rebuild_request as rebuild_request  # noqa: PLC0414
+from tgq.api.submit import rebuild_request
 from tgq.batcher.transport.aio import AsyncApiTransport, Epoch
 
 log = logging.getLogger(__name__)

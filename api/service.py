@@ -33,11 +33,7 @@ from tgq.api.errors import ApiError, GenerationError, TemplateError, Unavailable
 from tgq.api.generation import Recorder, follow, new_job_id
 from tgq.api.metrics import Metrics
 from tgq.api.settings import Settings
-from tgq.api.submit import job_items, job_requests, num_copies
-
-# Re-exported: bulk/batches/validating.py and tests/bulk import it from here until they import
-# it from api.submit (issue 24).
-from tgq.api.submit import job_params as job_params  # noqa: PLC0414
+from tgq.api.submit import job_items, job_params, job_requests, num_copies
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.api.validated import GenerationParams, ValidatedRequest
 from tgq.api.validation import validate_tokens

@@ -32,7 +32,7 @@ from bench.harness import (
     save_figure,
     write_results,
 )
-from tgq.gpu_worker.offline import OfflineEngine
+from tgq.batcher.offline import OfflineEngine
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 PROMPT_LEN = 16

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from tgq.batcher.engine import LLMEngine, StepRunner
+from tgq.batcher.offline import OfflineEngine
 from tgq.batcher.ranks import ShardConfig, ShardedRunner
 from tgq.batcher.request import StoppingParams
 from tgq.devtools.random_model import make_config, write_model
-from tgq.gpu_worker.offline import OfflineEngine
 from tgq.gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 from tgq.kernels import (

@@ -1,6 +1,7 @@
 """OpenAI's Batches API: `POST /v1/batches`, `GET /v1/batches/{id}`, `GET /v1/batches`,
-`POST /v1/batches/{id}/cancel`. Each batch runs in `api.batches.runner` (here: a task of the api
-process, resumed when the api starts again)."""
+`POST /v1/batches/{id}/cancel`. Each batch is driven by `bulk.batches.driver`, started through
+the app's `BatchStarter`: on a Celery worker, or on a task of the api process (resumed when the
+api starts again)."""
 
 from __future__ import annotations
 

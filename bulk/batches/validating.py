@@ -8,15 +8,14 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tgq.api.chat_template import TemplateError as RenderError
-from tgq.api.chat_template import normalize_messages
+from tgq.api.chat_prompt import render_chat
 from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.db import store
 from tgq.api.errors import ApiError
 from tgq.api.generation import new_job_id, request_id_of
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
-from tgq.api.service import job_params
+from tgq.api.submit import job_params
 from tgq.api.validated import ValidatedRequest
 from tgq.api.validation import chat_params, completion_params, validate_tokens
 from tgq.batcher.request import Priority
@@ -59,9 +58,12 @@ async def validate_lines(
                 if raw.get("url") != batch.endpoint:
                     raise ValueError(f"url {raw.get('url')!r} is not the batch's {batch.endpoint}")
                 validated = await _validate(ctx, batch.endpoint, raw.get("body", {}))
-            except (ApiError, RenderError, ValueError) as error:
-                message = error.message if isinstance(error, ApiError) else str(error)
-                lines.append(db_batches.LineRecord(batch.id, line_index, custom_id, None, message))
+            except ApiError as error:
+                lines.append(
+                    _invalid(batch, line_index, custom_id, error.openai_prefix + error.message)
+                )
+            except ValueError as error:
+                lines.append(_invalid(batch, line_index, custom_id, str(error)))
             else:
                 item_index = num_items + len(items)
                 items.append((request_id_of(job_id, item_index), validated.prompt_token_ids))
@@ -87,6 +89,13 @@ async def validate_lines(
             num_total=num_lines,
         )  # fmt: skip
     return await get_batch(ctx, batch.id)
+
+
+def _invalid(
+    batch: db_batches.BatchRecord, line_index: int, custom_id: str, message: str
+) -> db_batches.LineRecord:
+    """An invalid line: no item, its error message (as the interactive route words it)."""
+    return db_batches.LineRecord(batch.id, line_index, custom_id, None, message)
 
 
 async def _create_job(ctx: BatchContext, batch: db_batches.BatchRecord) -> str:
@@ -132,18 +141,18 @@ async def _validate(ctx: BatchContext, endpoint: str, body: dict[str, Any]) -> V
     if endpoint == "/v1/chat/completions":
         chat = ChatCompletionRequest.model_validate(body)
         params = chat_params(chat, settings)
-        if tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template")
-        messages = normalize_messages([m.model_dump(exclude_none=True) for m in chat.messages])
-        prompt = await tokenizer.run(tokenizer.chat_template.render, messages)
+        prompt = await render_chat(tokenizer, chat.messages)
     else:
         completion = CompletionRequest.model_validate(body)
         params = completion_params(completion, settings)
         if not isinstance(completion.prompt, str):
             raise ValueError("a batch line takes one prompt (a string)")
         prompt = completion.prompt
+    # A line is one item, one sequence: its output line has one choice.
     if params.num_choices > 1:
         raise ValueError("`n` > 1 is not supported in batches")
+    if params.best_of > 1:
+        raise ValueError("`best_of` > 1 is not supported in batches")
     token_ids = await tokenizer.encode(prompt, add_special_tokens=params.add_special_tokens)
     return validate_tokens(
         prompt=prompt, token_ids=token_ids, params=params, settings=settings,

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from tgq.api.db import batches as db_batches
 from tgq.api.db import store
-from tgq.api.reconciler import rebuild_request
+from tgq.api.submit import rebuild_request
 from tgq.bulk.batches.context import BatchContext, get_batch
 from tgq.bulk.batches.lease import BatchLease
 

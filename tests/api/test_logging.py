@@ -373,11 +373,12 @@ def test_tracing_off_imports_no_tracing() -> None:
     done = run_python(
         "import sys, logging\n"
         "from api.app import create_app\n"
+        "from bulk.batches.starters import starter_for\n"
         "from api.settings import Settings\n"
         "from batcher.logs import configure_logging\n"
         "import batcher.service, batcher.__main__\n"
         "configure_logging(json_output=True)\n"
-        "create_app(Settings())\n"
+        "create_app(Settings(), batch_starter=starter_for)\n"
         "logging.getLogger('api').info('hello')\n"
         "print(sorted(m for m in sys.modules"
         " if m.startswith(('opentelemetry.sdk.trace', 'opentelemetry.exporter'))))\n"

@@ -65,15 +65,17 @@ def context(pg_engine: AsyncEngine, text_model_dir: Path, tmp_path: Path) -> Ite
     tokenizer.close()
 
 
-async def new_batch(ctx: BatchContext, num_lines: int) -> str:
-    await ctx.storage.write("file-in", _once(jsonl(num_lines)))
+async def new_batch(
+    ctx: BatchContext, num_lines: int, content: bytes | None = None, endpoint: str = CHAT
+) -> str:
+    await ctx.storage.write("file-in", _once(content or jsonl(num_lines)))
     async with ctx.engine.begin() as conn:
         await db_files.create_file(
             conn, file_id="file-in", purpose="batch", filename="in.jsonl",
             num_bytes=1, num_lines=num_lines, storage_key="file-in",
         )  # fmt: skip
         batch = await db_batches.create_batch(
-            conn, batch_id="batch_test", endpoint=CHAT, input_file_id="file-in",
+            conn, batch_id="batch_test", endpoint=endpoint, input_file_id="file-in",
             completion_window="1h", expires_at=datetime.now(UTC) + timedelta(hours=1),
             dispatch_grace_s=0,
         )  # fmt: skip
@@ -209,6 +211,47 @@ def test_validation_resumes_after_the_last_committed_chunk(
         assert job is not None and job.num_items == 10 and batch.num_total == 10
         await finish_every_item(context, batch_id)
         assert await asyncio.wait_for(resumed, 10) == "completed"
+
+    asyncio.run(main())
+
+
+def test_invalid_lines_get_errors_and_no_item(context: BatchContext) -> None:
+    """A line is one sequence: `n` or `best_of` over 1 is refused, as a prompt list is; the
+    route's own check words the error as the route does. Valid lines number their items."""
+    completions = "/v1/completions"
+    bodies = [
+        {"prompt": "ok", "max_tokens": 2},
+        {"prompt": "two", "max_tokens": 2, "n": 2},
+        {"prompt": "best", "max_tokens": 2, "best_of": 2},
+        {"prompt": ["a", "b"], "max_tokens": 2},
+        {"prompt": "neg", "max_tokens": 2, "temperature": -1},
+        {"prompt": "ok too", "max_tokens": 2},
+    ]
+    rows = [
+        {"custom_id": f"l{i}", "method": "POST", "url": completions, "body": body}
+        for i, body in enumerate(bodies)
+    ]
+    rows.append({"custom_id": "chat", "method": "POST", "url": CHAT, "body": bodies[0]})
+    content = "\n".join(json.dumps(row) for row in rows).encode()
+
+    async def main() -> None:
+        batch_id = await new_batch(context, len(rows), content, endpoint=completions)
+        task = asyncio.create_task(run_batch(context, batch_id))
+        await wait_for(lambda: _status_is(context, batch_id, "in_progress"))
+        async with context.engine.connect() as conn:
+            lines = await db_batches.get_lines(conn, batch_id=batch_id)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        by_id = {line.custom_id: line for line in lines}
+        assert (by_id["l0"].item_index, by_id["l5"].item_index) == (0, 1)
+        assert by_id["l0"].error is None and by_id["l5"].error is None
+        assert by_id["l1"].error == "`n` > 1 is not supported in batches"
+        assert by_id["l2"].error == "`best_of` > 1 is not supported in batches"
+        assert by_id["l3"].error == "a batch line takes one prompt (a string)"
+        assert by_id["l4"].error is not None and "temperature" in by_id["l4"].error
+        assert by_id["chat"].error == (f"url '{CHAT}' is not the batch's {completions}")
+        assert all(by_id[key].item_index is None for key in ("l1", "l2", "l3", "l4", "chat"))
 
     asyncio.run(main())
 

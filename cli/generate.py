@@ -1,4 +1,4 @@
-"""Offline generation from the command line: `python -m tgq.gpu_worker.generate --model-id DIR`.
+"""Offline generation from the command line: `python -m tgq.cli.generate --model-id DIR`.
 
 `--demo` uses the demo model: a tiny Llama trained (once, under .cache/demo, a few minutes) on
 Python's bundled documentation, so the example runs with no hub.
