@@ -6,10 +6,10 @@ Start-up: every rank loads its slice of the model and reports how many KV blocks
 memory; all of them allocate the minimum. Each step, the plan is encoded once (JSON, see
 `gpu_worker.rank_protocol`) and written to every rank's pipe; every rank answers, rank 0 with
 the sampled tokens. A rank that exits, whose heartbeat stops for `hang_timeout_s` (stopped or
-wedged), or that does not answer within `step_timeout_s`, is a `WorkerLostError`: the batcher
-hands its requests back to the queue and exits non-zero, and the remaining ranks are killed
-(they would block in their next collective). The ranks exit by themselves when the batcher dies
-(their pipe closes; on Linux the kernel kills them too).
+wedged), or that does not read its plan or answer within `step_timeout_s`, is a
+`WorkerLostError`: the batcher hands its requests back to the queue and exits non-zero, and the
+remaining ranks are killed (they would block in their next collective). The ranks exit by
+themselves when the batcher dies (their pipe closes; on Linux the kernel kills them too).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -75,7 +76,9 @@ class _Rank:
     from_rank: int  # our end of its output pipe
     beats: int  # our end of its heartbeat pipe
     last_beat: float = 0.0  # monotonic
-    has_beaten: bool = False  # its beats start once it has imported torch (seconds, under load)
+    # Its beats start once it has imported torch (seconds, under load); a message counts as one.
+    # Until then, a silence up to `start_timeout_s` is a rank still starting.
+    has_beaten: bool = False
 
 
 class ShardedRunner:
@@ -191,15 +194,35 @@ class ShardedRunner:
             for fd in child_fds:
                 os.close(fd)
             os.set_blocking(beat_read, False)
+            os.set_blocking(plan_write, False)  # `_send` never blocks on a rank
             rank = _Rank(index, process, plan_write, answer_read, beat_read, time.monotonic())
             self._ranks.append(rank)
 
     def _send_all(self, frame: bytes) -> None:
         for rank in self._ranks:
+            self._send(rank, frame)
+
+    def _send(self, rank: _Rank, frame: bytes) -> None:
+        """Writes the frame into the rank's pipe (non-blocking), checking every `POLL_S` that
+        every rank is alive: a rank that stopped reading (SIGSTOP, wedged) cannot block the
+        batcher on a frame larger than the pipe."""
+        view = memoryview(frame)
+        deadline = time.monotonic() + self.config.step_timeout_s
+        while view:
+            if time.monotonic() >= deadline:
+                timeout_s = self.config.step_timeout_s
+                raise WorkerLostError(
+                    f"rank {rank.rank} did not read its plan within {timeout_s} s"
+                )
             try:
-                protocol.write(rank.to_rank, frame)
+                if select.select([], [rank.to_rank], [], POLL_S)[1]:
+                    view = view[os.write(rank.to_rank, view) :]
+                    continue
+            except BlockingIOError:
+                pass
             except OSError as error:  # its end closed: it died
                 raise WorkerLostError(f"rank {rank.rank} is gone ({error})") from error
+            self._check_alive()
 
     def _expect(self, rank: _Rank, kind: str, timeout_s: float) -> dict[str, Any]:
         message = self._answer(rank, timeout_s)
@@ -217,6 +240,7 @@ class ShardedRunner:
             except protocol.PipeClosedError as error:
                 raise WorkerLostError(self._describe_loss(rank)) from error
             if message is not None:
+                rank.last_beat, rank.has_beaten = time.monotonic(), True  # as good as a beat
                 return message
             self._check_alive()
         raise WorkerLostError(f"rank {rank.rank} did not answer within {timeout_s} s (hung)")

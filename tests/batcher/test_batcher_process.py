@@ -74,8 +74,20 @@ def start_batcher(
         "--prefix", prefix, "--batcher-id", batcher_id, "--num-blocks", str(NUM_BLOCKS),
         "--block-size", str(BLOCK_SIZE), "--max-batch-size", "16", *options,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: SIGABRT prints every thread's stack (`exit_code` does, on a hang)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE)
+
+
+def exit_code(process: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """The batcher's exit code; if it has not exited within `timeout_s`, the test fails with
+    where each of its threads is (its stderr's tail)."""
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        _, stderr = process.communicate(timeout=30)
+        pytest.fail(f"the batcher did not exit within {timeout_s} s:\n{stderr.decode()[-6000:]}")
 
 
 def follow(transport: ApiTransport, request_id: str) -> list[int]:

@@ -26,6 +26,7 @@ from tests.batcher.test_batcher_failover import (
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
     api,
+    exit_code,
     make_prompts,
     offline_tokens,
     redis_prefix,
@@ -91,7 +92,7 @@ def test_a_lost_rank_hands_the_work_to_another_batcher(
     )
     subprocess.run(["kill", f"-{signal_name}", str(ranks[rank])], check=True)  # mid-generation
     lost_at = time.monotonic()
-    code = processes[0].wait(60)
+    code = exit_code(processes[0], 60)
     noticed_s = time.monotonic() - lost_at
     print(f"rank {rank} SIG{signal_name}: the batcher exited {code} after {noticed_s:.1f} s")
     assert code == EXIT_RANK_LOST, processes[0].stderr.read().decode()[-3000:]  # type: ignore[union-attr]
