@@ -22,17 +22,12 @@ from tests.api.stack import (
     create_database,
     drop_database,
     migrated_database,
+    running_stack,
     write_text_model,
 )
-from tests.api.stack import running_stack as running_stack  # noqa: PLC0414
 from tgq.api.db import create_engine
 from tgq.api.db.migrate import upgrade
 from tgq.api.db.models import metadata
-
-# Names some tests still import from here: test_request_fields.py and test_batches.py take
-# `running_stack` (so its import re-exports it), test_http_reconcile.py and
-# tests/bulk/test_batch_faults.py the two below (issue 24: they move to tests.api.stack).
-_create_database, _drop_database = create_database, drop_database
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from tests.api.conftest import running_stack
-from tests.api.stack import BLOCK_SIZE, Stack
+from tests.api.stack import BLOCK_SIZE, Stack, running_stack
 from tgq.api.db import create_engine
 
 pytestmark = pytest.mark.timeout(300)

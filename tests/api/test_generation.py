@@ -13,6 +13,7 @@ from sqlalchemy.pool import NullPool
 from tokenizers import Tokenizer
 from tokenizers.models import BPE
 
+from tests.polling import eventually
 from tgq.api.admission import Admission, Limits
 from tgq.api.app import Health
 from tgq.api.db import create_engine, store
@@ -173,10 +174,9 @@ def test_persister_does_not_ack_what_it_could_not_commit() -> None:
         await transport.close()
 
     asyncio.run(run())
-    time.sleep(0.1)  # past the lease, another persister takes the un-acked result
-    assert [s.result.request_id for s in memory.pull_finals("p1", 10, 0)] == [
-        requests[0].request_id
-    ]
+    # Past the lease, another persister takes the un-acked result.
+    taken = eventually(lambda: memory.pull_finals("p1", 10, 0), 5, "p1 takes the result")
+    assert [s.result.request_id for s in taken] == [requests[0].request_id]
 
 
 def test_cancel_and_wait_ends_a_task_that_swallowed_its_cancellation() -> None:

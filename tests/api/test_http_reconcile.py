@@ -15,8 +15,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import REDIS_URL, Stack
+from tests.api.stack import REDIS_URL, Stack, create_database, drop_database
 from tgq.api.db import create_engine
 from tgq.api.db.migrate import upgrade
 
@@ -26,7 +25,7 @@ NUM_JOBS = 12
 
 @pytest.fixture
 def reconciling(text_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
-    url = _create_database()
+    url = create_database()
     upgrade(url)
     env = {"RECONCILE_INTERVAL_S": "0.5", "RECONCILE_GRACE_S": "0.5"}
     # A batch of 4: most jobs are still queued in Redis when it is emptied.
@@ -39,7 +38,7 @@ def reconciling(text_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop()
-        _drop_database(url)
+        drop_database(url)
 
 
 async def result_counts(url: str) -> tuple[int, int]:

@@ -25,8 +25,7 @@ from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from tests.api.conftest import running_stack
-from tests.api.stack import BLOCK_SIZE, Stack, write_text_model
+from tests.api.stack import BLOCK_SIZE, Stack, running_stack, write_text_model
 from tests.api.test_http_jobs import wait_for
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.schemas.tgi import CompatGenerateRequest, GenerateParameters

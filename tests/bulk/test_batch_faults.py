@@ -20,8 +20,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from tests.api.conftest import _create_database, _drop_database
-from tests.api.stack import REDIS_URL, Stack
+from tests.api.stack import REDIS_URL, Stack, create_database, drop_database
 from tgq.api.db import create_engine
 from tgq.api.db.migrate import upgrade
 from tgq.batcher.transport.redis_keys import RedisKeys
@@ -34,7 +33,7 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 @pytest.fixture
 def deployment(text_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
     """Leases of 2 s, beat reconciling every 0.5 s; batches of 8 sequences, windows of 16."""
-    url = _create_database()
+    url = create_database()
     upgrade(url)
     env = {
         "BATCH_LEASE_S": "2",
@@ -53,7 +52,7 @@ def deployment(text_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop()
-        _drop_database(url)
+        drop_database(url)
 
 
 def sdk(stack: Stack) -> openai.OpenAI:
