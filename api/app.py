@@ -43,6 +43,7 @@ from tgq.api.shedding import ShedOverload
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher import tracing
 from tgq.batcher.messages import FinalResult
+from tgq.batcher.request import FinishReason
 from tgq.batcher.transport.aio import (
     AsyncApiTransport,
     AsyncRedisApiTransport,
@@ -69,9 +70,9 @@ class Health:
     database: DatabaseProbe | None = None
 
     def observe(self, result: FinalResult) -> None:
-        if result.finish_reason == "failed":
+        if result.finish_reason == FinishReason.FAILED:
             self.engine_failure = result.finish_detail or "failed"
-        elif result.finish_reason in ("stop", "length"):
+        elif result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.engine_failure = None
 
     async def check(self) -> str | None:

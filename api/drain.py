@@ -24,7 +24,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tgq.api.errors import UnavailableError, error_response, flavour_for_path
-from tgq.batcher.heap import freeze_startup_heap
+from tgq.batcher.gc_freeze import freeze_startup_objects
 
 log = logging.getLogger("api")
 POLL_S = 0.05
@@ -80,7 +80,7 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         await super().startup(sockets)  # type: ignore[arg-type]
-        freeze_startup_heap()  # the app's start-up (its lifespan) is done
+        freeze_startup_objects()  # the app's start-up (its lifespan) is done
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining or self._loop is None:  # a second signal, or not serving yet

@@ -38,10 +38,9 @@ from tgq.api.tokenizer import ModelTokenizer
 from tgq.api.validated import GenerationParams, ValidatedRequest
 from tgq.api.validation import validate_tokens
 from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
-from tgq.batcher.request import Priority
+from tgq.batcher.request import FAILED_REASONS, Priority
 from tgq.batcher.transport.aio import AsyncApiTransport
 
-FAILED_REASONS = ("failed", "rejected")
 log = logging.getLogger(__name__)
 
 

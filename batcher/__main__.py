@@ -22,7 +22,7 @@ from tgq.batcher.detokenize import HFTokenDecoder
 from tgq.batcher.engine import LLMEngine, StepRunner
 from tgq.batcher.faults import inject_fault
 from tgq.batcher.flags import parse
-from tgq.batcher.heap import freeze_startup_heap
+from tgq.batcher.gc_freeze import freeze_startup_objects
 from tgq.batcher.logs import configure_logging
 from tgq.batcher.options import BatcherOptions
 from tgq.batcher.ranks import ServedWith, ShardConfig, ShardedRunner, WorkerLostError
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     transient_errors = (redis.ConnectionError, redis.TimeoutError)
     service = BatcherService(engine, transport, service_config, transient_errors=transient_errors)
-    freeze_startup_heap()
+    freeze_startup_objects()
     log.info("batcher %s serving %s %s", batcher_id, model_dir, describe(options, runner))
     try:
         service.run(stop)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.detokenize import TokenDecoder
-from tgq.batcher.request import Priority, Request, StoppingParams
+from tgq.batcher.request import FinishReason, Priority, Request, StoppingParams
 from tgq.batcher.scheduler import Scheduler
 from tgq.batcher.stopping import OutputText
 from tgq.gpu_worker.plan import SamplingParams, StepPlan, StepResult, TokenLogprob
@@ -45,7 +45,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float | None]
     new_top_logprobs: list[list[TokenLogprob]]
-    finish_reason: str | None  # None while it runs
+    finish_reason: FinishReason | None  # None while it runs
     finish_detail: str | None = None
     new_text: str = ""  # text released by this event (with a tokenizer; may lag the tokens)
 
@@ -63,7 +63,7 @@ class RequestResult:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     finish_detail: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -78,7 +78,7 @@ class KVManager:
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached blocks for the longest full-block prefix of `token_ids`, never including the
         block that holds the last token: a full hit still computes that token (for its logits).
-        Takes no references; pass the result to `allocate_slots`."""
+        Takes no references; pass the result to `grow_blocks`."""
         if not self.enable_prefix_cache:
             return []
         block_ids: list[int] = []
@@ -96,7 +96,7 @@ class KVManager:
         self.num_prefix_query_tokens += num_query_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
 
-    def allocate_slots(
+    def grow_blocks(
         self, request_id: str, num_tokens: int, cached_block_ids: Sequence[int] = ()
     ) -> list[int] | None:
         """Grow the request's block table to hold its first `num_tokens` tokens, taking the

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.request import FinishReason, Priority, StoppingParams
 from tgq.gpu_worker.plan import SamplingParams
 
 VERSION = 1
@@ -61,11 +61,11 @@ class TokenEvent:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FinalResult:
     request_id: str
     token_ids: list[int]  # the whole output
-    finish_reason: str  # "stop" | "length" | "abort" | "rejected" | "deadline" | "failed"
+    finish_reason: FinishReason
     finish_detail: str | None
     num_prompt_tokens: int
     num_output_tokens: int
@@ -231,7 +231,7 @@ def _final(body: dict[str, Any]) -> FinalResult:
     return FinalResult(
         request_id=_field(body, "request_id", str),
         token_ids=_ints(body, "token_ids"),
-        finish_reason=_field(body, "finish_reason", str),
+        finish_reason=FinishReason(_field(body, "finish_reason", str)),
         finish_detail=_optional(body, "finish_detail", str),
         num_prompt_tokens=_field(body, "num_prompt_tokens", int),
         num_output_tokens=_field(body, "num_output_tokens", int),

@@ -14,7 +14,7 @@ A PREEMPTED request sits in the waiting queue again, at its original arrival pos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 from tgq.batcher.stopping import OutputText
 from tgq.gpu_worker.plan import SamplingParams, TokenLogprob
@@ -55,11 +55,26 @@ _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.FINISHED_REJECTED: frozenset(),
 }
 
-FINISH_REASONS: dict[RequestStatus, str] = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_REJECTED: "rejected",
+
+class FinishReason(StrEnum):
+    """Why a request ended, on the wire (`FinalResult`) and in the database (`results`)."""
+
+    STOP = "stop"  # an EOS token, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens
+    ABORT = "abort"  # the client went away, or cancelled
+    REJECTED = "rejected"  # it could never run here (e.g. longer than the KV cache)
+    DEADLINE = "deadline"  # its deadline passed
+    FAILED = "failed"  # the engine failed it, or its attempts ran out
+
+
+# Ends that count as the request failing (errors, health, traces), not as an answer.
+FAILED_REASONS = frozenset({FinishReason.FAILED, FinishReason.REJECTED})
+
+FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
 }
 
 
@@ -138,7 +153,7 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return FINISH_REASONS.get(self.status)
 
     @property

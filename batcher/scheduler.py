@@ -270,7 +270,7 @@ class Scheduler:
         the end of the queue while `can_preempt` allows. None if it got none (or was itself the
         one preempted)."""
         while True:
-            new_block_ids = self.kv.allocate_slots(request.request_id, num_tokens, cached_block_ids)
+            new_block_ids = self.kv.grow_blocks(request.request_id, num_tokens, cached_block_ids)
             if new_block_ids is not None:
                 return new_block_ids
             if not self.running or not can_preempt(self.running[-1]):
@@ -295,14 +295,14 @@ class Scheduler:
         """Advance computed tokens, append sampled ones, apply token-level stopping. Returns the
         requests that got a token, in the runner's order (finished ones included)."""
         for chunk in output.chunks:
-            request = self.requests.get(chunk.seq_id)
+            request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished from outside since the plan was made
             request.num_computed_tokens += chunk.num_new_tokens
             self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
         updated = []
         for sampled in result.sampled:
-            request = self.requests.get(sampled.seq_id)
+            request = self.requests.get(sampled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)

@@ -36,7 +36,7 @@ class StepBuilder:
     preempted_request_ids: list[str] = field(default_factory=list)
 
     def add(self, chunk: ScheduledChunk) -> None:
-        self.chunks[chunk.seq_id] = chunk
+        self.chunks[chunk.request_id] = chunk
         self.token_budget -= chunk.num_new_tokens
 
     def remove(self, request_id: str) -> None:

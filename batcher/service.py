@@ -26,7 +26,7 @@ from tgq.batcher import tracing
 from tgq.batcher.engine import LLMEngine, RequestOutput
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.ranks import WorkerLostError
-from tgq.batcher.request import Priority, Request
+from tgq.batcher.request import FinishReason, Priority, Request
 from tgq.batcher.transport.base import BatcherTransport, Delivery
 
 log = logging.getLogger(__name__)
@@ -217,10 +217,12 @@ class BatcherService:
         if self.spans is not None:
             self.spans.start(submit, log_fields(submit))
         if delivery.is_aborted:
-            self._finish(_Active(delivery, None), "abort", "aborted before it started")
+            self._finish(_Active(delivery, None), FinishReason.ABORT, "aborted before it started")
             return
         if submit.deadline is not None and submit.deadline <= self.clock():
-            self._finish(_Active(delivery, None), "deadline", "deadline passed before it started")
+            self._finish(
+                _Active(delivery, None), FinishReason.DEADLINE, "deadline passed before it started"
+            )
             return
         try:
             self.engine.add_request(
@@ -231,7 +233,7 @@ class BatcherService:
                 request_id=submit.request_id,
             )
         except ValueError as error:  # e.g. stop strings for a batcher without a tokenizer
-            self._finish(_Active(delivery, None), "rejected", str(error))
+            self._finish(_Active(delivery, None), FinishReason.REJECTED, str(error))
             return
         request = self.engine.scheduler.requests.get(submit.request_id)
         self.active[submit.request_id] = _Active(delivery, request)
@@ -316,27 +318,29 @@ class BatcherService:
     def _finish_output(self, active: _Active, output: RequestOutput) -> None:
         if active.deadline_passed:
             num_tokens = len(active.token_ids)
-            self._finish(active, "deadline", f"deadline passed after {num_tokens} tokens")
+            self._finish(
+                active, FinishReason.DEADLINE, f"deadline passed after {num_tokens} tokens"
+            )
         else:
-            self._finish(active, output.finish_reason or "abort", output.finish_detail)
+            self._finish(active, output.finish_reason or FinishReason.ABORT, output.finish_detail)
 
-    def _finish(self, active: _Active, reason: str, detail: str | None) -> None:
+    def _finish(self, active: _Active, reason: FinishReason, detail: str | None) -> None:
         submit, request = active.delivery.request, active.request
         text = request.output_text if request is not None else None
         wants_logprobs = active.delivery.request.sampling.wants_logprobs
         result = FinalResult(
-            submit.request_id,
-            active.token_ids,
-            reason,
-            detail,
-            len(submit.prompt_token_ids),
-            len(active.token_ids),
-            request.num_cached_tokens if request is not None else 0,
-            submit.attempt,
-            self.batcher_id,
-            active.text if text is not None else None,
-            text.matched_stop if text is not None else None,
-            active.logprobs if wants_logprobs else [],
+            request_id=submit.request_id,
+            token_ids=active.token_ids,
+            finish_reason=reason,
+            finish_detail=detail,
+            num_prompt_tokens=len(submit.prompt_token_ids),
+            num_output_tokens=len(active.token_ids),
+            num_cached_tokens=request.num_cached_tokens if request is not None else 0,
+            attempt=submit.attempt,
+            batcher_id=self.batcher_id,
+            text=active.text if text is not None else None,
+            matched_stop=text.matched_stop if text is not None else None,
+            logprobs=active.logprobs if wants_logprobs else [],
         )
         self._outbox_finals.append((result, [active.delivery, *active.duplicates]))
         self.active.pop(submit.request_id, None)
@@ -346,7 +350,7 @@ class BatcherService:
 
     def _fail_all(self, detail: str) -> None:
         for active in list(self.active.values()):
-            self._finish(active, "failed", detail)
+            self._finish(active, FinishReason.FAILED, detail)
         self._flush()
 
 
@@ -361,7 +365,9 @@ def log_fields(submit: SubmitRequest) -> dict[str, str]:
 
 def _log_finish(submit: SubmitRequest, result: FinalResult) -> None:
     reason, detail = result.finish_reason, result.finish_detail
-    level = {"failed": logging.ERROR, "rejected": logging.WARNING}.get(reason, logging.INFO)
+    level = {FinishReason.FAILED: logging.ERROR, FinishReason.REJECTED: logging.WARNING}.get(
+        reason, logging.INFO
+    )
     log.log(
         level,
         "request %s finished: %s%s (%d prompt, %d generated tokens)",

@@ -14,6 +14,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tgq.batcher.request import FAILED_REASONS
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
@@ -25,7 +27,6 @@ if TYPE_CHECKING:
 
 EXTRA_HINT = "install tgq's `otel` extra (pip install 'tgq[otel]')"
 TRACES_PATH = "/v1/traces"
-FAILED_REASONS = ("failed", "rejected")
 
 
 class TracingUnavailableError(RuntimeError):

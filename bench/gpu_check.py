@@ -147,8 +147,8 @@ def worst_gap(oracle: ModelRunner, outputs: list[list[int]]) -> float:
         new.append(NewSequence(f"c{index}", context, len(context), sampling, block_ids))
         chunks.append(ScheduledChunk(f"c{index}", 0, len(context)))
     result = oracle.execute(StepPlan(new_sequences=new, chunks=chunks))
-    oracle.execute(StepPlan(finished_seq_ids=[seq.seq_id for seq in new]))
-    tops = {token.seq_id: token.top_logprobs for token in result.sampled}
+    oracle.execute(StepPlan(finished_request_ids=[seq.request_id for seq in new]))
+    tops = {token.request_id: token.top_logprobs for token in result.sampled}
     gap = 0.0
     for index, (_, chosen) in enumerate(contexts):
         top = tops[f"c{index}"]

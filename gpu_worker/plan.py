@@ -96,7 +96,7 @@ def _check(condition: bool, message: str) -> None:
 class NewSequence:
     """A sequence the runner has not seen (or has dropped, e.g. after preemption)."""
 
-    seq_id: str
+    request_id: str
     token_ids: list[int]  # every known token: prompt, plus output so far when resumed
     num_prompt_tokens: int
     sampling: SamplingParams
@@ -107,7 +107,7 @@ class NewSequence:
 class ScheduledChunk:
     """One sequence's share of a step."""
 
-    seq_id: str
+    request_id: str
     num_computed_tokens: int  # tokens already in the KV cache (prefix hits included)
     num_new_tokens: int  # tokens to compute now
     new_block_ids: list[int] = field(default_factory=list)  # appended to the block table
@@ -119,7 +119,7 @@ class StepPlan:
 
     new_sequences: list[NewSequence] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    finished_seq_ids: list[str] = field(default_factory=list)  # drop their state first
+    finished_request_ids: list[str] = field(default_factory=list)  # drop their state first
 
     @property
     def num_tokens(self) -> int:
@@ -136,7 +136,7 @@ class TokenLogprob:
 class SampledToken:
     """The runner's answer for one sequence whose chunk reached the end of its tokens."""
 
-    seq_id: str
+    request_id: str
     token_id: int
     # Of the chosen token, under the model's raw distribution; None unless the sequence's
     # SamplingParams asked for logprobs.
@@ -158,7 +158,7 @@ def plan_from_wire(data: dict[str, Any]) -> StepPlan:
     return StepPlan(
         new_sequences=[
             NewSequence(
-                seq_id=s["seq_id"],
+                request_id=s["request_id"],
                 token_ids=list(s["token_ids"]),
                 num_prompt_tokens=s["num_prompt_tokens"],
                 sampling=SamplingParams(**s["sampling"]),
@@ -167,5 +167,5 @@ def plan_from_wire(data: dict[str, Any]) -> StepPlan:
             for s in data["new_sequences"]
         ],
         chunks=[ScheduledChunk(**c) for c in data["chunks"]],
-        finished_seq_ids=list(data["finished_seq_ids"]),
+        finished_request_ids=list(data["finished_request_ids"]),
     )

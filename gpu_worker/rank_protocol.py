@@ -68,7 +68,7 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 def result_to_wire(result: StepResult) -> list[list[Any]]:
     return [
-        [s.seq_id, s.token_id, s.logprob, [[t.token_id, t.logprob] for t in s.top_logprobs]]
+        [s.request_id, s.token_id, s.logprob, [[t.token_id, t.logprob] for t in s.top_logprobs]]
         for s in result.sampled
     ]
 
@@ -76,7 +76,7 @@ def result_to_wire(result: StepResult) -> list[list[Any]]:
 def result_from_wire(sampled: list[list[Any]]) -> StepResult:
     return StepResult(
         [
-            SampledToken(seq_id, token_id, logprob, [TokenLogprob(t, lp) for t, lp in top])
-            for seq_id, token_id, logprob, top in sampled
+            SampledToken(request_id, token_id, logprob, [TokenLogprob(t, lp) for t, lp in top])
+            for request_id, token_id, logprob, top in sampled
         ]
     )

@@ -94,10 +94,10 @@ class ModelRunner:
         """Runs one step. A plan that breaks the contract raises ValueError before any state
         changes, so the runner stays usable (and in step with the scheduler) afterwards."""
         self._validate(plan)
-        for seq_id in plan.finished_seq_ids:
-            self.sequences.pop(seq_id, None)
+        for request_id in plan.finished_request_ids:
+            self.sequences.pop(request_id, None)
         for new in plan.new_sequences:
-            self.sequences[new.seq_id] = _Sequence(
+            self.sequences[new.request_id] = _Sequence(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
             )
         if not plan.chunks:
@@ -105,37 +105,37 @@ class ModelRunner:
         # Single-token chunks first: the attention backends batch them in one call.
         chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
         for chunk in chunks:
-            self.sequences[chunk.seq_id].block_ids.extend(chunk.new_block_ids)
+            self.sequences[chunk.request_id].block_ids.extend(chunk.new_block_ids)
         inputs = self._flatten(chunks)
         meta = self.backend.prepare(inputs.attention, self.device)
         hidden = self.loaded.model(
             inputs.input_ids, inputs.positions, self.kv_caches, self.backend, meta
         )
-        if not inputs.sample_seq_ids:
+        if not inputs.sample_request_ids:
             return StepResult()
-        if len(inputs.sample_seq_ids) < hidden.shape[0]:  # else every row, in order (decode)
+        if len(inputs.sample_request_ids) < hidden.shape[0]:  # else every row, in order (decode)
             hidden = hidden[inputs.sample_rows]
-        output = self._sample(hidden, inputs.sample_seq_ids)
+        output = self._sample(hidden, inputs.sample_request_ids)
         if output is None:  # another rank samples: take its tokens
-            tokens = self.tp.broadcast_tokens(None, len(inputs.sample_seq_ids))
-            for seq_id, token_id in zip(inputs.sample_seq_ids, tokens, strict=True):
-                self.sequences[seq_id].token_ids.append(token_id)
+            tokens = self.tp.broadcast_tokens(None, len(inputs.sample_request_ids))
+            for request_id, token_id in zip(inputs.sample_request_ids, tokens, strict=True):
+                self.sequences[request_id].token_ids.append(token_id)
             return StepResult()
-        result = self._record(inputs.sample_seq_ids, output)
+        result = self._record(inputs.sample_request_ids, output)
         self.tp.broadcast_tokens([token.token_id for token in result.sampled], len(result.sampled))
         return result
 
-    def _sample(self, hidden: torch.Tensor, seq_ids: list[str]) -> SamplerOutput | None:
+    def _sample(self, hidden: torch.Tensor, request_ids: list[str]) -> SamplerOutput | None:
         """The next token of each row (None on a rank that does not sample). Rows that only need
         the argmax (greedy, no penalties, no logprobs) take it from the model's greedy head where
         it has one, without computing their logits."""
         model = self.loaded.model
         argmax_rows = [
             row
-            for row, seq_id in enumerate(seq_ids)
-            if self.sequences[seq_id].sampling.needs_only_argmax
+            for row, request_id in enumerate(request_ids)
+            if self.sequences[request_id].sampling.needs_only_argmax
         ]
-        every_row = len(argmax_rows) == len(seq_ids)
+        every_row = len(argmax_rows) == len(request_ids)
         greedy = (
             model.greedy_tokens(hidden if every_row else hidden[argmax_rows])
             if argmax_rows
@@ -143,59 +143,62 @@ class ModelRunner:
         )
         if greedy is None:
             logits = model.compute_logits(hidden)
-            return None if logits is None else self.sampler(logits, self._sampling_inputs(seq_ids))
+            return (
+                None if logits is None else self.sampler(logits, self._sampling_inputs(request_ids))
+            )
         if every_row:
             return SamplerOutput(greedy, None, None, None)
         taken = set(argmax_rows)
-        rest = [row for row in range(len(seq_ids)) if row not in taken]
+        rest = [row for row in range(len(request_ids)) if row not in taken]
         logits = model.compute_logits(hidden[rest])
         assert logits is not None  # a model with a greedy head samples on this rank
-        sampled = self.sampler(logits, self._sampling_inputs([seq_ids[row] for row in rest]))
-        return _merge_rows(len(seq_ids), argmax_rows, greedy, rest, sampled)
+        sampled = self.sampler(logits, self._sampling_inputs([request_ids[row] for row in rest]))
+        return _merge_rows(len(request_ids), argmax_rows, greedy, rest, sampled)
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name
         shapes = {
-            seq_id: (len(seq.token_ids), len(seq.block_ids))
-            for seq_id, seq in self.sequences.items()
-            if seq_id not in plan.finished_seq_ids
+            request_id: (len(seq.token_ids), len(seq.block_ids))
+            for request_id, seq in self.sequences.items()
+            if request_id not in plan.finished_request_ids
         }
         for new in plan.new_sequences:
-            if new.seq_id in shapes:
-                raise ValueError(f"sequence {new.seq_id!r} is already running")
+            if new.request_id in shapes:
+                raise ValueError(f"sequence {new.request_id!r} is already running")
             if not 0 < new.num_prompt_tokens <= len(new.token_ids):
                 raise ValueError(
-                    f"sequence {new.seq_id!r}: {new.num_prompt_tokens} prompt tokens out of"
+                    f"sequence {new.request_id!r}: {new.num_prompt_tokens} prompt tokens out of"
                     f" {len(new.token_ids)} tokens"
                 )
-            self._check_block_ids(new.seq_id, new.block_ids)
-            shapes[new.seq_id] = (len(new.token_ids), len(new.block_ids))
-        if len({c.seq_id for c in plan.chunks}) != len(plan.chunks):
+            self._check_block_ids(new.request_id, new.block_ids)
+            shapes[new.request_id] = (len(new.token_ids), len(new.block_ids))
+        if len({c.request_id for c in plan.chunks}) != len(plan.chunks):
             raise ValueError("a sequence is scheduled twice in one step")
         for chunk in plan.chunks:
-            if chunk.seq_id not in shapes:
-                raise ValueError(f"chunk for unknown sequence {chunk.seq_id!r}")
-            self._check(chunk, *shapes[chunk.seq_id])
+            if chunk.request_id not in shapes:
+                raise ValueError(f"chunk for unknown sequence {chunk.request_id!r}")
+            self._check(chunk, *shapes[chunk.request_id])
 
     def _check(self, chunk: ScheduledChunk, num_tokens: int, num_blocks: int) -> None:
         end = chunk.num_computed_tokens + chunk.num_new_tokens
         if chunk.num_new_tokens < 1 or end > num_tokens:
             raise ValueError(
-                f"sequence {chunk.seq_id!r}: chunk [{chunk.num_computed_tokens}, {end}) is outside"
-                f" its {num_tokens} tokens"
+                f"sequence {chunk.request_id!r}: chunk [{chunk.num_computed_tokens}, {end}) is"
+                f" outside its {num_tokens} tokens"
             )
-        self._check_block_ids(chunk.seq_id, chunk.new_block_ids)
+        self._check_block_ids(chunk.request_id, chunk.new_block_ids)
         num_blocks += len(chunk.new_block_ids)
         if num_blocks * self.block_size < end:
             raise ValueError(
-                f"sequence {chunk.seq_id!r}: {num_blocks} blocks cannot hold {end} tokens"
+                f"sequence {chunk.request_id!r}: {num_blocks} blocks cannot hold {end} tokens"
             )
 
-    def _check_block_ids(self, seq_id: str, block_ids: list[int]) -> None:
+    def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
         """Block 0 is reserved; an id past the cache would write out of bounds."""
         if block_ids and not 0 < min(block_ids) <= max(block_ids) < self.num_blocks:
             raise ValueError(
-                f"sequence {seq_id!r}: block ids must be in [1, {self.num_blocks}), got {block_ids}"
+                f"sequence {request_id!r}: block ids must be in [1, {self.num_blocks}),"
+                f" got {block_ids}"
             )
 
     def _flatten(self, chunks: list[ScheduledChunk]) -> _StepInputs:
@@ -204,9 +207,9 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
-        sample_seq_ids: list[str] = []
+        sample_request_ids: list[str] = []
         for chunk in chunks:
-            seq = self.sequences[chunk.seq_id]
+            seq = self.sequences[chunk.request_id]
             start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
             token_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -214,34 +217,34 @@ class ModelRunner:
             spans.append(SeqSpan(chunk.num_new_tokens, end, seq.block_ids))
             if end == len(seq.token_ids):
                 sample_rows.append(len(token_ids) - 1)
-                sample_seq_ids.append(chunk.seq_id)
+                sample_request_ids.append(chunk.request_id)
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             attention=AttentionStep(spans, slots, self.block_size),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
-            sample_seq_ids=sample_seq_ids,
+            sample_request_ids=sample_request_ids,
         )
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _sampling_inputs(self, seq_ids: list[str]) -> SamplingInputs:
-        seqs = [self.sequences[seq_id] for seq_id in seq_ids]
+    def _sampling_inputs(self, request_ids: list[str]) -> SamplingInputs:
+        seqs = [self.sequences[request_id] for request_id in request_ids]
         return SamplingInputs(
             params=[s.sampling for s in seqs],
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
             output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in seqs],
         )
 
-    def _record(self, seq_ids: list[str], output: SamplerOutput) -> StepResult:
+    def _record(self, request_ids: list[str], output: SamplerOutput) -> StepResult:
         token_ids = output.token_ids.tolist()
         logprobs = output.logprobs.tolist() if output.logprobs is not None else None
         top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
         top_logprobs = output.top_logprobs.tolist() if output.top_logprobs is not None else None
         sampled = []
-        for row, seq_id in enumerate(seq_ids):
-            seq = self.sequences[seq_id]
+        for row, request_id in enumerate(request_ids):
+            seq = self.sequences[request_id]
             seq.token_ids.append(token_ids[row])
             logprob, top = None, []
             if seq.sampling.wants_logprobs and logprobs is not None:
@@ -250,7 +253,7 @@ class ModelRunner:
             if num_top and top_ids is not None and top_logprobs is not None:
                 pairs = zip(top_ids[row][:num_top], top_logprobs[row][:num_top], strict=True)
                 top = [TokenLogprob(t, lp) for t, lp in pairs]
-            sampled.append(SampledToken(seq_id, token_ids[row], logprob, top))
+            sampled.append(SampledToken(request_id, token_ids[row], logprob, top))
         return StepResult(sampled)
 
 
@@ -315,4 +318,4 @@ class _StepInputs:
     positions: torch.Tensor  # [T] int64
     attention: AttentionStep
     sample_rows: torch.Tensor  # [N] int64: rows of the hidden states that get a next token
-    sample_seq_ids: list[str]  # [N]
+    sample_request_ids: list[str]  # [N]

@@ -49,6 +49,7 @@ from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
 from tgq.api.validated import GenerationParams
 from tgq.api.validation import chat_params, completion_params, completion_prompts
 from tgq.batcher.messages import FinalResult, TokenEvent
+from tgq.batcher.request import FinishReason
 
 router = APIRouter(tags=["OpenAI"])
 FINGERPRINT = f"{VERSION}-native"
@@ -56,7 +57,7 @@ DONE = data_event("[DONE]")
 
 
 def _finish_reason(final: FinalResult) -> str:
-    return "length" if final.finish_reason == "length" else "stop"
+    return "length" if final.finish_reason == FinishReason.LENGTH else "stop"
 
 
 def _usage(run: Run) -> Usage:

@@ -39,13 +39,14 @@ from tgq.api.service import Run, check_failed
 from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
 from tgq.api.validation import check_inputs, tgi_params
 from tgq.batcher.messages import FinalResult, TokenEvent
+from tgq.batcher.request import FinishReason
 
 router = APIRouter(tags=["Text Generation Inference"])
 
 
 def finish_reason(final: FinalResult) -> str:
     """TGI's names: `eos_token`, `stop_sequence`, `length`."""
-    if final.finish_reason == "stop":
+    if final.finish_reason == FinishReason.STOP:
         return "stop_sequence" if final.matched_stop is not None else "eos_token"
     return "length"
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from tgq.batcher.request import Priority
+from tgq.batcher.request import FinishReason, Priority
 
 MAX_STARTED_LOG = 100_000  # the started log keeps about this many of the latest ids
 
@@ -68,15 +68,15 @@ class StoredFinal:
 def failed_result(request: SubmitRequest, batcher_id: str) -> FinalResult:
     detail = f"failed after {request.attempt} attempts: the batcher running it died each time"
     return FinalResult(
-        request.request_id,
-        [],
-        "failed",
-        detail,
-        len(request.prompt_token_ids),
-        0,
-        0,
-        request.attempt,
-        batcher_id,
+        request_id=request.request_id,
+        token_ids=[],
+        finish_reason=FinishReason.FAILED,
+        finish_detail=detail,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_output_tokens=0,
+        num_cached_tokens=0,
+        attempt=request.attempt,
+        batcher_id=batcher_id,
     )
 
 

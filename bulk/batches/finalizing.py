@@ -11,6 +11,7 @@ from typing import Any
 from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.db import store
+from tgq.batcher.request import FinishReason
 from tgq.bulk.batches.context import BatchContext, get_batch
 from tgq.bulk.batches.lease import BatchLease
 
@@ -76,12 +77,14 @@ def _line_of(
     """The line's row, and whether it goes to the output file (else the error file)."""
     if line.error is not None:
         return False, _error_line(line, "invalid_request", line.error)
-    if result is not None and result.finish_reason in ("stop", "length"):
+    if result is not None and result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
         return True, _output_line(ctx, batch, line, result)
-    if outcome == "expired" and (result is None or result.finish_reason in ("deadline", "abort")):
+    if outcome == "expired" and (
+        result is None or result.finish_reason in (FinishReason.DEADLINE, FinishReason.ABORT)
+    ):
         # the batcher ends what is still running at `expires_at` itself ("deadline")
         return False, _error_line(line, "batch_expired", "the batch expired first")
-    if result is None or result.finish_reason == "abort":
+    if result is None or result.finish_reason == FinishReason.ABORT:
         return False, _error_line(line, "batch_cancelled", "the batch was cancelled first")
     return False, _error_line(line, result.finish_reason, result.finish_detail or "")
 
@@ -98,7 +101,7 @@ def _output_line(
         "total_tokens": result.num_prompt_tokens + result.num_output_tokens,
         "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens},
     }
-    finish_reason = "length" if result.finish_reason == "length" else "stop"
+    finish_reason = "length" if result.finish_reason == FinishReason.LENGTH else "stop"
     text = result.text or ""
     created = int(result.created_at.timestamp())
     body: dict[str, Any]

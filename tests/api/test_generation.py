@@ -32,7 +32,7 @@ from tgq.api.service import Generation
 from tgq.api.settings import Settings
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher.messages import FinalResult, SubmitRequest
-from tgq.batcher.request import StoppingParams
+from tgq.batcher.request import FinishReason, StoppingParams
 from tgq.batcher.transport.aio import ThreadedApiTransport
 from tgq.batcher.transport.base import TransportConfig
 from tgq.batcher.transport.memory import MemoryTransport
@@ -57,8 +57,19 @@ def job_of(num_items: int = 1) -> tuple[store.NewJob, list[SubmitRequest]]:
     return job, requests
 
 
-def final_of(request_id: str, reason: str = "length") -> FinalResult:
-    return FinalResult(request_id, [5, 6], reason, None, 3, 2, 0, 1, "b0", text="ab")
+def final_of(request_id: str, reason: FinishReason = FinishReason.LENGTH) -> FinalResult:
+    return FinalResult(
+        request_id=request_id,
+        token_ids=[5, 6],
+        finish_reason=reason,
+        finish_detail=None,
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+        num_cached_tokens=0,
+        attempt=1,
+        batcher_id="b0",
+        text="ab",
+    )
 
 
 def test_request_ids_name_their_row() -> None:
@@ -119,7 +130,9 @@ def test_persister_records_then_acks_and_repeats_change_nothing(pg_engine: Async
         persister = Persister(pg_engine, transport, "p0", block_ms=10)
         assert await persister.persist_once() == 2
         assert await persister.persist_once() == 0  # acked: nothing left to take
-        memory.publish_final(final_of(requests[0].request_id, "stop"))  # a repeat is dropped
+        memory.publish_final(
+            final_of(requests[0].request_id, FinishReason.STOP)
+        )  # a repeat is dropped
         assert await persister.persist_once() == 0
         async with pg_engine.connect() as conn:
             stored = await store.get_job(conn, job_id=job.job_id)
@@ -137,7 +150,17 @@ def test_a_result_the_database_refuses_fails_its_item_and_the_rest_are_written(
 ) -> None:
     memory = MemoryTransport()
     job, requests = job_of(3)
-    unstorable = FinalResult(requests[1].request_id, [5], "length", None, 3, 2**31, 0, 1, "b0")
+    unstorable = FinalResult(
+        request_id=requests[1].request_id,
+        token_ids=[5],
+        finish_reason=FinishReason.LENGTH,
+        finish_detail=None,
+        num_prompt_tokens=3,
+        num_output_tokens=2**31,
+        num_cached_tokens=0,
+        attempt=1,
+        batcher_id="b0",
+    )
 
     async def run() -> None:
         transport = ThreadedApiTransport(memory, max_workers=2)
@@ -293,9 +316,21 @@ def test_health_names_its_problem() -> None:
     assert health.problem == "no batcher is alive"
     health.num_batchers = 1
     assert health.problem is None
-    health.observe(FinalResult("r0", [], "failed", "CUDA error: out of memory", 3, 0, 0, 1, "b0"))
+    health.observe(
+        FinalResult(
+            request_id="r0",
+            token_ids=[],
+            finish_reason=FinishReason.FAILED,
+            finish_detail="CUDA error: out of memory",
+            num_prompt_tokens=3,
+            num_output_tokens=0,
+            num_cached_tokens=0,
+            attempt=1,
+            batcher_id="b0",
+        )
+    )
     assert health.problem == "the engine is failing: CUDA error: out of memory"
-    health.observe(final_of("r1", "abort"))  # an abort says nothing about the engine
+    health.observe(final_of("r1", FinishReason.ABORT))  # an abort says nothing about the engine
     assert health.problem is not None
-    health.observe(final_of("r2", "stop"))
+    health.observe(final_of("r2", FinishReason.STOP))
     assert health.problem is None

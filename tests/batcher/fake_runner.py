@@ -43,15 +43,15 @@ class FakeRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
-        for seq_id in plan.finished_seq_ids:
-            del self.sequences[seq_id]  # dropping an unknown sequence is a scheduler bug here
+        for request_id in plan.finished_request_ids:
+            del self.sequences[request_id]  # dropping an unknown sequence is a scheduler bug here
         for new in plan.new_sequences:
-            assert new.seq_id not in self.sequences
-            self.sequences[new.seq_id] = _Sequence(list(new.token_ids), list(new.block_ids))
-        assert len({c.seq_id for c in plan.chunks}) == len(plan.chunks)
+            assert new.request_id not in self.sequences
+            self.sequences[new.request_id] = _Sequence(list(new.token_ids), list(new.block_ids))
+        assert len({c.request_id for c in plan.chunks}) == len(plan.chunks)
         sampled = []
         for chunk in plan.chunks:
-            seq = self.sequences[chunk.seq_id]
+            seq = self.sequences[chunk.request_id]
             seq.block_ids.extend(chunk.new_block_ids)
             assert all(0 < b < self.num_blocks for b in seq.block_ids)
             end = chunk.num_computed_tokens + chunk.num_new_tokens
@@ -65,7 +65,7 @@ class FakeRunner:
             if end == len(seq.token_ids):
                 token_id = next_token(seq.prefix_hash(end - 1))
                 seq.token_ids.append(token_id)
-                sampled.append(SampledToken(chunk.seq_id, token_id, -0.5))
+                sampled.append(SampledToken(chunk.request_id, token_id, -0.5))
         return StepResult(sampled)
 
     def _slot(self, seq: _Sequence, position: int) -> int:

@@ -32,16 +32,19 @@ class ScriptedRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         for new in plan.new_sequences:
-            self.sampling[new.seq_id] = new.sampling
-            self.num_tokens[new.seq_id] = len(new.token_ids)
-            self.num_outputs.setdefault(new.seq_id, len(new.token_ids) - new.num_prompt_tokens)
+            self.sampling[new.request_id] = new.sampling
+            self.num_tokens[new.request_id] = len(new.token_ids)
+            self.num_outputs.setdefault(new.request_id, len(new.token_ids) - new.num_prompt_tokens)
         sampled = []
         for chunk in plan.chunks:
-            if chunk.num_computed_tokens + chunk.num_new_tokens == self.num_tokens[chunk.seq_id]:
-                token_id = self.script[self.num_outputs[chunk.seq_id]]
-                self.num_outputs[chunk.seq_id] += 1
-                self.num_tokens[chunk.seq_id] += 1
-                sampled.append(SampledToken(chunk.seq_id, token_id))
+            if (
+                chunk.num_computed_tokens + chunk.num_new_tokens
+                == self.num_tokens[chunk.request_id]
+            ):
+                token_id = self.script[self.num_outputs[chunk.request_id]]
+                self.num_outputs[chunk.request_id] += 1
+                self.num_tokens[chunk.request_id] += 1
+                sampled.append(SampledToken(chunk.request_id, token_id))
         return StepResult(sampled)
 
 

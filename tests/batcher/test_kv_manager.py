@@ -13,14 +13,14 @@ def _computed(kv: KVManager, request_id: str, token_ids: list[int], num_cached: 
     """Allocate for all of `token_ids` (after `num_cached` hit tokens) and mark them computed."""
     cached = kv.find_cached_prefix(token_ids)
     assert len(cached) * kv.block_size == num_cached
-    assert kv.allocate_slots(request_id, len(token_ids), cached) is not None
+    assert kv.grow_blocks(request_id, len(token_ids), cached) is not None
     kv.cache_blocks(request_id, token_ids, len(token_ids))
     kv.check_integrity()
 
 
 def test_block_ids_eviction_order_and_hits() -> None:
     kv = KVManager(num_blocks=6, block_size=2)
-    assert kv.allocate_slots("a", 5) == [1, 2, 3]  # block 0 is reserved
+    assert kv.grow_blocks("a", 5) == [1, 2, 3]  # block 0 is reserved
     kv.cache_blocks("a", [1, 2, 3, 4, 5], 5)  # blocks 1 and 2 are full: cached
     kv.free("a")  # released last-first: 3 (uncached) is free, then 2, 1 become evictable
     kv.check_integrity()
@@ -30,12 +30,12 @@ def test_block_ids_eviction_order_and_hits() -> None:
     assert kv.find_cached_prefix([1, 2, 3, 4]) == [1]
     assert kv.find_cached_prefix([1, 9, 3, 4, 5]) == []
     # Free blocks go first (4, 5, then 3), then the least recently released cached one (2).
-    assert kv.allocate_slots("b", 8) == [4, 5, 3, 2]
+    assert kv.grow_blocks("b", 8) == [4, 5, 3, 2]
     assert kv.find_cached_prefix([1, 2, 3, 4, 5]) == [1]
     kv.check_integrity()
-    assert kv.allocate_slots("c", 1) == [1]  # evicts the last cached block
+    assert kv.grow_blocks("c", 1) == [1]  # evicts the last cached block
     assert kv.find_cached_prefix([1, 2, 3]) == []
-    assert kv.allocate_slots("d", 1) is None
+    assert kv.grow_blocks("d", 1) is None
     kv.check_integrity()
 
 
@@ -49,7 +49,7 @@ def test_hits_are_shared_and_refreshed_in_lru_order() -> None:
         kv.free(request_id)
     kv.check_integrity()
     # Evictable, oldest release first: 3 (b), then 1 (released by c after a). Free: 6, 7, 2, 4, 5.
-    assert kv.allocate_slots("d", 12) == [6, 7, 2, 4, 5, 3]
+    assert kv.grow_blocks("d", 12) == [6, 7, 2, 4, 5, 3]
     assert kv.find_cached_prefix([5, 6, 7]) == []
     assert kv.find_cached_prefix([1, 2, 9]) == [1]
     kv.check_integrity()
@@ -57,14 +57,14 @@ def test_hits_are_shared_and_refreshed_in_lru_order() -> None:
 
 def test_duplicate_content_stays_uncached() -> None:
     kv = KVManager(num_blocks=6, block_size=2)
-    assert kv.allocate_slots("a", 3) == [1, 2]
-    assert kv.allocate_slots("b", 3) == [3, 4]  # same tokens, admitted in the same step
+    assert kv.grow_blocks("a", 3) == [1, 2]
+    assert kv.grow_blocks("b", 3) == [3, 4]  # same tokens, admitted in the same step
     kv.cache_blocks("a", [1, 2, 3], 3)
     kv.cache_blocks("b", [1, 2, 3], 3)
     kv.free("b")  # block 3 duplicates block 1: plain free, not evictable
     kv.check_integrity()
     assert kv.find_cached_prefix([1, 2, 3]) == [1]
-    assert kv.allocate_slots("c", 6) == [5, 4, 3]
+    assert kv.grow_blocks("c", 6) == [5, 4, 3]
 
 
 def test_failed_allocation_changes_nothing_and_counts_hits_it_would_take() -> None:
@@ -74,12 +74,12 @@ def test_failed_allocation_changes_nothing_and_counts_hits_it_would_take() -> No
     cached = kv.find_cached_prefix([1, 2, 3, 4, 5, 6, 7])
     assert cached == [1, 2]
     # Two hits plus two new blocks: only one block (3) is left once the hits are taken.
-    assert kv.allocate_slots("b", 7, cached) is None
+    assert kv.grow_blocks("b", 7, cached) is None
     kv.check_integrity()
-    assert kv.allocate_slots("b", 6, cached) == [1, 2, 3]
+    assert kv.grow_blocks("b", 6, cached) == [1, 2, 3]
     assert kv.usage == 1.0
     with pytest.raises(ValueError, match="at admission only"):
-        kv.allocate_slots("b", 7, [1])
+        kv.grow_blocks("b", 7, [1])
 
 
 def test_prefix_cache_off_finds_nothing() -> None:
@@ -87,12 +87,12 @@ def test_prefix_cache_off_finds_nothing() -> None:
     _computed(kv, "a", [1, 2, 3])
     kv.free("a")
     assert kv.find_cached_prefix([1, 2, 3]) == []
-    assert kv.allocate_slots("b", 6) == [3, 2, 1]
+    assert kv.grow_blocks("b", 6) == [3, 2, 1]
 
 
 def test_integrity_check_catches_a_leak() -> None:
     kv = KVManager(num_blocks=4, block_size=2)
-    kv.allocate_slots("a", 2)
+    kv.grow_blocks("a", 2)
     kv._ref_counts[1] += 1
     with pytest.raises(AssertionError, match="ref count"):
         kv.check_integrity()
@@ -118,7 +118,7 @@ def test_random_operations_keep_the_invariants() -> None:
                 start = index * block_size
                 assert content[block_id] == tuple(token_ids[start : start + block_size])
             before = kv.num_free_blocks
-            new_block_ids = kv.allocate_slots(request_id, len(token_ids), cached)
+            new_block_ids = kv.grow_blocks(request_id, len(token_ids), cached)
             if new_block_ids is None:
                 assert kv.num_free_blocks == before
                 num_failures += 1
@@ -132,7 +132,7 @@ def test_random_operations_keep_the_invariants() -> None:
             token_ids = tokens[request_id]
             start = len(token_ids)
             extra = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
-            if kv.allocate_slots(request_id, start + len(extra)) is None:
+            if kv.grow_blocks(request_id, start + len(extra)) is None:
                 num_failures += 1
                 continue
             token_ids.extend(extra)

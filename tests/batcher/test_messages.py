@@ -18,7 +18,7 @@ from tgq.batcher.messages import (
     decode,
     encode,
 )
-from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.request import FinishReason, Priority, StoppingParams
 from tgq.gpu_worker.plan import SamplingParams
 
 SUBMIT = SubmitRequest(
@@ -35,8 +35,29 @@ MESSAGES: list[Message] = [
     SubmitRequest("req-2", [5], SamplingParams(), StoppingParams()),
     AbortRequest("req-1", "client disconnected"),
     TokenEvent("req-1", 3, [11, 12], [-0.5, None], "hé", attempt=2, created_at=1.7e9),
-    FinalResult("req-1", [11, 12], "stop", "eos token", 3, 2, 0, 1, "b0", "hé"),
-    FinalResult("req-1", [], "failed", None, 3, 0, 0, 3, "b1"),
+    FinalResult(
+        request_id="req-1",
+        token_ids=[11, 12],
+        finish_reason=FinishReason.STOP,
+        finish_detail="eos token",
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+        num_cached_tokens=0,
+        attempt=1,
+        batcher_id="b0",
+        text="hé",
+    ),
+    FinalResult(
+        request_id="req-1",
+        token_ids=[],
+        finish_reason=FinishReason.FAILED,
+        finish_detail=None,
+        num_prompt_tokens=3,
+        num_output_tokens=0,
+        num_cached_tokens=0,
+        attempt=3,
+        batcher_id="b1",
+    ),
     Heartbeat("b0", 3, 4, 100, 32, 1.7e9),
     Heartbeat("b1", 1, 0, 90, 8, 1.7e9, 100, 40, 16, 12, 400, 64),  # every field
     SubmitRequest(

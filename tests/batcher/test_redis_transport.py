@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from tgq.batcher.request import StoppingParams
+from tgq.batcher.request import FinishReason, StoppingParams
 from tgq.batcher.transport.aio import AsyncRedisApiTransport
 from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.batcher.transport.redis import RedisBatcherTransport
@@ -58,7 +58,17 @@ def request(request_id: str) -> SubmitRequest:
 
 
 def final(request_id: str) -> FinalResult:
-    return FinalResult(request_id, [0, 1], "length", None, 2, 2, 0, 1, "b0")
+    return FinalResult(
+        request_id=request_id,
+        token_ids=[0, 1],
+        finish_reason=FinishReason.LENGTH,
+        finish_detail=None,
+        num_prompt_tokens=2,
+        num_output_tokens=2,
+        num_cached_tokens=0,
+        attempt=1,
+        batcher_id="b0",
+    )
 
 
 def test_key_layout_and_expiries(

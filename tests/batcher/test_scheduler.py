@@ -11,7 +11,7 @@ import pytest
 from tests.batcher.fake_runner import VOCAB_SIZE, FakeRunner, solo_output
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine, RequestOutput
-from tgq.batcher.request import Priority, Request, RequestStatus, StoppingParams
+from tgq.batcher.request import FinishReason, Priority, Request, RequestStatus, StoppingParams
 
 
 def make_engine(num_blocks: int = 256, block_size: int = 4, **limits: Any) -> LLMEngine:
@@ -105,17 +105,19 @@ def test_long_prompt_is_chunked_while_others_decode() -> None:
     engine.step()
     long_id = engine.add_request(random_prompt(rng, 10_000), stopping=stopping(4))
     run(engine)
-    long_chunks = [c.num_new_tokens for p in runner.plans for c in p.chunks if c.seq_id == long_id]
+    long_chunks = [
+        c.num_new_tokens for p in runner.plans for c in p.chunks if c.request_id == long_id
+    ]
     prefill_steps = [
         plan
         for plan in runner.plans
         for c in plan.chunks
-        if c.seq_id == long_id and c.num_new_tokens > 1
+        if c.request_id == long_id and c.num_new_tokens > 1
     ]
     assert sum(long_chunks[: len(prefill_steps)]) == 10_000
     assert len(prefill_steps) >= 10_000 // 512
     for plan in prefill_steps[:-1]:  # every step but the last chunk's is full
-        decoding = {c.seq_id for c in plan.chunks if c.num_new_tokens == 1}
+        decoding = {c.request_id for c in plan.chunks if c.num_new_tokens == 1}
         assert decoding == set(short_ids)
         assert plan.num_tokens == 512
 
@@ -129,10 +131,10 @@ def test_a_bulk_prefill_does_not_delay_an_interactive_request() -> None:
     engine.step()
     interactive_id = engine.add_request(random_prompt(rng, 300), stopping=stopping(2))
     engine.step()
-    chunks = {c.seq_id: c.num_new_tokens for c in runner.plans[-1].chunks}
+    chunks = {c.request_id: c.num_new_tokens for c in runner.plans[-1].chunks}
     assert chunks == {bulk_id: 1, interactive_id: 300}
     engine.step()
-    chunks = {c.seq_id: c.num_new_tokens for c in runner.plans[-1].chunks}
+    chunks = {c.request_id: c.num_new_tokens for c in runner.plans[-1].chunks}
     assert chunks == {interactive_id: 1, bulk_id: 511}
 
 
@@ -223,8 +225,8 @@ def test_abort_frees_blocks_within_a_step(when: str) -> None:
     engine.abort(request_id)
     assert engine.scheduler.kv.num_free_blocks == free_before + held
     outputs = engine.step()
-    assert RequestOutput(request_id, [], [], [], "abort", "aborted") in outputs
-    assert (request_id in runner.plans[-1].finished_seq_ids) == (when != "waiting")
+    assert RequestOutput(request_id, [], [], [], FinishReason.ABORT, "aborted") in outputs
+    assert (request_id in runner.plans[-1].finished_request_ids) == (when != "waiting")
     assert request_id not in runner.sequences
     engine.abort(request_id)  # already gone: nothing happens
     run(engine)

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.request import FinishReason, Priority, StoppingParams
 from tgq.batcher.transport.base import (
     ApiTransport,
     BatcherTransport,
@@ -133,7 +133,17 @@ def event(request_id: str, seq_index: int, attempt: int = 1) -> TokenEvent:
 
 
 def final(request_id: str, batcher_id: str = "b0") -> FinalResult:
-    return FinalResult(request_id, [7, 8], "length", None, 3, 2, 0, 1, batcher_id)
+    return FinalResult(
+        request_id=request_id,
+        token_ids=[7, 8],
+        finish_reason=FinishReason.LENGTH,
+        finish_detail=None,
+        num_prompt_tokens=3,
+        num_output_tokens=2,
+        num_cached_tokens=0,
+        attempt=1,
+        batcher_id=batcher_id,
+    )
 
 
 def beat(batcher: BatcherTransport, batcher_id: str) -> None:

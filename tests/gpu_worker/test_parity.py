@@ -13,6 +13,7 @@ import torch
 from tests.conftest import VARIANTS
 from tgq.batcher.engine import RequestResult
 from tgq.batcher.offline import OfflineEngine
+from tgq.batcher.request import FinishReason
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
@@ -51,7 +52,7 @@ def hf_generate(model_dir: Path, prompt: list[int], num_new: int = NUM_NEW) -> R
         prompt_token_ids=prompt,
         token_ids=tokens,
         logprobs=logprobs,
-        finish_reason="length",
+        finish_reason=FinishReason.LENGTH,
     )
 
 

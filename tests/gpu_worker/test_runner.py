@@ -141,14 +141,14 @@ def test_a_refused_plan_changes_nothing(model_dirs: dict[str, Path]) -> None:
     bad = StepPlan(
         new_sequences=[NewSequence("b", PROMPT, len(PROMPT), SamplingParams(), [2])],
         chunks=[ScheduledChunk("b", 0, 9), ScheduledChunk("a", 10, 1, [3])],  # "a" has 10 tokens
-        finished_seq_ids=["a"],
+        finished_request_ids=["a"],
     )
     with pytest.raises(ValueError, match="chunk for unknown sequence 'a'"):
         runner.execute(bad)
     assert set(runner.sequences) == {"a"}  # neither "b" registered nor "a" dropped
     assert runner.sequences["a"].block_ids == [1]
     [token] = runner.execute(StepPlan(chunks=[ScheduledChunk("a", 9, 1, [3])])).sampled
-    assert token.seq_id == "a"
+    assert token.request_id == "a"
 
 
 def test_too_few_blocks_are_refused(model_dirs: dict[str, Path]) -> None:
@@ -162,7 +162,7 @@ def test_plan_round_trips_through_json() -> None:
     plan = StepPlan(
         new_sequences=[NewSequence("a", PROMPT, 5, SEEDED, [3, 4])],
         chunks=[ScheduledChunk("a", 0, 9), ScheduledChunk("b", 30, 1, [7])],
-        finished_seq_ids=["c"],
+        finished_request_ids=["c"],
     )
     assert plan_from_wire(json.loads(json.dumps(to_wire(plan)))) == plan
 

@@ -1,4 +1,4 @@
-"""`freeze_startup_heap`: after it, a full garbage collection no longer walks the objects that
+"""`freeze_startup_objects`: after it, a full garbage collection no longer walks the objects that
 start-up left (run in a child process, so that this test process's collector is untouched)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 CHILD = """
 import gc, json, logging, time
-from tgq.batcher.heap import freeze_startup_heap
+from tgq.batcher.gc_freeze import freeze_startup_objects
 
 logging.basicConfig(level=logging.INFO)
 startup = [{"row": [i]} for i in range(300_000)]  # long-lived, like the api's models and pools
@@ -20,7 +20,7 @@ def full_pass_s():
     return time.perf_counter() - started
 
 before = min(full_pass_s() for _ in range(3))
-freeze_startup_heap()
+freeze_startup_objects()
 garbage = [[]] * 10  # allocated after the freeze: still collected as usual
 after = min(full_pass_s() for _ in range(3))
 print(json.dumps({"before": before, "after": after, "frozen": gc.get_freeze_count()}))

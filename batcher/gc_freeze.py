@@ -18,7 +18,7 @@ import time
 log = logging.getLogger(__name__)
 
 
-def freeze_startup_heap() -> None:
+def freeze_startup_objects() -> None:
     """Call once, when start-up is over (models, pools and routes built)."""
     started = time.perf_counter()
     gc.collect()  # the start-up garbage goes now rather than live on, frozen
