@@ -31,13 +31,15 @@ from tgq.api.db.migrate import check_schema, upgrade
 from tgq.api.drain import Drain, DrainMiddleware
 from tgq.api.errors import UnavailableError, dependency_failure, install_error_handlers
 from tgq.api.files.storage import FileStorage, LocalFileStorage
-from tgq.api.generation import Persister, Recorder, Running, cancel_and_wait
+from tgq.api.generation import Generation
 from tgq.api.health import DatabaseProbe
+from tgq.api.loops import cancel_and_wait
 from tgq.api.metrics import Metrics
 from tgq.api.observability import install_observability
+from tgq.api.persister import Persister, Running
 from tgq.api.reconciler import EpochWatch, reconcile_once, resume_batches
+from tgq.api.recorder import Recorder
 from tgq.api.security import install_security
-from tgq.api.service import Generation
 from tgq.api.settings import Settings
 from tgq.api.shedding import ShedOverload
 from tgq.api.tokenizer import ModelTokenizer

@@ -30,5 +30,5 @@ async def render_chat(tokenizer: ModelTokenizer, messages: Sequence[RequestMessa
         raise ValidationError(str(error), param="messages") from error
     try:
         return await tokenizer.run(template.render, normalized, add_generation_prompt=True)
-    except chat_template.TemplateError as error:
+    except chat_template.ChatTemplateError as error:
         raise TemplateError(str(error)) from error

@@ -8,7 +8,7 @@ tokenize=False)` without importing transformers or torch: the same sandboxed Jin
 `strftime_now`), the same `tojson` filter, the same variables (`messages`, `tools`, `documents`,
 `add_generation_prompt`, the special tokens) and the same message clean-up (keys whose value is
 `None` are dropped). Templates are untrusted code from the model repo, so everything that goes
-wrong while compiling or rendering one becomes a `TemplateError`, which a request answers with a
+wrong while compiling or rendering one becomes a `ChatTemplateError`, which a request answers with a
 422 (`api.chat_prompt`); the client reads its message after TGI's "Template error: ", which the
 api's error adds.
 
@@ -46,11 +46,11 @@ NO_TEMPLATE_MESSAGE = (
 )
 
 
-class TemplateError(Exception):
+class ChatTemplateError(Exception):
     """The chat template could not be compiled or rendered (the message says why)."""
 
 
-class NoChatTemplateError(TemplateError):
+class NoChatTemplateError(ChatTemplateError):
     def __init__(self) -> None:
         super().__init__(NO_TEMPLATE_MESSAGE)
 
@@ -159,7 +159,7 @@ class ChatTemplate:
         if "default" in self.templates:
             return "default"
         names = ", ".join(sorted(self.templates))
-        raise TemplateError(
+        raise ChatTemplateError(
             f"this model has several chat templates and none is named 'default' (found: {names})"
         )
 
@@ -185,14 +185,14 @@ class ChatTemplate:
         # Whatever a template raises (its own raise_exception, an undefined, the sandbox, a
         # TypeError from `'a' + 1`) is the template's or the request's fault, not the server's.
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError) as exc:
-            raise TemplateError(_describe(exc)) from exc
+            raise ChatTemplateError(_describe(exc)) from exc
 
     def _template(self, name: str) -> jinja2.Template:
         if name not in self._compiled:
             try:
                 self._compiled[name] = _ENVIRONMENT.from_string(self.templates[name])
             except jinja2.TemplateError as exc:
-                raise TemplateError(_describe(exc)) from exc
+                raise ChatTemplateError(_describe(exc)) from exc
         return self._compiled[name]
 
 

@@ -1,396 +1,341 @@
-"""Generation in the api: every request becomes a row in the database, committed, then a message
-in the transport; its tokens are followed from the transport, its final result is written back to
-the database by the persister, whoever waits for it.
+"""What routes call to generate: admit, tokenize and validate, record and enqueue, then follow.
 
-- `Recorder`: group commit. Concurrent submissions are gathered (up to `max_group` per round),
-  written in one transaction, then enqueued in one transport round trip. Nothing is enqueued
-  without its commit; a failed commit fails the whole group with 503 and enqueues nothing. A
-  failed enqueue after the commit also answers 503, and withdraws the group's jobs first
-  (`api/withdrawals.py`): a 503 is never run later. A job with an `Idempotency-Key` is the
-  exception: it stays queued (the reconciler enqueues it), and a retry with the key returns it.
-  Each submission is an `enqueue` span (tracing on); its requests carry the HTTP request's id
-  and that span's trace context to the batcher.
-- `Persister`: pulls durable final results from the transport, records them idempotently (unique
-  per job item), and acks them only after the commit.
-- `follow`: a request's token events in order, then its final result.
-- `Running`: items whose first token the transport has seen are marked `running`, in batches.
+An interactive HTTP request is one job of kind "interactive": one item per prompt and copy (OpenAI
+`n`, TGI `best_of`; copy `c` of a seeded request gets seed + c). The job row is committed before
+anything is enqueued, and the final results reach it through the persister, so interactive
+requests are audited like jobs.
 
-Request ids are `"{job_id}.{item_index}"`, so a final result names its row without a lookup.
+A request whose client goes away is aborted in the batcher: `wait_finals` watches the connection
+while it waits, and a stream's generator aborts when it is closed before the end. A request whose
+tokens cannot be followed (Redis away) is answered 503 and withdrawn (`api/withdrawals.py`): it
+never runs later. When the transport loses its data (a new epoch), this replica enqueues again
+the unfinished requests that its clients still wait for (`resubmit_unfinished`); nobody else
+does (the reconciler never reruns an interactive request).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import secrets
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import UTC, datetime
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.types import Receive
 
+from tgq.api.admission import Admission, Ticket
 from tgq.api.db import store
-from tgq.api.errors import UnavailableError, dependency_failure
-from tgq.api.withdrawals import Withdrawals
-from tgq.batcher import tracing
-from tgq.batcher.logs import current_request_id
+from tgq.api.errors import ApiError, GenerationError, TemplateError, UnavailableError
+from tgq.api.ids import new_job_id
+from tgq.api.metrics import Metrics
+from tgq.api.recorder import Recorder
+from tgq.api.settings import Settings
+from tgq.api.submit import job_items, job_params, job_requests, num_copies
+from tgq.api.tokenizer import ModelTokenizer
+from tgq.api.validated import GenerationParams, ValidatedRequest
+from tgq.api.validation import validate_tokens
 from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
+from tgq.batcher.request import FAILED_REASONS, Priority
 from tgq.batcher.transport.aio import AsyncApiTransport
-from tgq.batcher.transport.base import StoredFinal
 
 log = logging.getLogger(__name__)
 
 FOLLOW_POLL_S = 4.0  # one blocking read waits at most this long (under the socket timeout)
 
 
-def new_job_id() -> str:
-    return f"job_{secrets.token_hex(16)}"
-
-
-def request_id_of(job_id: str, item_index: int) -> str:
-    return f"{job_id}.{item_index}"
-
-
-def parse_request_id(request_id: str) -> tuple[str, int] | None:
-    job_id, _, index = request_id.rpartition(".")
-    if not job_id.startswith("job_") or not index.isdigit():
-        return None
-    return job_id, int(index)
-
-
-RECANCEL_S = 0.5  # how often `cancel_and_wait` repeats a cancellation the task has not taken
-
-
-async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
-    """Cancels `task` and waits until it has ended; an exception it ended with is logged.
-
-    A cancellation can get lost inside a library: the api's monitor loop once went back to
-    sleeping after a Redis pipeline swallowed its CancelledError, and the shut-down waited for
-    it forever. So the cancellation is repeated every `RECANCEL_S` until the task is done.
-    """
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=RECANCEL_S)
-    if not task.cancelled() and (error := task.exception()) is not None:
-        log.error("task %s ended with %r", task.get_name(), error)
-
-
-class _Loop:
-    """A background loop of the api: `start` runs `_run` on a task, `stop` cancels it."""
-
-    _task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=type(self).__name__.lower())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-
-    async def _run(self) -> None:
-        raise NotImplementedError
-
-
 @dataclass(slots=True)
-class _Pending:
-    job: store.NewJob
+class Run:
+    """One interactive request in flight: its job and one engine request per item."""
+
+    job_id: str
+    prompts: list[ValidatedRequest]
     requests: list[SubmitRequest]
-    done: asyncio.Future[store.JobRecord] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+    copies: int  # items per prompt
+    ticket: Ticket
+    started_at: float  # time.time() when the HTTP request was admitted
+    validated_at: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finals: dict[str, FinalResult] = field(default_factory=dict)
+    keep_events: bool = False  # keep every token event (non-stream answers with top tokens)
+    events: dict[str, list[TokenEvent]] = field(default_factory=dict)
+
+    def prompt_of(self, item_index: int) -> ValidatedRequest:
+        return self.prompts[item_index // self.copies]
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.finals) == len(self.requests)
 
 
-class Recorder(_Loop):
-    """Commits jobs, then enqueues their requests; many concurrent submissions per round."""
-
-    def __init__(
-        self, engine: AsyncEngine, transport: AsyncApiTransport, *, max_group: int = 256
-    ) -> None:
-        self.engine = engine
-        self.transport = transport
-        self.max_group = max_group
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self.num_rounds = 0
-        self.withdrawals = Withdrawals(engine, transport)
-
-    def start(self) -> None:
-        super().start()
-        self.withdrawals.start()
-
-    async def stop(self) -> None:
-        await super().stop()
-        await self.withdrawals.stop()
-
-    async def submit(self, job: store.NewJob, requests: list[SubmitRequest]) -> store.JobRecord:
-        """Returns the job's row once it is committed and its requests are enqueued."""
-        with tracing.span("enqueue", job_id=job.job_id, num_requests=len(requests)):
-            pending = _Pending(job, stamped(requests))
-            self._queue.put_nowait(pending)
-            record = await asyncio.shield(pending.done)
-        _log_queued(job, len(requests))
-        return record
-
-    async def submit_idempotent(
-        self, job: store.NewJob, requests: list[SubmitRequest]
-    ) -> tuple[store.JobRecord, bool]:
-        """A job with an idempotency key, in its own transaction: (the job, created). A repeat of
-        the key returns the first job and enqueues nothing."""
-        with tracing.span("enqueue", job_id=job.job_id, num_requests=len(requests)):
-            try:
-                async with self.engine.begin() as conn:
-                    fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
-                    record, created = await store.create_job(conn, **fields)
-            except Exception as error:
-                if dependency_failure(error) is None:
-                    raise
-                raise _unavailable(error) from error
-            if created:
-                try:
-                    await self._enqueue(stamped(requests))
-                except UnavailableError as error:
-                    message = (
-                        f"The queue is unavailable; job {job.job_id} is recorded and will run"
-                        " once it is back: repeat the request with the same Idempotency-Key"
-                        " to get it"
-                    )
-                    raise UnavailableError(message) from error
-        if created:
-            _log_queued(job, len(requests))
-        return record, created
-
-    async def _run(self) -> None:
-        while True:
-            group = [await self._queue.get()]
-            await asyncio.sleep(0)  # let submissions that are already running join this round
-            while len(group) < self.max_group and not self._queue.empty():
-                group.append(self._queue.get_nowait())
-            await self._commit_and_enqueue(group)
-
-    async def _commit_and_enqueue(self, group: list[_Pending]) -> None:
-        self.num_rounds += 1
-        requests = [r for pending in group for r in pending.requests]
-        try:
-            async with self.engine.begin() as conn:
-                records = await store.create_jobs(conn, jobs=[pending.job for pending in group])
-        except Exception as error:  # every waiter learns it; the loop goes on
-            _fail(group, _unavailable(error))
-            return
-        try:
-            await self._enqueue(requests)
-        except UnavailableError as error:  # committed, perhaps partly enqueued: withdrawn
-            job_ids = [pending.job.job_id for pending in group]
-            reason = f"unavailable: the queue could not take it ({error.__cause__!r})"
-            await self.withdrawals.withdraw(job_ids, [r.request_id for r in requests], reason)
-            _fail(group, error)
-            return
-        for pending, record in zip(group, records, strict=True):
-            if not pending.done.done():
-                pending.done.set_result(record)
-
-    async def _enqueue(self, requests: list[SubmitRequest]) -> None:
-        try:
-            await self.transport.submit(requests)
-        except Exception as error:
-            log.error("enqueue failed after commit (%d requests): %r", len(requests), error)
-            raise UnavailableError(
-                "The queue is unavailable; nothing was run. Retry later"
-            ) from error
-
-
-def _fail(group: list[_Pending], error: UnavailableError) -> None:
-    for pending in group:
-        if not pending.done.done():
-            pending.done.set_exception(error)
-
-
-def stamped(requests: list[SubmitRequest]) -> list[SubmitRequest]:
-    """The requests with the HTTP request's id and the current span's `traceparent`, so the
-    batcher's log lines and spans about them join the api's."""
-    request_id, parent = current_request_id.get(), tracing.traceparent()
-    if not request_id and not parent:
-        return requests
-    return [
-        dataclasses.replace(r, http_request_id=request_id, traceparent=parent) for r in requests
-    ]
-
-
-def _log_queued(job: store.NewJob, num_requests: int) -> None:
-    """Relates the job (and its items, `job_id.N` in the batcher's lines) to the request id."""
-    message = "job %s: %d requests queued"
-    log.info(message, job.job_id, num_requests, extra={"job_id": job.job_id, "job_kind": job.kind})
-
-
-def _unavailable(error: Exception) -> UnavailableError:
-    log.error("database unavailable: %s", error)
-    return UnavailableError("The database is unavailable; nothing was queued. Retry later")
-
-
-STOP_GRACE_S = 10.0  # the persister's last round at shut-down, before it is cancelled
-
-
-class Persister(_Loop):
-    """Writes every final result to the database, then acks it in the transport."""
-
+class Generation:
     def __init__(
         self,
+        *,
+        settings: Settings,
         engine: AsyncEngine,
         transport: AsyncApiTransport,
-        consumer: str,
-        *,
-        max_count: int = 256,
-        block_ms: int = 1000,
-        on_results: Callable[[list[StoredFinal]], None] = lambda finals: None,
+        tokenizer: ModelTokenizer,
+        metrics: Metrics,
+        admission: Admission,
+        recorder: Recorder,
     ) -> None:
+        self.settings = settings
         self.engine = engine
-        self.on_results = on_results
         self.transport = transport
-        self.consumer = consumer
-        self.max_count = max_count
-        self.block_ms = block_ms
-        self.num_written = 0
-        self._is_stopping = False
-        # Pulled but not yet written and acked (the database was away): retried before anything
-        # new. They stay pending to this consumer, so without this they would wait for the
-        # lease (`lease_s`) to lapse before being claimed again.
-        self._unwritten: list[StoredFinal] = []
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.admission = admission
+        self.recorder = recorder
+        self._background: set[asyncio.Task[None]] = set()
+        self._runs: dict[str, Run] = {}  # by job id: the requests this replica's clients wait for
 
-    async def _run(self) -> None:
-        backoff_s = 0.1
-        while not self._is_stopping:
-            try:
-                await self.persist_once()
-                backoff_s = 0.1
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # database or Redis down: retry; nothing was acked
-                log.warning("persister: %s; retrying in %.1fs", error, backoff_s)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
-
-    async def stop(self) -> None:
-        """Lets the round in progress finish, then persists what is already stored without
-        waiting for more: a replica that shuts down cleanly leaves no finished job `running`
-        until another replica claims its results after the lease."""
-        self._is_stopping = True
-        if self._task is not None:  # a round cut short would leave its results pending to us
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._task), STOP_GRACE_S)
-        await super().stop()
+    @contextmanager
+    def admitted(self, *, num_requests: int = 1) -> Iterator[Ticket]:
+        """Admits a request (429 before any other work) for the body of the `with`, which
+        validates and starts it. A body that raises gives the ticket back and counts why: the
+        request never started. A started request keeps its ticket until its run ends."""
+        ticket = self.admit(num_requests=num_requests)
         try:
-            while await self.persist_once(block_ms=0):
-                pass
-        except Exception as error:  # database or Redis away: the results wait for the next one
-            log.warning("persister: results left for another replica: %s", error)
+            yield ticket
+        except BaseException as error:
+            self._abandon(ticket, error)
+            raise
 
-    async def persist_once(self, *, block_ms: int | None = None) -> int:
-        wait_ms = self.block_ms if block_ms is None else block_ms
-        finals = self._unwritten or await self.transport.pull_finals(
-            self.consumer, self.max_count, wait_ms
-        )
-        if not finals:
-            return 0
-        self._unwritten = finals
-        results = []
-        for stored in finals:
-            new = new_result(stored.result)
-            if new is None:
-                log.warning(
-                    "final result for unknown request id %r dropped", stored.result.request_id
-                )
-            else:
-                results.append(new)
+    def admit(self, *, num_requests: int = 1) -> Ticket:
+        self.metrics.on_request()
         try:
-            async with self.engine.begin() as conn:
-                written = await store.record_results(conn, results=results)
-        except Exception:  # a result the database refuses, or the database away: one by one
-            written = [await self._record_alone(result) for result in results]
-        await self.transport.ack_finals([stored.entry_id for stored in finals])
-        self._unwritten = []
-        self.num_written += sum(written)
-        self.on_results(finals)
-        return len(finals)
-
-    async def _record_alone(self, result: store.NewResult) -> bool:
-        """One result in its own transaction. One the database refuses while it takes
-        others (a value it cannot store) is recorded as a failed result that keeps only its
-        ids, so its job still ends; when the database itself is away, the error propagates
-        (nothing is acked)."""
-        try:
-            async with self.engine.begin() as conn:
-                return (await store.record_results(conn, results=[result]))[0]
-        except Exception as error:
-            if not await self._database_is_up():
-                raise
-            log.error("persister: result %s refused (%r); failing it", result.request_id, error)
-            refused = type(error).__name__
-        stand_in = dataclasses.replace(
-            result, text=None, token_ids=[], logprobs=None, finish_reason="failed",
-            finish_detail=f"the database refused this result ({refused})",
-            num_prompt_tokens=0, num_output_tokens=0, num_cached_tokens=0,
-        )  # fmt: skip
-        async with self.engine.begin() as conn:
-            return (await store.record_results(conn, results=[stand_in]))[0]
-
-    async def _database_is_up(self) -> bool:
-        try:
-            async with self.engine.connect() as conn:
-                await conn.execute(text("SELECT 1"))
+            ticket = self.admission.admit(num_requests=num_requests)
         except Exception:
-            return False
-        return True
+            self.metrics.on_failure("overloaded")
+            raise
+        self.metrics.set_in_flight(self.admission.num_in_flight)
+        return ticket
 
+    def release(self, ticket: Ticket) -> None:
+        ticket.release()
+        self.metrics.set_in_flight(self.admission.num_in_flight)
 
-def new_result(result: FinalResult) -> store.NewResult | None:
-    where = parse_request_id(result.request_id)
-    if where is None:
-        return None
-    job_id, item_index = where
-    return store.NewResult(
-        job_id=job_id,
-        item_index=item_index,
-        request_id=result.request_id,
-        text=result.text,
-        token_ids=result.token_ids,
-        logprobs=result.logprobs or None,
-        finish_reason=result.finish_reason,
-        finish_detail=result.finish_detail,
-        num_prompt_tokens=result.num_prompt_tokens,
-        num_output_tokens=result.num_output_tokens,
-        num_cached_tokens=result.num_cached_tokens,
-        attempt=result.attempt,
-        batcher_id=result.batcher_id,
-    )
+    def _abandon(self, ticket: Ticket, error: BaseException) -> None:
+        self.release(ticket)
+        if isinstance(error, ApiError) and error.status_code == 422:
+            self.metrics.on_failure(
+                "template" if isinstance(error, TemplateError) else "validation"
+            )
 
+    async def validate(
+        self,
+        prompts: Sequence[str],
+        params: GenerationParams,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+        deadline: float | None = None,
+        param: str = "inputs",
+    ) -> list[ValidatedRequest]:
+        """Tokenize (on the tokenizer's pool) and check lengths; raises `ValidationError`."""
+        token_ids = await asyncio.gather(
+            *(
+                self.tokenizer.encode(prompt, add_special_tokens=params.add_special_tokens)
+                for prompt in prompts
+            )
+        )
+        return [
+            validate_tokens(
+                prompt=prompt,
+                token_ids=ids,
+                params=params,
+                settings=self.settings,
+                priority=priority,
+                deadline=deadline,
+                eos_token_ids=self.tokenizer.eos_token_ids,
+                param=param,
+            )
+            for prompt, ids in zip(prompts, token_ids, strict=True)
+        ]
 
-class Running(_Loop):
-    """Marks items `running` (with their job's `started_at`) as batchers start them: reads the
-    transport's started log and updates in batches. Best effort: a status, not a result."""
+    async def start(
+        self,
+        prompts: list[ValidatedRequest],
+        ticket: Ticket,
+        *,
+        route: str,
+        api_key_id: int | None = None,
+        keep_events: bool = False,
+    ) -> Run:
+        """Records the request as a job, commits it, enqueues its items."""
+        validated_at = time.time()
+        params = prompts[0].params
+        job_id = new_job_id()
+        requests = job_requests(job_id, prompts)
+        ticket.add_tokens(
+            sum(len(r.prompt_token_ids) + r.stopping.max_new_tokens for r in requests)
+        )
+        job = store.NewJob(
+            job_id=job_id,
+            kind="interactive",
+            route=route,
+            priority=int(prompts[0].priority),
+            model=self.settings.model_id,
+            params=job_params(params),
+            items=job_items(requests),
+            api_key_id=api_key_id,
+            deadline=_as_datetime(prompts[0].deadline),
+        )
+        await self.recorder.submit(job, requests)
+        self.admission.note_submitted(len(requests))
+        copies = num_copies(params)
+        run = Run(job_id, prompts, requests, copies, ticket, ticket.admitted_at, validated_at)
+        run.keep_events = keep_events
+        self._runs[job_id] = run
+        return run
 
-    def __init__(
-        self, engine: AsyncEngine, transport: AsyncApiTransport, *, max_count: int = 1000
-    ) -> None:
-        self.engine = engine
-        self.transport = transport
-        self.max_count = max_count
+    async def resubmit_unfinished(self) -> int:
+        """Enqueues again, as their next attempt, the unfinished requests of the runs in
+        flight here (the transport lost them); returns how many."""
+        requests = [
+            dataclasses.replace(r, attempt=r.attempt + 1)
+            for run in list(self._runs.values())
+            for r in run.requests
+            if r.request_id not in run.finals
+        ]
+        if requests:
+            await self.transport.submit(requests)
+            log.warning("the transport lost its data: %d requests enqueued again", len(requests))
+        return len(requests)
 
-    async def _run(self) -> None:
-        cursor: str | None = None
-        while True:
+    async def stream(self, run: Run) -> AsyncIterator[tuple[int, TokenEvent | FinalResult]]:
+        """(item index, event) for every item, interleaved as they come, each item's final last.
+        Closing the iterator before the end aborts the unfinished items."""
+        queue: asyncio.Queue[tuple[int, TokenEvent | FinalResult] | BaseException] = asyncio.Queue()
+
+        async def pump(index: int, request_id: str) -> None:
             try:
-                cursor, request_ids = await self.transport.read_started(
-                    cursor, self.max_count, 1000
-                )
-                if request_ids:
-                    async with self.engine.begin() as conn:
-                        await store.mark_running(conn, request_ids=sorted(set(request_ids)))
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.warning("marking items running failed: %s", error)
-                await asyncio.sleep(1.0)
+                async for event in follow(self.transport, request_id):
+                    queue.put_nowait((index, event))
+            except Exception as error:  # Redis away mid-request: the consumer says 503
+                log.error("following %s failed: %s", request_id, error)
+                message = "The token stream is unavailable; the request was withdrawn. Retry later"
+                queue.put_nowait(UnavailableError(message))
+
+        tasks = [asyncio.create_task(pump(i, r.request_id)) for i, r in enumerate(run.requests)]
+        is_withdrawn = False
+        try:
+            while not run.is_finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    await self._withdraw(run, item)
+                    is_withdrawn = True
+                    raise item
+                index, event = item
+                self._observe(run, event)
+                yield index, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            if not run.is_finished and not is_withdrawn:
+                self.abort_soon(run)
+            self._finish(run)
+
+    async def _withdraw(self, run: Run, error: BaseException) -> None:
+        """The run is answered with `error` (503): it must not run later."""
+        pending = [r.request_id for r in run.requests if r.request_id not in run.finals]
+        reason = f"unavailable: its tokens could not be followed ({error})"
+        await self.recorder.withdrawals.withdraw([run.job_id], pending, reason)
+
+    async def wait_finals(self, run: Run, receive: Receive) -> list[FinalResult]:
+        """Every item's final result, in item order; aborts them if the client disconnects."""
+
+        async def collect() -> None:
+            async for _ in self.stream(run):
+                pass
+
+        collector = asyncio.create_task(collect())
+        watcher = asyncio.create_task(_disconnected(receive))
+        try:
+            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not collector.done():
+                collector.cancel()  # the stream's own clean-up aborts what is unfinished
+                await asyncio.wait({collector})
+        if collector.cancelled():
+            raise asyncio.CancelledError  # the client is gone; nothing to answer
+        collector.result()
+        return [run.finals[r.request_id] for r in run.requests]
+
+    def abort_soon(self, run: Run) -> None:
+        """Aborts the unfinished items, from a task of its own (this one may be cancelled)."""
+        pending = [r.request_id for r in run.requests if r.request_id not in run.finals]
+        if pending:
+            task = asyncio.create_task(self._abort(pending))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            await self.transport.abort(request_id, "client disconnected")
+        self.metrics.on_failure("dropped")
+
+    def _observe(self, run: Run, event: TokenEvent | FinalResult) -> None:
+        if isinstance(event, FinalResult):
+            run.finals[event.request_id] = event
+            return
+        if run.keep_events:
+            run.events.setdefault(event.request_id, []).append(event)
+        now = time.time()
+        if run.first_token_at is None:
+            run.first_token_at = now
+            self.metrics.observe_ttft(now - run.started_at)
+        elif run.last_token_at is not None and event.token_ids:
+            self.metrics.observe_itl((now - run.last_token_at) / len(event.token_ids))
+        run.last_token_at = now
+
+    def _finish(self, run: Run) -> None:
+        self._runs.pop(run.job_id, None)
+        self.release(run.ticket)
+        if not run.is_finished:
+            return
+        finals = list(run.finals.values())
+        if all(final.finish_reason in FAILED_REASONS for final in finals):
+            self.metrics.on_failure("generation")
+            return
+        now = time.time()
+        first = run.first_token_at or now
+        generated = sum(final.num_output_tokens for final in finals)
+        self.metrics.on_success(
+            validation_s=run.validated_at - run.started_at,
+            queue_s=max(first - run.validated_at, 0.0),
+            inference_s=now - first,
+            total_s=now - run.started_at,
+            time_per_token_s=(now - first) / generated if generated > 1 else None,
+            num_input_tokens=sum(p.num_prompt_tokens for p in run.prompts),
+            num_generated_tokens=generated,
+            max_new_tokens=run.requests[0].stopping.max_new_tokens,
+        )
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            await task
+
+
+def check_failed(finals: Sequence[FinalResult]) -> None:
+    """424 when any item failed in the engine (TGI: any failure fails the whole request)."""
+    for final in finals:
+        if final.finish_reason in FAILED_REASONS:
+            raise GenerationError(final.finish_detail or final.finish_reason)
+
+
+def _as_datetime(deadline: float | None) -> datetime | None:
+    return None if deadline is None else datetime.fromtimestamp(deadline, UTC)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def follow(

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tgq.api.db import store
-from tgq.api.generation import request_id_of
+from tgq.api.ids import request_id_of
 from tgq.api.settings import Settings
 from tgq.api.validated import GenerationParams, ValidatedRequest
 from tgq.batcher.messages import SubmitRequest

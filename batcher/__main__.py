@@ -26,7 +26,7 @@ from tgq.batcher.gc_freeze import freeze_startup_objects
 from tgq.batcher.logs import configure_logging
 from tgq.batcher.options import BatcherOptions
 from tgq.batcher.ranks import ServedWith, ShardConfig, ShardedRunner, WorkerLostError
-from tgq.batcher.service import BatcherService, ServiceConfig
+from tgq.batcher.serving import Batcher, ServingConfig
 from tgq.batcher.tracing import TracingUnavailableError, configure_tracing, shutdown_tracing
 from tgq.batcher.transport.redis import RedisBatcherTransport
 from tgq.gpu_worker.config import model_eos_token_ids
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(options, model_dir, inject_fault(runner, options.inject_fault))
     batcher_id = options.batcher_id or socket.gethostname()
     heartbeat_interval_s = options.heartbeat_ttl_s / 4
-    service_config = ServiceConfig(
+    serving_config = ServingConfig(
         batcher_id,
         idle_block_ms=min(500, round(heartbeat_interval_s * 1000)),  # an idle batcher still beats
         heartbeat_interval_s=heartbeat_interval_s,
@@ -136,11 +136,11 @@ def main(argv: list[str] | None = None) -> None:
         drain_timeout_s=options.drain_timeout_s,
     )
     transient_errors = (redis.ConnectionError, redis.TimeoutError)
-    service = BatcherService(engine, transport, service_config, transient_errors=transient_errors)
+    batcher = Batcher(engine, transport, serving_config, transient_errors=transient_errors)
     freeze_startup_objects()
     log.info("batcher %s serving %s %s", batcher_id, model_dir, describe(options, runner))
     try:
-        service.run(stop)
+        batcher.run(stop)
     except WorkerLostError as error:  # its requests are back in the queue: rerun elsewhere
         log.error("batcher %s lost a rank: %s; exiting", batcher_id, error)
         if isinstance(runner, ShardedRunner):

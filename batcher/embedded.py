@@ -11,7 +11,7 @@ import threading
 from tgq.batcher.__main__ import build_engine, build_runner, describe, resolve_model
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.options import BatcherOptions
-from tgq.batcher.service import BatcherService, ServiceConfig
+from tgq.batcher.serving import Batcher, ServingConfig
 from tgq.batcher.transport.memory import MemoryTransport
 
 log = logging.getLogger(__name__)
@@ -27,12 +27,12 @@ class EmbeddedBatcher:
         self.kv_capacity = (runner.num_blocks - 1) * runner.block_size  # block 0 is reserved
         batcher_id = options.batcher_id or EMBEDDED_ID
         log.info("batcher %s serving %s %s", batcher_id, model_dir, describe(options, runner))
-        config = ServiceConfig(
+        config = ServingConfig(
             batcher_id,
             idle_block_ms=200,
             drain_timeout_s=options.drain_timeout_s,
         )
-        self.service = BatcherService(self.engine, self.transport, config)
+        self.batcher = Batcher(self.engine, self.transport, config)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
 
@@ -41,7 +41,7 @@ class EmbeddedBatcher:
 
     def _run(self) -> None:
         try:
-            self.service.run(self._stop)
+            self.batcher.run(self._stop)
         except Exception:
             log.exception("the embedded batcher failed")
             raise

@@ -1,6 +1,6 @@
 """The inference engine, in the shape of vLLM's `LLMEngine`: add requests, step, stream outputs.
-The batcher service steps it in its loop; `offline.OfflineEngine` runs it to completion in one
-call.
+The batcher (`serving.Batcher`) steps it in its loop; `offline.OfflineEngine` runs it to
+completion in one call.
 
 It drives anything with `execute(StepPlan) -> StepResult`, `num_blocks` and `block_size` (the
 `ModelRunner` in `gpu_worker`, or a fake in tests) without importing it. Given a tokenizer

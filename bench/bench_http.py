@@ -72,7 +72,7 @@ from bench.harness import (
     write_results,
 )
 from tests.api.stack import Stack, migrated_database, running, stop_process
-from tgq.api.generation import request_id_of
+from tgq.api.ids import request_id_of
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.request import StoppingParams

@@ -17,7 +17,7 @@ from typing import TypeAlias
 from tgq.api.settings import Settings
 from tgq.batcher.flags import add_flags
 from tgq.batcher.options import BatcherOptions
-from tgq.cli import INTERRUPTED, CommandError, batch, bench, download, keys, serve, service
+from tgq.cli import INTERRUPTED, CommandError, batch, bench, download, keys, processes, serve
 
 DEFAULT_URL = "http://127.0.0.1:3000"
 USAGE_ERROR = 2  # argparse's own exit code for bad arguments; tgq uses it for server errors too
@@ -73,13 +73,13 @@ def _add_batch(commands: Commands) -> None:
 def _add_services(commands: Commands) -> None:
     api = commands.add_parser("api", help="run the api (`python -m tgq.api`)")
     add_flags(api, Settings)
-    api.set_defaults(handler=service.api)
+    api.set_defaults(handler=processes.api)
 
     batcher = commands.add_parser("batcher", help="run one batcher (`python -m tgq.batcher`)")
     add_flags(batcher, BatcherOptions)
-    batcher.set_defaults(handler=service.batcher)
+    batcher.set_defaults(handler=processes.batcher)
 
-    for role, handler in (("worker", service.worker), ("beat", service.beat)):
+    for role, handler in (("worker", processes.worker), ("beat", processes.beat)):
         celery = commands.add_parser(role, help=f"run the Celery {role} of bulk work")
         add_flags(celery, Settings)
         celery.add_argument(
@@ -101,7 +101,7 @@ def _add_migrate(commands: Commands) -> None:
         default=os.environ.get("DATABASE_URL"),
         help="env DATABASE_URL (default: the api's SQLite file)",
     )
-    migrate.set_defaults(handler=service.migrate)
+    migrate.set_defaults(handler=processes.migrate)
 
 
 def _add_keys(commands: Commands) -> None:

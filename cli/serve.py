@@ -26,7 +26,7 @@ from tgq.api.settings import Settings
 from tgq.batcher.flags import DEST_PREFIX
 from tgq.batcher.logs import configure_logging
 from tgq.cli import CommandError
-from tgq.cli.service import celery_argv, set_environment
+from tgq.cli.processes import celery_argv, set_environment
 
 EMBEDDED_DEFAULTS = {"DATABASE_URL": "sqlite+aiosqlite:///.cache/tgq.db", "AUTO_MIGRATE": "true"}
 BEAT_SCHEDULE = Path(".cache/celerybeat-schedule")

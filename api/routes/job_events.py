@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from tgq.api.app import AppState, state_of
 from tgq.api.db import store
 from tgq.api.errors import ApiError, NotFoundError, ValidationError, unavailable
-from tgq.api.generation import request_id_of
+from tgq.api.ids import request_id_of
 from tgq.api.routes.jobs import JobItemResult, get_visible_job, item_result, view
 from tgq.api.sse import STREAM_RESPONSES, dump_json, sse_response
 from tgq.batcher.messages import FinalResult

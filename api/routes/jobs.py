@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tgq.api.app import AppState, state_of
 from tgq.api.db import store
 from tgq.api.errors import NotFoundError, RouteValidationError, ValidationError
-from tgq.api.generation import new_job_id, request_id_of
+from tgq.api.ids import new_job_id, request_id_of
 from tgq.api.schemas.tgi import GenerateParameters
 from tgq.api.submit import job_items, job_params, job_requests
 from tgq.api.validation import check_inputs, tgi_params

@@ -23,6 +23,7 @@ from tgq.api.admission import Ticket
 from tgq.api.app import VERSION, AppState, state_of
 from tgq.api.chat_prompt import render_chat
 from tgq.api.errors import ApiError, GenerationError, error_body
+from tgq.api.generation import Run, check_failed
 from tgq.api.routes.tgi import output_text
 from tgq.api.schemas.openai import (
     ChatCompletion,
@@ -44,7 +45,6 @@ from tgq.api.schemas.openai import (
     TopLogprob,
     Usage,
 )
-from tgq.api.service import Run, check_failed
 from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
 from tgq.api.validated import GenerationParams
 from tgq.api.validation import chat_params, completion_params, completion_prompts

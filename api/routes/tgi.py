@@ -19,6 +19,7 @@ from sse_starlette import EventSourceResponse
 from tgq.api.app import VERSION, AppState, state_of
 from tgq.api.db import batches, store
 from tgq.api.errors import ApiError, GenerationError, error_body
+from tgq.api.generation import Run, check_failed
 from tgq.api.limits import served_dtype
 from tgq.api.metrics import CONTENT_TYPE
 from tgq.api.request_fields import check_parameter_fields, check_tgi_fields
@@ -35,7 +36,6 @@ from tgq.api.schemas.tgi import (
     StreamResponse,
     Token,
 )
-from tgq.api.service import Run, check_failed
 from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
 from tgq.api.validation import check_inputs, tgi_params
 from tgq.batcher.messages import FinalResult, TokenEvent

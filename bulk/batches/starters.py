@@ -8,7 +8,7 @@ import asyncio
 import logging
 
 from tgq.api.app import AppState, BatchStarter
-from tgq.api.generation import cancel_and_wait
+from tgq.api.loops import cancel_and_wait
 from tgq.api.settings import Settings
 from tgq.bulk.batches.context import BatchContext
 from tgq.bulk.batches.driver import run_batch

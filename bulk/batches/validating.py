@@ -13,7 +13,7 @@ from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.db import store
 from tgq.api.errors import ApiError
-from tgq.api.generation import new_job_id, request_id_of
+from tgq.api.ids import new_job_id, request_id_of
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.submit import job_params
 from tgq.api.validated import ValidatedRequest

@@ -16,9 +16,9 @@ from transformers import PreTrainedTokenizerFast
 from tgq.api.chat_template import (
     NO_TEMPLATE_MESSAGE,
     ChatTemplate,
+    ChatTemplateError,
     InvalidMessageError,
     NoChatTemplateError,
-    TemplateError,
     normalize_messages,
 )
 from tgq.devtools.tokenizer import train_tokenizer
@@ -241,7 +241,7 @@ def assert_same_as_transformers(model_dir: Path, messages: Messages, **kwargs: A
     try:
         expected = hf_render(model_dir, messages, **kwargs)
     except jinja2.TemplateError as exc:
-        with pytest.raises(TemplateError) as raised:
+        with pytest.raises(ChatTemplateError) as raised:
             ours.render(messages, **kwargs)
         assert str(raised.value) == str(exc)
         return
@@ -360,7 +360,7 @@ def test_list_form_without_default(tmp_path: Path, tokenizer_json: Path) -> None
     templates = [{"name": "rag", "template": "r"}, {"name": "tool_use", "template": "t"}]
     template = ChatTemplate.from_model_dir(write_model_dir(tmp_path, tokenizer_json, templates))
     assert template.render([], tools=[WEATHER_TOOL]) == "t"
-    with pytest.raises(TemplateError) as raised:
+    with pytest.raises(ChatTemplateError) as raised:
         template.render([])
     assert str(raised.value) == (
         "this model has several chat templates and none is named 'default' (found: rag, tool_use)"
@@ -387,7 +387,7 @@ def test_no_template(tmp_path: Path, tokenizer_json: Path) -> None:
         "tokenizer_config.json; use /v1/completions or /generate with a raw prompt"
     )
     assert str(raised.value) == NO_TEMPLATE_MESSAGE
-    assert isinstance(raised.value, TemplateError)
+    assert isinstance(raised.value, ChatTemplateError)
     with pytest.raises(NoChatTemplateError):
         ChatTemplate.from_model_dir(tmp_path / "empty")
 
@@ -395,10 +395,10 @@ def test_no_template(tmp_path: Path, tokenizer_json: Path) -> None:
 def test_raise_exception_message(tmp_path: Path, tokenizer_json: Path) -> None:
     model_dir = write_model_dir(tmp_path, tokenizer_json, MISTRAL)
     template = ChatTemplate.from_model_dir(model_dir)
-    with pytest.raises(TemplateError) as raised:
+    with pytest.raises(ChatTemplateError) as raised:
         template.render([{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be"}])
     assert str(raised.value) == "Only user and assistant roles are supported!"
-    with pytest.raises(TemplateError) as raised:
+    with pytest.raises(ChatTemplateError) as raised:
         template.render(CONVERSATIONS["not-alternating"])
     assert str(raised.value) == (
         "Conversation roles must alternate user/assistant/user/assistant/..."
@@ -423,7 +423,7 @@ def test_raise_exception_message(tmp_path: Path, tokenizer_json: Path) -> None:
     ],
 )
 def test_sandbox_blocks_escapes(source: str, message: str) -> None:
-    with pytest.raises(TemplateError) as raised:
+    with pytest.raises(ChatTemplateError) as raised:
         ChatTemplate(source).render(CONVERSATIONS["user"])
     assert str(raised.value) == message
 
@@ -447,7 +447,7 @@ def test_sandbox_blocks_escapes(source: str, message: str) -> None:
 def test_template_errors(source: str, message: str) -> None:
     template = ChatTemplate(source)
     for _ in range(2):  # a broken template keeps failing the same way
-        with pytest.raises(TemplateError) as raised:
+        with pytest.raises(ChatTemplateError) as raised:
             template.render(CONVERSATIONS["user"])
         assert str(raised.value) == message
 

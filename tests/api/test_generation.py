@@ -18,17 +18,12 @@ from tgq.api.admission import Admission, Limits
 from tgq.api.app import Health
 from tgq.api.db import create_engine, store
 from tgq.api.errors import OverloadedError, TemplateError, UnavailableError, ValidationError
-from tgq.api.generation import (
-    RECANCEL_S,
-    Persister,
-    Recorder,
-    cancel_and_wait,
-    new_job_id,
-    parse_request_id,
-    request_id_of,
-)
+from tgq.api.generation import Generation
+from tgq.api.ids import new_job_id, parse_request_id, request_id_of
+from tgq.api.loops import RECANCEL_S, cancel_and_wait
 from tgq.api.metrics import Metrics
-from tgq.api.service import Generation
+from tgq.api.persister import Persister
+from tgq.api.recorder import Recorder
 from tgq.api.settings import Settings
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher.messages import FinalResult, SubmitRequest

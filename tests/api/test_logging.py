@@ -376,7 +376,7 @@ def test_tracing_off_imports_no_tracing() -> None:
         "from bulk.batches.starters import starter_for\n"
         "from api.settings import Settings\n"
         "from batcher.logs import configure_logging\n"
-        "import batcher.service, batcher.__main__\n"
+        "import batcher.serving, batcher.__main__\n"
         "configure_logging(json_output=True)\n"
         "create_app(Settings(), batch_starter=starter_for)\n"
         "logging.getLogger('api').info('hello')\n"

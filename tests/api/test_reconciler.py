@@ -14,7 +14,7 @@ import redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tgq.api.db import store
-from tgq.api.generation import new_job_id
+from tgq.api.ids import new_job_id
 from tgq.api.reconciler import EPOCH_SETTLE_S, reconcile_once
 from tgq.api.settings import Settings
 from tgq.api.submit import job_items, job_params, job_requests, rebuild_request

@@ -18,7 +18,7 @@ from tgq.gpu_worker.plan import SamplingParams
 
 
 def record(message: str = "request %s pulled", *args: object, **extra: object) -> logging.LogRecord:
-    logger = logging.getLogger("batcher.service")
+    logger = logging.getLogger("batcher.serving")
     return logger.makeRecord(
         logger.name, logging.INFO, __file__, 1, message, args, None, extra=extra
     )
@@ -31,7 +31,7 @@ def test_a_json_line_has_the_fixed_keys_then_the_extra_fields() -> None:
     fields = json.loads(line)
     assert list(fields)[:5] == ["timestamp", "level", "target", "message", "request_id"]
     assert fields["level"] == "INFO"
-    assert fields["target"] == "batcher.service"
+    assert fields["target"] == "batcher.serving"
     assert fields["message"] == "request job_1.0 pulled"
     assert fields["request_id"] == "r-1"
     assert fields["item_id"] == "job_1.0"
@@ -73,7 +73,7 @@ def test_fields_json_cannot_encode_are_strings_and_fixed_keys_win() -> None:
 def test_the_human_format_is_unchanged_without_a_request_id() -> None:
     pulled = record("request %s pulled", "job_1.0")
     plain = HumanFormatter().format(pulled)
-    assert plain.endswith(" batcher.service request job_1.0 pulled")
+    assert plain.endswith(" batcher.serving request job_1.0 pulled")
     pulled.request_id = "r-1"
     assert HumanFormatter().format(pulled) == plain + " request_id=r-1"
 

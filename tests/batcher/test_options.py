@@ -53,7 +53,7 @@ def test_the_embedded_batcher_takes_the_api_settings(model_dir: Path) -> None:
     embedded = EmbeddedBatcher(Settings(model_dir=str(model_dir), **FLAGS))
     assert embedded.engine.scheduler.config == SCHEDULER
     assert embedded.transport.config == TRANSPORT
-    assert embedded.service.config.batcher_id == "b9"
+    assert embedded.batcher.config.batcher_id == "b9"
     check_runner(embedded.engine.runner, model_dir)
 
 

@@ -13,7 +13,7 @@ import redis
 from tests.api.stack import REDIS_URL, Stack, migrated_database
 from tests.polling import eventually
 from tgq.api.db import create_engine, store
-from tgq.api.generation import new_job_id, request_id_of
+from tgq.api.ids import new_job_id, request_id_of
 from tgq.api.settings import Settings
 from tgq.api.submit import job_params
 from tgq.api.validated import GenerationParams

@@ -19,7 +19,7 @@ import redis
 
 from tests.api.stack import create_database, drop_database, free_port, wait_healthy
 from tests.api.test_http_routes import encode
-from tests.cli.test_service_cli import REDIS_URL, _children, _serve
+from tests.cli.test_processes_cli import REDIS_URL, _children, _serve
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(600)

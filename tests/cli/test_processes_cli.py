@@ -25,7 +25,7 @@ from tgq.batcher.flags import as_env, flag_of, given
 from tgq.batcher.options import BatcherOptions
 from tgq.cli import CommandError
 from tgq.cli.main import build_parser, main
-from tgq.cli.service import celery_argv, set_environment
+from tgq.cli.processes import celery_argv, set_environment
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -14,7 +14,7 @@ from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
 from tgq.batcher.request import Priority, StoppingParams
-from tgq.batcher.service import BatcherService, ServiceConfig
+from tgq.batcher.serving import Batcher, ServingConfig
 from tgq.batcher.transport.base import TransportConfig
 from tgq.batcher.transport.memory import MemoryTransport
 from tgq.gpu_worker.plan import SamplingParams, StepPlan, StepResult
@@ -41,9 +41,9 @@ def make_engine(max_batch_size: int = 8) -> LLMEngine:
 
 def make_service(
     transport: MemoryTransport, clock: Clock | None = None, max_batch_size: int = 8
-) -> BatcherService:
-    config = ServiceConfig("b0", idle_block_ms=0, drain_timeout_s=5.0)
-    return BatcherService(make_engine(max_batch_size), transport, config, clock or Clock())
+) -> Batcher:
+    config = ServingConfig("b0", idle_block_ms=0, drain_timeout_s=5.0)
+    return Batcher(make_engine(max_batch_size), transport, config, clock or Clock())
 
 
 def submit(
@@ -60,7 +60,7 @@ def submit(
     transport.submit(request)
 
 
-def run_until_final(service: BatcherService, transport: MemoryTransport, request_id: str) -> None:
+def run_until_final(service: Batcher, transport: MemoryTransport, request_id: str) -> None:
     for _ in range(100):
         if transport.read_final(request_id) is not None:
             return
@@ -125,7 +125,7 @@ def test_pulls_nothing_while_its_own_requests_wait_for_admission() -> None:
     transport = MemoryTransport(CONFIG)
     config = SchedulerConfig(max_batch_size=8, max_batch_prefill_tokens=64)
     engine = LLMEngine(FakeRunner(11, BLOCK_SIZE), config)
-    service = BatcherService(engine, transport, ServiceConfig("b0", idle_block_ms=0, max_pull=2))
+    service = Batcher(engine, transport, ServingConfig("b0", idle_block_ms=0, max_pull=2))
     for i in range(5):
         submit(transport, f"r{i}", list(range(1, 25)), max_new_tokens=6)
     service.run_once()
@@ -230,7 +230,7 @@ class BrokenRunner(FakeRunner):
 def test_an_engine_error_fails_every_request_it_holds() -> None:
     transport = MemoryTransport(CONFIG)
     engine = LLMEngine(BrokenRunner(NUM_BLOCKS, BLOCK_SIZE), SchedulerConfig())
-    service = BatcherService(engine, transport, ServiceConfig("b0", idle_block_ms=0))
+    service = Batcher(engine, transport, ServingConfig("b0", idle_block_ms=0))
     submit(transport, "r0", [1, 2])
     submit(transport, "r1", [3, 4])
     with pytest.raises(RuntimeError, match="device lost"):
@@ -258,8 +258,8 @@ def test_drain_finishes_in_flight_work_and_stops_pulling() -> None:
 
 def test_drain_hands_back_what_it_cannot_finish_in_time() -> None:
     transport = MemoryTransport(CONFIG)
-    config = ServiceConfig("b0", idle_block_ms=0, drain_timeout_s=0.0)
-    service = BatcherService(make_engine(), transport, config)
+    config = ServingConfig("b0", idle_block_ms=0, drain_timeout_s=0.0)
+    service = Batcher(make_engine(), transport, config)
     submit(transport, "r0", [1, 2], max_new_tokens=30)
     service.run_once()
     stop = threading.Event()
@@ -308,8 +308,8 @@ def test_events_wait_in_the_outbox_through_an_outage() -> None:
 def test_run_backs_off_and_carries_on_after_an_outage() -> None:
     transport = FlakyTransport(CONFIG)
     transport.is_down = True
-    config = ServiceConfig("b0", idle_block_ms=10, max_backoff_s=0.05)
-    service = BatcherService(make_engine(), transport, config, transient_errors=(OutageError,))
+    config = ServingConfig("b0", idle_block_ms=10, max_backoff_s=0.05)
+    service = Batcher(make_engine(), transport, config, transient_errors=(OutageError,))
     submit(transport, "r0", [5, 6, 7], max_new_tokens=8)
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,))
@@ -327,8 +327,8 @@ def test_run_backs_off_and_carries_on_after_an_outage() -> None:
 
 def test_a_stop_during_an_outage_still_ends_within_the_drain_timeout() -> None:
     transport = FlakyTransport(CONFIG)
-    config = ServiceConfig("b0", idle_block_ms=10, drain_timeout_s=0.2, max_backoff_s=0.05)
-    service = BatcherService(make_engine(), transport, config, transient_errors=(OutageError,))
+    config = ServingConfig("b0", idle_block_ms=10, drain_timeout_s=0.2, max_backoff_s=0.05)
+    service = Batcher(make_engine(), transport, config, transient_errors=(OutageError,))
     submit(transport, "r0", [5, 6, 7], max_new_tokens=8)
     transport.is_down = True
     stop = threading.Event()

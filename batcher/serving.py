@@ -1,4 +1,4 @@
-"""The batcher loop: the offline engine behind a transport.
+"""The batcher loop (`Batcher`): the engine behind a transport.
 
 Each iteration: pull (never blocking while the engine has work, blocking up to `idle_block_ms`
 when it has none) → aborts and deadlines → one engine step → publish that step's token events in
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class ServiceConfig:
+class ServingConfig:
     batcher_id: str
     idle_block_ms: int = 500
     heartbeat_interval_s: float = 2.0
@@ -58,12 +58,12 @@ class _Active:
     duplicates: list[Delivery] = field(default_factory=list)  # other entries of this request
 
 
-class BatcherService:
+class Batcher:
     def __init__(
         self,
         engine: LLMEngine,
         transport: BatcherTransport,
-        config: ServiceConfig,
+        config: ServingConfig,
         clock: Callable[[], float] = time.time,
         transient_errors: tuple[type[Exception], ...] = (),
     ) -> None:
