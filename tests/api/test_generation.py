@@ -13,6 +13,7 @@ from sqlalchemy.pool import NullPool
 from tokenizers import Tokenizer
 from tokenizers.models import BPE
 
+from tests.finals import final_result
 from tests.polling import eventually
 from tgq.api.admission import Admission, Limits
 from tgq.api.app import Health
@@ -53,18 +54,7 @@ def job_of(num_items: int = 1) -> tuple[store.NewJob, list[SubmitRequest]]:
 
 
 def final_of(request_id: str, reason: FinishReason = FinishReason.LENGTH) -> FinalResult:
-    return FinalResult(
-        request_id=request_id,
-        token_ids=[5, 6],
-        finish_reason=reason,
-        finish_detail=None,
-        num_prompt_tokens=3,
-        num_output_tokens=2,
-        num_cached_tokens=0,
-        attempt=1,
-        batcher_id="b0",
-        text="ab",
-    )
+    return final_result(request_id, [5, 6], finish_reason=reason, num_prompt_tokens=3, text="ab")
 
 
 def test_request_ids_name_their_row() -> None:
@@ -145,16 +135,8 @@ def test_a_result_the_database_refuses_fails_its_item_and_the_rest_are_written(
 ) -> None:
     memory = MemoryTransport()
     job, requests = job_of(3)
-    unstorable = FinalResult(
-        request_id=requests[1].request_id,
-        token_ids=[5],
-        finish_reason=FinishReason.LENGTH,
-        finish_detail=None,
-        num_prompt_tokens=3,
-        num_output_tokens=2**31,
-        num_cached_tokens=0,
-        attempt=1,
-        batcher_id="b0",
+    unstorable = final_result(
+        requests[1].request_id, [5], num_prompt_tokens=3, num_output_tokens=2**31
     )
 
     async def run() -> None:
@@ -312,16 +294,12 @@ def test_health_names_its_problem() -> None:
     health.num_batchers = 1
     assert health.problem is None
     health.observe(
-        FinalResult(
-            request_id="r0",
-            token_ids=[],
+        final_result(
+            "r0",
+            [],
             finish_reason=FinishReason.FAILED,
             finish_detail="CUDA error: out of memory",
             num_prompt_tokens=3,
-            num_output_tokens=0,
-            num_cached_tokens=0,
-            attempt=1,
-            batcher_id="b0",
         )
     )
     assert health.problem == "the engine is failing: CUDA error: out of memory"

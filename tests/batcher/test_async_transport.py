@@ -11,8 +11,9 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 import redis
 
-from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from tgq.batcher.request import FinishReason, StoppingParams
+from tests.finals import final_result
+from tgq.batcher.messages import Heartbeat, SubmitRequest, TokenEvent
+from tgq.batcher.request import StoppingParams
 from tgq.batcher.transport.aio import (
     AsyncApiTransport,
     AsyncRedisApiTransport,
@@ -83,19 +84,7 @@ def test_a_reader_follows_tokens_then_the_final(pair: Pair) -> None:
                     "r0", seq, [seq], [None], f"t{seq}", 1, time.time(), [[(5, -1.0)]]
                 )
                 batcher.publish_tokens([event])
-            batcher.publish_final(
-                FinalResult(
-                    request_id="r0",
-                    token_ids=[0, 1, 2],
-                    finish_reason=FinishReason.LENGTH,
-                    finish_detail=None,
-                    num_prompt_tokens=2,
-                    num_output_tokens=3,
-                    num_cached_tokens=0,
-                    attempt=1,
-                    batcher_id="b0",
-                )
-            )
+            batcher.publish_final(final_result("r0", [0, 1, 2]))
 
         producer = asyncio.create_task(produce())
         seen: list[TokenEvent] = []
@@ -164,19 +153,7 @@ def test_many_readers_at_once_each_get_their_own_stream_in_order(pair: Pair) -> 
             )
             time.sleep(0.01)
         for i in range(num_requests):
-            batcher.publish_final(
-                FinalResult(
-                    request_id=f"r{i}",
-                    token_ids=[],
-                    finish_reason=FinishReason.LENGTH,
-                    finish_detail=None,
-                    num_prompt_tokens=2,
-                    num_output_tokens=6,
-                    num_cached_tokens=0,
-                    attempt=1,
-                    batcher_id="b0",
-                )
-            )
+            batcher.publish_final(final_result(f"r{i}", [], num_output_tokens=6))
 
     async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         readers = [asyncio.create_task(follow(api, f"r{i}")) for i in range(num_requests)]
@@ -199,19 +176,7 @@ def test_a_reader_from_further_back_reads_the_stream_again(pair: Pair) -> None:
         assert await api.read_tokens("r0", 3, 0.05) == []
         again = await api.read_tokens("r0", 1, 1.0)  # a reconnecting client
         assert [e.seq_index for e in again] == [1, 2]
-        batcher.publish_final(
-            FinalResult(
-                request_id="r0",
-                token_ids=[0, 1, 2],
-                finish_reason=FinishReason.LENGTH,
-                finish_detail=None,
-                num_prompt_tokens=2,
-                num_output_tokens=3,
-                num_cached_tokens=0,
-                attempt=1,
-                batcher_id="b0",
-            )
-        )
+        batcher.publish_final(final_result("r0", [0, 1, 2]))
         assert await api.read_tokens("r0", 3, 1.0) == []  # ended: nothing new, at once
         assert [e.seq_index for e in await api.read_tokens("r0", 2, 1.0)] == [2]
 

@@ -12,8 +12,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from tests.finals import final_result
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from tgq.batcher.request import FinishReason, StoppingParams
+from tgq.batcher.request import StoppingParams
 from tgq.batcher.transport.aio import AsyncRedisApiTransport
 from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.batcher.transport.redis import RedisBatcherTransport
@@ -58,17 +59,7 @@ def request(request_id: str) -> SubmitRequest:
 
 
 def final(request_id: str) -> FinalResult:
-    return FinalResult(
-        request_id=request_id,
-        token_ids=[0, 1],
-        finish_reason=FinishReason.LENGTH,
-        finish_detail=None,
-        num_prompt_tokens=2,
-        num_output_tokens=2,
-        num_cached_tokens=0,
-        attempt=1,
-        batcher_id="b0",
-    )
+    return final_result(request_id, [0, 1])
 
 
 def test_key_layout_and_expiries(

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from tests.finals import final_result
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
-from tgq.batcher.request import FinishReason, Priority, StoppingParams
+from tgq.batcher.request import Priority, StoppingParams
 from tgq.batcher.transport.base import (
     ApiTransport,
     BatcherTransport,
@@ -133,17 +134,7 @@ def event(request_id: str, seq_index: int, attempt: int = 1) -> TokenEvent:
 
 
 def final(request_id: str, batcher_id: str = "b0") -> FinalResult:
-    return FinalResult(
-        request_id=request_id,
-        token_ids=[7, 8],
-        finish_reason=FinishReason.LENGTH,
-        finish_detail=None,
-        num_prompt_tokens=3,
-        num_output_tokens=2,
-        num_cached_tokens=0,
-        attempt=1,
-        batcher_id=batcher_id,
-    )
+    return final_result(request_id, [7, 8], num_prompt_tokens=3, batcher_id=batcher_id)
 
 
 def beat(batcher: BatcherTransport, batcher_id: str) -> None:
