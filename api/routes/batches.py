@@ -18,7 +18,7 @@ from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.db import store
 from tgq.api.errors import NotFoundError, ValidationError
-from tgq.api.routes.files import BATCH_URLS
+from tgq.api.files.batch_input import BATCH_URLS
 
 router = APIRouter(tags=["Batches"])
 # OpenAI accepts "24h" only; tgq takes any `<n>s|m|h` (a short window is how expiry is tested).

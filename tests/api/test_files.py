@@ -23,8 +23,8 @@ from tgq.api.db import api_keys, create_engine, models
 from tgq.api.db import files as db_files
 from tgq.api.db.migrate import current_revision, downgrade, head_revision, main, upgrade
 from tgq.api.errors import ApiError, PayloadTooLargeError, ValidationError
+from tgq.api.files.batch_input import EMPTY_FILE_MESSAGE, BatchInputChecker
 from tgq.api.files.storage import LocalFileStorage
-from tgq.api.routes.files import EMPTY_FILE_MESSAGE, BatchInputChecker
 from tgq.api.settings import Settings
 
 pytestmark = pytest.mark.timeout(300)
