@@ -24,6 +24,7 @@ from tgq.api.app import VERSION, AppState, state_of
 from tgq.api.chat_prompt import render_chat
 from tgq.api.errors import ApiError, GenerationError, error_body
 from tgq.api.generation import Run, check_failed
+from tgq.api.openai_validation import chat_params, completion_params, completion_prompts
 from tgq.api.routes.tgi import output_text
 from tgq.api.schemas.openai import (
     ChatCompletion,
@@ -47,7 +48,6 @@ from tgq.api.schemas.openai import (
 )
 from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
 from tgq.api.validated import GenerationParams
-from tgq.api.validation import chat_params, completion_params, completion_prompts
 from tgq.batcher.messages import FinalResult, TokenEvent
 from tgq.batcher.request import FinishReason
 

@@ -14,10 +14,11 @@ from tgq.api.db import files as db_files
 from tgq.api.db import store
 from tgq.api.errors import ApiError
 from tgq.api.ids import new_job_id, request_id_of
+from tgq.api.openai_validation import chat_params, completion_params
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.submit import job_params
 from tgq.api.validated import ValidatedRequest
-from tgq.api.validation import chat_params, completion_params, validate_tokens
+from tgq.api.validation import validate_tokens
 from tgq.batcher.request import Priority
 from tgq.bulk.batches.context import BatchContext, get_batch
 from tgq.bulk.batches.lease import BatchLease

@@ -26,8 +26,8 @@ from tokenizers import Tokenizer
 from tests.api.stack import Stack
 from tests.polling import eventually
 from tgq.api.chat_template import ChatTemplate
+from tgq.api.openai_validation import EMPTY_PROMPTS_MESSAGE, SUFFIX_MESSAGE
 from tgq.api.security import INVALID_KEY, MISSING_KEY
-from tgq.api.validation import EMPTY_PROMPTS_MESSAGE, SUFFIX_MESSAGE
 from tgq.devtools.demo import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.timeout(300)

@@ -28,18 +28,12 @@ from tgq.api.errors import (
     install_error_handlers,
     stream_error_event,
 )
+from tgq.api.openai_validation import chat_params, completion_params, completion_prompts
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.schemas.tgi import Details, GenerateParameters, GenerateRequest, StreamResponse, Token
 from tgq.api.settings import Settings
 from tgq.api.validated import GenerationParams
-from tgq.api.validation import (
-    chat_params,
-    check_inputs,
-    completion_params,
-    completion_prompts,
-    tgi_params,
-    validate_tokens,
-)
+from tgq.api.validation import check_inputs, tgi_params, validate_tokens
 from tgq.batcher.request import Priority
 
 SETTINGS = Settings.model_validate({"max_input_tokens": 6, "max_total_tokens": 10})

@@ -1,0 +1,180 @@
+"""OpenAI request bodies (chat and completions) into one `GenerationParams`, with OpenAI's
+ranges and messages; the checks shared with the TGI routes, the deviations from TGI and the
+check after tokenization are in `api.validation`."""
+
+from __future__ import annotations
+
+from tgq.api.errors import RouteValidationError
+from tgq.api.request_fields import check_openai_fields
+from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest, ImagePart
+from tgq.api.settings import Settings
+from tgq.api.validated import GenerationParams
+from tgq.api.validation import (
+    check_inputs,
+    check_min_p,
+    check_min_tokens,
+    check_penalty,
+    check_probability_mass,
+    check_repetition_penalty,
+    check_stop_count,
+    check_top_n,
+    default,
+    non_empty,
+    require,
+)
+from tgq.gpu_worker.plan import SamplingParams
+
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+SUFFIX_MESSAGE = "Suffix is not supported and can be achieved by preprocessing the prompt."
+EMPTY_PROMPTS_MESSAGE = "Empty array detected. Do not use an empty array for the prompt."
+
+
+def chat_params(request: ChatCompletionRequest, settings: Settings) -> GenerationParams:
+    check_openai_fields(request)
+    _check_chat_unsupported(request)
+    require(bool(request.messages), "`messages` cannot be empty", "messages")
+    top_n = default(request.top_logprobs, 0)
+    check_top_n("top_logprobs", top_n, settings)
+    require(
+        top_n == 0 or request.logprobs is True,
+        "`logprobs` must be true when `top_logprobs` is set",
+        "logprobs",
+    )
+    if request.max_completion_tokens is not None:
+        max_new_tokens = _max_tokens("max_completion_tokens", request.max_completion_tokens)
+    else:
+        max_new_tokens = _max_tokens("max_tokens", request.max_tokens)
+    return GenerationParams(
+        sampling=_openai_sampling(request, logprobs=request.logprobs is True, top_n=top_n),
+        max_new_tokens=max_new_tokens,
+        stop_strings=_openai_stop(request.stop, settings),
+        num_choices=_num_choices(request.n, settings),
+        ignore_eos=request.ignore_eos,
+        top_n_tokens=top_n,
+        add_special_tokens=False,  # the chat template has them already
+    )
+
+
+def completion_params(request: CompletionRequest, settings: Settings) -> GenerationParams:
+    check_openai_fields(request)
+    if request.suffix is not None:
+        raise RouteValidationError(
+            SUFFIX_MESSAGE, error_type="suffix not supported", param="suffix"
+        )
+    top_n = default(request.logprobs, 0)
+    check_top_n("logprobs", top_n, settings)
+    num_choices = _num_choices(request.n, settings)
+    best_of = _completion_best_of(request, num_choices, settings)
+    # The candidates are ranked by their cumulative logprob: they need it, asked for or not.
+    logprobs = request.logprobs is not None or best_of > num_choices
+    return GenerationParams(
+        sampling=_openai_sampling(request, logprobs=logprobs, top_n=top_n),
+        max_new_tokens=_max_tokens("max_tokens", request.max_tokens),
+        stop_strings=_openai_stop(request.stop, settings),
+        best_of=best_of,
+        num_choices=num_choices,
+        ignore_eos=request.ignore_eos,
+        return_full_text=request.echo,
+        decoder_input_details=request.echo and request.logprobs is not None,
+        top_n_tokens=top_n,
+    )
+
+
+def completion_prompts(request: CompletionRequest, settings: Settings) -> list[str]:
+    """The prompts of a `/v1/completions` body (a string or a list of them), each non-empty."""
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    require(bool(prompts), EMPTY_PROMPTS_MESSAGE, "prompt")
+    limit = settings.max_client_batch_size
+    if len(prompts) > limit:
+        message = f"Number of prompts exceeds the maximum allowed batch size of {limit}"
+        raise RouteValidationError(message, error_type="batch size exceeded", param="prompt")
+    for prompt in prompts:
+        check_inputs(prompt, "prompt")
+    return prompts
+
+
+def _completion_best_of(request: CompletionRequest, num_choices: int, settings: Settings) -> int:
+    """OpenAI's `best_of`: candidates per prompt, of which the `n` most likely are returned."""
+    best_of, limit = default(request.best_of, num_choices), settings.max_best_of
+    require(
+        0 < best_of <= limit, f"`best_of` must be > 0 and <= {limit}. Given: {best_of}", "best_of"
+    )
+    require(
+        best_of >= num_choices,
+        f"`best_of` must be >= `n` ({num_choices}). Given: {best_of}",
+        "best_of",
+    )
+    require(
+        not request.stream or best_of == num_choices,
+        "`best_of` > `n` is not supported when streaming",
+        "best_of",
+    )
+    return best_of
+
+
+def _check_chat_unsupported(request: ChatCompletionRequest) -> None:
+    require(not request.tools, "`tools` are not supported yet", "tools")
+    require(
+        request.tool_choice in (None, "none", "auto"),
+        '`tool_choice` other than "none" or "auto" is not supported yet',
+        "tool_choice",
+    )
+    kind = "text" if request.response_format is None else request.response_format.type
+    require(
+        kind == "text",
+        f"`response_format` of type `{kind}` is not supported yet",
+        "response_format",
+    )
+    for i, message in enumerate(request.messages):
+        parts = message.content if isinstance(message.content, list) else []
+        has_image = any(isinstance(part, ImagePart) for part in parts)
+        require(not has_image, "image content is not supported", f"messages[{i}].content")
+
+
+def _openai_sampling(
+    request: ChatCompletionRequest | CompletionRequest, *, logprobs: bool, top_n: int
+) -> SamplingParams:
+    temperature, top_p = default(request.temperature, 1.0), default(request.top_p, 1.0)
+    require(
+        0 <= temperature <= MAX_TEMPERATURE,
+        f"`temperature` must be >= 0.0 and <= {MAX_TEMPERATURE}",
+        "temperature",
+    )
+    check_probability_mass("top_p", top_p)
+    check_penalty("frequency_penalty", request.frequency_penalty)
+    check_penalty("presence_penalty", request.presence_penalty)
+    check_repetition_penalty(request.repetition_penalty)
+    top_k = default(request.top_k, 0)
+    require(top_k >= -1, f"`top_k` must be >= -1 (-1 or 0: off). Given: {top_k}", "top_k")
+    check_min_p(request.min_p)
+    check_min_tokens(request.min_tokens)
+    return SamplingParams(
+        temperature=temperature,
+        top_k=max(top_k, 0),
+        top_p=top_p,
+        min_p=default(request.min_p, 0.0),
+        min_tokens=default(request.min_tokens, 0),
+        repetition_penalty=default(request.repetition_penalty, 1.0),
+        frequency_penalty=default(request.frequency_penalty, 0.0),
+        presence_penalty=default(request.presence_penalty, 0.0),
+        seed=request.seed,
+        logprobs=logprobs,
+        top_n_logprobs=top_n,
+    )
+
+
+def _max_tokens(name: str, value: int | None) -> int | None:
+    require(value is None or value > 0, f"`{name}` must be strictly positive", name)
+    return value
+
+
+def _num_choices(n: int | None, settings: Settings) -> int:
+    num_choices, limit = default(n, 1), settings.max_choices
+    require(1 <= num_choices <= limit, f"`n` must be >= 1 and <= {limit}. Given: {n}", "n")
+    return num_choices
+
+
+def _openai_stop(stop: str | list[str] | None, settings: Settings) -> tuple[str, ...]:
+    stop_strings = [stop] if isinstance(stop, str) else default(stop, [])
+    check_stop_count(len(stop_strings), settings)
+    return non_empty(stop_strings)
