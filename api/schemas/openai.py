@@ -4,8 +4,8 @@
 Requests accept the whole OpenAI surface that clients send, including fields tgq does not
 support (`logit_bias`, `tools`, `audio`, `suffix`, ...), and keep unknown fields
 (`model_extra`): `api.request_fields` rejects both with a message naming the field instead of
-dropping them silently. Range checks live in `api.openai_validation`. Nested objects (messages, stream
-options) ignore unknown keys, so a message echoed back from a response (with `refusal`,
+dropping them silently. Range checks live in `api.openai_validation`. Nested objects (messages,
+stream options) ignore unknown keys, so a message echoed back from a response (with `refusal`,
 `annotations`, ...) still parses.
 """
 
