@@ -1,5 +1,6 @@
-"""Every query of the api, in SQLAlchemy Core on an `AsyncConnection`; the caller owns the
-transaction (`async with engine.begin() as conn`).
+"""The queries of jobs, their items and their results, in SQLAlchemy Core on an
+`AsyncConnection`; the caller owns the transaction (`async with engine.begin() as conn`). Files,
+batches and API keys have their own modules beside this one.
 
 Statuses: a job and each of its items go `queued` → `running` → `succeeded` | `failed` |
 `cancelled`. A result row is unique per item and only the first delivery counts: it moves the
