@@ -60,12 +60,12 @@ def item_request(
     if copy and sampling.seed is not None:
         sampling = dataclasses.replace(sampling, seed=sampling.seed + copy)
     return SubmitRequest(
-        request_id,
-        prompt.prompt_token_ids,
-        sampling,
-        prompt.stopping,
-        prompt.priority,
-        prompt.deadline,
+        request_id=request_id,
+        prompt_token_ids=prompt.prompt_token_ids,
+        sampling=sampling,
+        stopping=prompt.stopping,
+        priority=prompt.priority,
+        deadline=prompt.deadline,
         attempt=attempt,
     )
 

@@ -23,7 +23,7 @@ class MessageError(ValueError):
     """A frame that is not a valid message of this version."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SubmitRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -45,7 +45,7 @@ class AbortRequest:
     reason: str = "aborted by client"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TokenEvent:
     """Output event `seq_index` (0, 1, ... per request) of one attempt; a rerun replays the same
     indices, and the transport keeps only the first event per index."""
@@ -77,7 +77,7 @@ class FinalResult:
     logprobs: list[float | None] = field(default_factory=list)  # per output token, if asked
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat:
     batcher_id: str
     num_running: int

@@ -159,12 +159,12 @@ class Batcher:
         scheduler, kv = self.engine.scheduler, self.engine.scheduler.kv
         steps = scheduler.step_stats
         return Heartbeat(
-            self.batcher_id,
-            len(scheduler.running),
-            len(scheduler.waiting),
-            kv.num_free_blocks,
-            scheduler.config.max_batch_size,
-            self.clock(),
+            batcher_id=self.batcher_id,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=kv.num_free_blocks,
+            max_batch_size=scheduler.config.max_batch_size,
+            time=self.clock(),
             num_usable_blocks=kv.num_usable_blocks,
             num_prefix_query_tokens=kv.num_prefix_query_tokens,
             num_prefix_hit_tokens=kv.num_prefix_hit_tokens,
@@ -303,14 +303,16 @@ class Batcher:
         if not output.new_token_ids and not output.new_text:
             return None
         event = TokenEvent(
-            output.request_id,
-            active.num_events,
-            output.new_token_ids,
-            output.new_logprobs,
-            output.new_text,
-            active.delivery.request.attempt,
-            time.time(),
-            [[(t.token_id, t.logprob) for t in top] for top in output.new_top_logprobs],
+            request_id=output.request_id,
+            seq_index=active.num_events,
+            token_ids=output.new_token_ids,
+            logprobs=output.new_logprobs,
+            text=output.new_text,
+            attempt=active.delivery.request.attempt,
+            created_at=time.time(),
+            top_logprobs=[
+                [(t.token_id, t.logprob) for t in top] for top in output.new_top_logprobs
+            ],
         )
         active.num_events += 1
         return event

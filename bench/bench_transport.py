@@ -85,7 +85,14 @@ def submit(transport: ApiTransport, workload: Workload, tag: str) -> list[str]:
     for i, (prompt, num_out) in enumerate(workload):
         request_id = f"{tag}-{i}"
         stopping = StoppingParams(max_new_tokens=num_out, ignore_eos=True)
-        transport.submit(SubmitRequest(request_id, prompt, SamplingParams(), stopping))
+        transport.submit(
+            SubmitRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(),
+                stopping=stopping,
+            )
+        )
         request_ids.append(request_id)
     return request_ids
 

@@ -38,7 +38,12 @@ from tgq.gpu_worker.plan import SamplingParams
 def job_of(num_items: int = 1) -> tuple[store.NewJob, list[SubmitRequest]]:
     job_id = new_job_id()
     requests = [
-        SubmitRequest(request_id_of(job_id, i), [1, 2, 3], SamplingParams(), StoppingParams())
+        SubmitRequest(
+            request_id=request_id_of(job_id, i),
+            prompt_token_ids=[1, 2, 3],
+            sampling=SamplingParams(),
+            stopping=StoppingParams(),
+        )
         for i in range(num_items)
     ]
     job = store.NewJob(

@@ -131,10 +131,19 @@ def test_gauges_hold_the_last_value() -> None:
 
 def beat(batcher_id: str, num_running: int, num_free: int, queries: int, hits: int) -> Heartbeat:
     return Heartbeat(
-        batcher_id, num_running, 0, num_free, 64, 0.0,
-        num_usable_blocks=100, num_prefix_query_tokens=queries, num_prefix_hit_tokens=hits,
-        num_steps=hits + 1, num_step_tokens=queries, max_step_tokens=num_running,
-    )  # fmt: skip
+        batcher_id=batcher_id,
+        num_running=num_running,
+        num_waiting=0,
+        num_free_blocks=num_free,
+        max_batch_size=64,
+        time=0.0,
+        num_usable_blocks=100,
+        num_prefix_query_tokens=queries,
+        num_prefix_hit_tokens=hits,
+        num_steps=hits + 1,
+        num_step_tokens=queries,
+        max_step_tokens=num_running,
+    )
 
 
 def test_batcher_gauges_follow_the_live_heartbeats() -> None:

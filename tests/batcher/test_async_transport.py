@@ -62,7 +62,12 @@ def run(pair: Pair, body: Callable[[AsyncApiTransport, BatcherTransport], Awaita
 
 
 def submit_request(request_id: str) -> SubmitRequest:
-    return SubmitRequest(request_id, [1, 2], SamplingParams(), StoppingParams(max_new_tokens=2))
+    return SubmitRequest(
+        request_id=request_id,
+        prompt_token_ids=[1, 2],
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=2),
+    )
 
 
 def test_submit_reaches_the_batcher_in_order(pair: Pair) -> None:
@@ -81,7 +86,14 @@ def test_a_reader_follows_tokens_then_the_final(pair: Pair) -> None:
             for seq in range(3):
                 await asyncio.sleep(0.02)
                 event = TokenEvent(
-                    "r0", seq, [seq], [None], f"t{seq}", 1, time.time(), [[(5, -1.0)]]
+                    request_id="r0",
+                    seq_index=seq,
+                    token_ids=[seq],
+                    logprobs=[None],
+                    text=f"t{seq}",
+                    attempt=1,
+                    created_at=time.time(),
+                    top_logprobs=[[(5, -1.0)]],
                 )
                 batcher.publish_tokens([event])
             batcher.publish_final(final_result("r0", [0, 1, 2]))
@@ -107,7 +119,16 @@ def test_a_reader_follows_tokens_then_the_final(pair: Pair) -> None:
 def test_abort_and_live_batchers(pair: Pair) -> None:
     async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         batcher.poll_aborts("b0")
-        batcher.heartbeat(Heartbeat("b0", 0, 0, 10, 4, time.time()))
+        batcher.heartbeat(
+            Heartbeat(
+                batcher_id="b0",
+                num_running=0,
+                num_waiting=0,
+                num_free_blocks=10,
+                max_batch_size=4,
+                time=time.time(),
+            )
+        )
         assert [b.batcher_id for b in await api.live_batchers()] == ["b0"]
         await api.submit([submit_request("r0")])
         await api.abort("r0")
@@ -121,7 +142,12 @@ def test_the_started_log(pair: Pair) -> None:
     async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
         cursor, ids = await api.read_started(None, 10, 0)
         assert ids == []
-        batcher.publish_tokens([TokenEvent("r0", 0, [5], [None]), TokenEvent("r0", 1, [6], [None])])
+        batcher.publish_tokens(
+            [
+                TokenEvent(request_id="r0", seq_index=0, token_ids=[5], logprobs=[None]),
+                TokenEvent(request_id="r0", seq_index=1, token_ids=[6], logprobs=[None]),
+            ]
+        )
         cursor, ids = await api.read_started(cursor, 10, 100)
         assert ids == ["r0"]
         assert await api.read_started(cursor, 10, 0) == (cursor, [])
@@ -149,7 +175,15 @@ def test_many_readers_at_once_each_get_their_own_stream_in_order(pair: Pair) -> 
     def publish(batcher: BatcherTransport) -> None:
         for seq in range(num_events):
             batcher.publish_tokens(
-                [TokenEvent(f"r{i}", seq, [i * 100 + seq], [None]) for i in range(num_requests)]
+                [
+                    TokenEvent(
+                        request_id=f"r{i}",
+                        seq_index=seq,
+                        token_ids=[i * 100 + seq],
+                        logprobs=[None],
+                    )
+                    for i in range(num_requests)
+                ]
             )
             time.sleep(0.01)
         for i in range(num_requests):
@@ -171,7 +205,12 @@ def test_many_readers_at_once_each_get_their_own_stream_in_order(pair: Pair) -> 
 
 def test_a_reader_from_further_back_reads_the_stream_again(pair: Pair) -> None:
     async def body(api: AsyncApiTransport, batcher: BatcherTransport) -> None:
-        batcher.publish_tokens([TokenEvent("r0", seq, [seq], [None]) for seq in range(3)])
+        batcher.publish_tokens(
+            [
+                TokenEvent(request_id="r0", seq_index=seq, token_ids=[seq], logprobs=[None])
+                for seq in range(3)
+            ]
+        )
         assert [e.seq_index for e in await api.read_tokens("r0", 0, 1.0)] == [0, 1, 2]
         assert await api.read_tokens("r0", 3, 0.05) == []
         again = await api.read_tokens("r0", 1, 1.0)  # a reconnecting client

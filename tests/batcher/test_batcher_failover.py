@@ -48,7 +48,14 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def submit_all(transport: ApiTransport, prompts: list[list[int]]) -> None:
     for i, prompt in enumerate(prompts):
-        transport.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING))
+        transport.submit(
+            SubmitRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(),
+                stopping=STOPPING,
+            )
+        )
 
 
 def check_results(transport: ApiTransport, expected: list[list[int]]) -> list[FinalResult]:

@@ -42,7 +42,14 @@ def test_a_hub_id_is_served_from_the_cache(
     process = start_batcher(Path(REPO), redis_prefix, "b0")
     try:
         for i, prompt in enumerate(prompts):
-            api.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING))
+            api.submit(
+                SubmitRequest(
+                    request_id=f"r{i}",
+                    prompt_token_ids=prompt,
+                    sampling=SamplingParams(),
+                    stopping=STOPPING,
+                )
+            )
         expected = offline_tokens(model_dir, prompts)
         assert [follow(api, f"r{i}") for i in range(len(prompts))] == expected
         process.send_signal(signal.SIGTERM)

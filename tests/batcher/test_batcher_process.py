@@ -114,7 +114,15 @@ def test_fifty_requests_through_redis_match_the_offline_engine(
         expected = offline_tokens(model_dir, prompts)
         for i, prompt in enumerate(prompts):
             priority = Priority.BULK if i % 3 == 0 else Priority.INTERACTIVE
-            api.submit(SubmitRequest(f"r{i}", prompt, SamplingParams(), STOPPING, priority))
+            api.submit(
+                SubmitRequest(
+                    request_id=f"r{i}",
+                    prompt_token_ids=prompt,
+                    sampling=SamplingParams(),
+                    stopping=STOPPING,
+                    priority=priority,
+                )
+            )
         for i, reference in enumerate(expected):
             assert follow(api, f"r{i}") == reference
             result = api.read_final(f"r{i}", 60)

@@ -80,9 +80,13 @@ def test_the_human_format_is_unchanged_without_a_request_id() -> None:
 
 def submit(http_request_id: str = "", traceparent: str = "") -> SubmitRequest:
     return SubmitRequest(
-        "job_1.0", [1, 2], SamplingParams(), StoppingParams(),
-        http_request_id=http_request_id, traceparent=traceparent,
-    )  # fmt: skip
+        request_id="job_1.0",
+        prompt_token_ids=[1, 2],
+        sampling=SamplingParams(),
+        stopping=StoppingParams(),
+        http_request_id=http_request_id,
+        traceparent=traceparent,
+    )
 
 
 def test_the_submit_message_carries_request_id_and_traceparent() -> None:

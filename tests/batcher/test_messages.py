@@ -22,19 +22,34 @@ from tgq.batcher.request import FinishReason, Priority, StoppingParams
 from tgq.gpu_worker.plan import SamplingParams
 
 SUBMIT = SubmitRequest(
-    "req-1",
-    [1, 2, 3],
-    SamplingParams(temperature=0.7, top_k=5, seed=3, logprobs=True),
-    StoppingParams(max_new_tokens=9, eos_token_ids=frozenset({2, 7}), stop_strings=("\n\n",)),
-    Priority.BULK,
+    request_id="req-1",
+    prompt_token_ids=[1, 2, 3],
+    sampling=SamplingParams(temperature=0.7, top_k=5, seed=3, logprobs=True),
+    stopping=StoppingParams(
+        max_new_tokens=9, eos_token_ids=frozenset({2, 7}), stop_strings=("\n\n",)
+    ),
+    priority=Priority.BULK,
     deadline=1.9e9,
     attempt=2,
 )
 MESSAGES: list[Message] = [
     SUBMIT,
-    SubmitRequest("req-2", [5], SamplingParams(), StoppingParams()),
+    SubmitRequest(
+        request_id="req-2",
+        prompt_token_ids=[5],
+        sampling=SamplingParams(),
+        stopping=StoppingParams(),
+    ),
     AbortRequest("req-1", "client disconnected"),
-    TokenEvent("req-1", 3, [11, 12], [-0.5, None], "hé", attempt=2, created_at=1.7e9),
+    TokenEvent(
+        request_id="req-1",
+        seq_index=3,
+        token_ids=[11, 12],
+        logprobs=[-0.5, None],
+        text="hé",
+        attempt=2,
+        created_at=1.7e9,
+    ),
     FinalResult(
         request_id="req-1",
         token_ids=[11, 12],
@@ -58,13 +73,33 @@ MESSAGES: list[Message] = [
         attempt=3,
         batcher_id="b1",
     ),
-    Heartbeat("b0", 3, 4, 100, 32, 1.7e9),
-    Heartbeat("b1", 1, 0, 90, 8, 1.7e9, 100, 40, 16, 12, 400, 64),  # every field
+    Heartbeat(
+        batcher_id="b0",
+        num_running=3,
+        num_waiting=4,
+        num_free_blocks=100,
+        max_batch_size=32,
+        time=1.7e9,
+    ),
+    Heartbeat(
+        batcher_id="b1",
+        num_running=1,
+        num_waiting=0,
+        num_free_blocks=90,
+        max_batch_size=8,
+        time=1.7e9,
+        num_usable_blocks=100,
+        num_prefix_query_tokens=40,
+        num_prefix_hit_tokens=16,
+        num_steps=12,
+        num_step_tokens=400,
+        max_step_tokens=64,
+    ),  # every field
     SubmitRequest(
-        "req-3",
-        [5],
-        SamplingParams(min_p=0.1, min_tokens=3, min_tokens_stop_ids=(2, 7)),
-        StoppingParams(),
+        request_id="req-3",
+        prompt_token_ids=[5],
+        sampling=SamplingParams(min_p=0.1, min_tokens=3, min_tokens_stop_ids=(2, 7)),
+        stopping=StoppingParams(),
     ),
 ]
 

@@ -55,7 +55,12 @@ def batcher(client: redis.Redis, prefix: str) -> RedisBatcherTransport:
 
 
 def request(request_id: str) -> SubmitRequest:
-    return SubmitRequest(request_id, [1, 2], SamplingParams(), StoppingParams())
+    return SubmitRequest(
+        request_id=request_id,
+        prompt_token_ids=[1, 2],
+        sampling=SamplingParams(),
+        stopping=StoppingParams(),
+    )
 
 
 def final(request_id: str) -> FinalResult:
@@ -67,9 +72,20 @@ def test_key_layout_and_expiries(
 ) -> None:
     api.submit(request("r0"))
     assert batcher.pull("b0", 1, 0)
-    batcher.publish_tokens([TokenEvent("r0", i, [i], [None]) for i in range(2)])
+    batcher.publish_tokens(
+        [TokenEvent(request_id="r0", seq_index=i, token_ids=[i], logprobs=[None]) for i in range(2)]
+    )
     batcher.publish_final(final("r0"))
-    batcher.heartbeat(Heartbeat("b0", 0, 0, 1, 1, 0.0))
+    batcher.heartbeat(
+        Heartbeat(
+            batcher_id="b0",
+            num_running=0,
+            num_waiting=0,
+            num_free_blocks=1,
+            max_batch_size=1,
+            time=0.0,
+        )
+    )
     entries: Any = client.xrange(f"{prefix}:tokens:r0")
     assert [entry_id for entry_id, _ in entries] == [b"0-1", b"0-2", b"1-0"]
     expiries = [("tokens:r0", 3600), ("final:r0", 86400), ("known:r0", 86400), ("heartbeat:b0", 10)]

@@ -56,7 +56,14 @@ def submit(
     priority: Priority = Priority.INTERACTIVE,
 ) -> None:
     stopping = StoppingParams(max_new_tokens=max_new_tokens, stop_strings=stop_strings)
-    request = SubmitRequest(request_id, prompt, SamplingParams(), stopping, priority, deadline)
+    request = SubmitRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(),
+        stopping=stopping,
+        priority=priority,
+        deadline=deadline,
+    )
     transport.submit(request)
 
 

@@ -123,14 +123,25 @@ def submit(
     api: ApiTransport, request_id: str, priority: Priority = Priority.INTERACTIVE
 ) -> SubmitRequest:
     request = SubmitRequest(
-        request_id, [1, 2, 3], SamplingParams(), StoppingParams(max_new_tokens=4), priority
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=4),
+        priority=priority,
     )
     api.submit(request)
     return request
 
 
 def event(request_id: str, seq_index: int, attempt: int = 1) -> TokenEvent:
-    return TokenEvent(request_id, seq_index, [100 + seq_index], [None], f"t{seq_index}", attempt)
+    return TokenEvent(
+        request_id=request_id,
+        seq_index=seq_index,
+        token_ids=[100 + seq_index],
+        logprobs=[None],
+        text=f"t{seq_index}",
+        attempt=attempt,
+    )
 
 
 def final(request_id: str, batcher_id: str = "b0") -> FinalResult:
@@ -138,7 +149,16 @@ def final(request_id: str, batcher_id: str = "b0") -> FinalResult:
 
 
 def beat(batcher: BatcherTransport, batcher_id: str) -> None:
-    batcher.heartbeat(Heartbeat(batcher_id, 0, 0, 10, 4, time.time()))
+    batcher.heartbeat(
+        Heartbeat(
+            batcher_id=batcher_id,
+            num_running=0,
+            num_waiting=0,
+            num_free_blocks=10,
+            max_batch_size=4,
+            time=time.time(),
+        )
+    )
 
 
 def pulled_ids(batcher: BatcherTransport, batcher_id: str, max_count: int = 10) -> list[str]:
@@ -168,7 +188,10 @@ def test_requests_come_out_in_submit_order(api: ApiTransport, batcher: BatcherTr
     assert [d.request.request_id for d in deliveries] == [f"r{i}" for i in range(5)]
     assert all(d.request.attempt == 1 and not d.is_aborted for d in deliveries)
     assert deliveries[0].request == SubmitRequest(
-        "r0", [1, 2, 3], SamplingParams(), StoppingParams(max_new_tokens=4)
+        request_id="r0",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=4),
     )
     assert batcher.pull("b0", 10, 0) == []
 
