@@ -106,7 +106,7 @@ class BatchStarter(Protocol):
 @dataclass(slots=True)
 class AppState:
     settings: Settings
-    engine: AsyncEngine
+    db: AsyncEngine
     transport: AsyncApiTransport
     tokenizer: ModelTokenizer
     metrics: Metrics
@@ -158,7 +158,7 @@ def create_app(settings: Settings, *, batch_starter: StarterFactory) -> FastAPI:
 
     async def verify_key(key: str) -> int | None:
         try:
-            async with app.state.tgq.engine.begin() as conn:
+            async with app.state.tgq.db.begin() as conn:
                 record = await api_keys.verify_api_key(conn, key=key)
         except Exception as error:
             if dependency_failure(error) is None:
@@ -206,10 +206,10 @@ def model_dir_of(settings: Settings) -> Path:
 
 
 async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
-    engine = create_engine(settings.database_url)
+    db = create_engine(settings.database_url)
     if settings.auto_migrate:
         await asyncio.to_thread(upgrade, settings.database_url)
-    await check_schema(engine)
+    await check_schema(db)
     model_dir = model_dir_of(settings)
     refuse_quantized_config(model_dir)  # the batcher refuses it too; say so before serving
     embedded = None
@@ -236,7 +236,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     # The connections a burst at the concurrency cap needs, opened before the first request:
     # on Redis, one per waiting reader and a few for the api's own loops.
     num_warm = min(settings.max_concurrent_requests, MAX_WARM_CONNECTIONS)
-    await asyncio.gather(warm_up(engine, num_warm), transport.warm_up(num_warm + 8))
+    await asyncio.gather(warm_up(db, num_warm), transport.warm_up(num_warm + 8))
     limits = Limits(
         max_concurrent_requests=settings.max_concurrent_requests,
         max_queued_requests=settings.max_queued_requests,
@@ -244,13 +244,13 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
         retry_after_s=settings.retry_after_s,
     )
     admission = Admission(limits, on_reject=metrics.on_rejected)
-    recorder, running = Recorder(engine, transport), Running(engine, transport)
-    health = Health(database=DatabaseProbe(engine))
+    recorder, running = Recorder(db, transport), Running(db, transport)
+    health = Health(database=DatabaseProbe(db))
     consumer = f"{socket.gethostname()}-{os.getpid()}"
-    persister = Persister(engine, transport, consumer, on_results=_observer(health))
+    persister = Persister(db, transport, consumer, on_results=_observer(health))
     generation = Generation(
         settings=settings,
-        engine=engine,
+        db=db,
         transport=transport,
         tokenizer=tokenizer,
         metrics=metrics,
@@ -258,7 +258,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
         recorder=recorder,
     )
     state = AppState(
-        settings, engine, transport, tokenizer, metrics, generation, persister, running, health,
+        settings, db, transport, tokenizer, metrics, generation, persister, running, health,
         LocalFileStorage(settings.file_storage_dir), embedded=embedded,
     )  # fmt: skip
     state.batch_starter = make_starter(state)
@@ -269,7 +269,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     if settings.reconcile_interval_s > 0:
         state.tasks.append(asyncio.create_task(_reconcile(state), name="reconciler"))
     with contextlib.suppress(Exception):  # batches an earlier process left (or the reconciler)
-        await resume_batches(engine, state.start_batch, grace_s=2 * settings.batch_lease_s)
+        await resume_batches(db, state.start_batch, grace_s=2 * settings.batch_lease_s)
     log.info(
         "api serving %s (%s)", settings.model_id, "redis" if settings.redis_url else "embedded"
     )
@@ -336,13 +336,13 @@ async def _reconcile_round(state: AppState, *, older_than_s: float) -> None:
     settings = state.settings
     try:
         await reconcile_once(
-            engine=state.engine,
+            db=state.db,
             transport=state.transport,
             settings=settings,
             eos_token_ids=state.tokenizer.eos_token_ids,
             older_than_s=older_than_s,
         )
-        await resume_batches(state.engine, state.start_batch, grace_s=2 * settings.batch_lease_s)
+        await resume_batches(state.db, state.start_batch, grace_s=2 * settings.batch_lease_s)
     except asyncio.CancelledError:
         raise
     except Exception as error:  # the database or Redis is away: next round
@@ -362,4 +362,4 @@ async def _stop(state: AppState) -> None:
         await asyncio.to_thread(state.embedded.stop)
     await state.transport.close()
     state.tokenizer.close()
-    await state.engine.dispose()
+    await state.db.dispose()

@@ -77,7 +77,7 @@ class Generation:
         self,
         *,
         settings: Settings,
-        engine: AsyncEngine,
+        db: AsyncEngine,
         transport: AsyncApiTransport,
         tokenizer: ModelTokenizer,
         metrics: Metrics,
@@ -85,7 +85,7 @@ class Generation:
         recorder: Recorder,
     ) -> None:
         self.settings = settings
-        self.engine = engine
+        self.db = db
         self.transport = transport
         self.tokenizer = tokenizer
         self.metrics = metrics

@@ -16,9 +16,9 @@ PROBE_TTL_S = 1.0
 
 class DatabaseProbe:
     def __init__(
-        self, engine: AsyncEngine, *, timeout_s: float = PROBE_TIMEOUT_S, ttl_s: float = PROBE_TTL_S
+        self, db: AsyncEngine, *, timeout_s: float = PROBE_TIMEOUT_S, ttl_s: float = PROBE_TTL_S
     ) -> None:
-        self.engine = engine
+        self.db = db
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self._problem: str | None = None
@@ -35,7 +35,7 @@ class DatabaseProbe:
 
     async def _probe(self) -> str | None:
         try:
-            async with asyncio.timeout(self.timeout_s), self.engine.connect() as conn:
+            async with asyncio.timeout(self.timeout_s), self.db.connect() as conn:
                 await conn.execute(text("SELECT 1"))
         except TimeoutError:
             return f"the database is unreachable: no answer within {self.timeout_s:g} s"

@@ -34,7 +34,7 @@ class Persister(BackgroundLoop):
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        db: AsyncEngine,
         transport: AsyncApiTransport,
         consumer: str,
         *,
@@ -42,7 +42,7 @@ class Persister(BackgroundLoop):
         block_ms: int = 1000,
         on_results: Callable[[list[StoredFinal]], None] = lambda finals: None,
     ) -> None:
-        self.engine = engine
+        self.db = db
         self.on_results = on_results
         self.transport = transport
         self.consumer = consumer
@@ -101,7 +101,7 @@ class Persister(BackgroundLoop):
             else:
                 results.append(new)
         try:
-            async with self.engine.begin() as conn:
+            async with self.db.begin() as conn:
                 written = await store.record_results(conn, results=results)
         except Exception:  # a result the database refuses, or the database away: one by one
             written = [await self._record_alone(result) for result in results]
@@ -117,7 +117,7 @@ class Persister(BackgroundLoop):
         ids, so its job still ends; when the database itself is away, the error propagates
         (nothing is acked)."""
         try:
-            async with self.engine.begin() as conn:
+            async with self.db.begin() as conn:
                 return (await store.record_results(conn, results=[result]))[0]
         except Exception as error:
             if not await self._database_is_up():
@@ -129,12 +129,12 @@ class Persister(BackgroundLoop):
             finish_detail=f"the database refused this result ({refused})",
             num_prompt_tokens=0, num_output_tokens=0, num_cached_tokens=0,
         )  # fmt: skip
-        async with self.engine.begin() as conn:
+        async with self.db.begin() as conn:
             return (await store.record_results(conn, results=[stand_in]))[0]
 
     async def _database_is_up(self) -> bool:
         try:
-            async with self.engine.connect() as conn:
+            async with self.db.connect() as conn:
                 await conn.execute(text("SELECT 1"))
         except Exception:
             return False
@@ -168,9 +168,9 @@ class Running(BackgroundLoop):
     transport's started log and updates in batches. Best effort: a status, not a result."""
 
     def __init__(
-        self, engine: AsyncEngine, transport: AsyncApiTransport, *, max_count: int = 1000
+        self, db: AsyncEngine, transport: AsyncApiTransport, *, max_count: int = 1000
     ) -> None:
-        self.engine = engine
+        self.db = db
         self.transport = transport
         self.max_count = max_count
 
@@ -182,7 +182,7 @@ class Running(BackgroundLoop):
                     cursor, self.max_count, 1000
                 )
                 if request_ids:
-                    async with self.engine.begin() as conn:
+                    async with self.db.begin() as conn:
                         await store.mark_running(conn, request_ids=sorted(set(request_ids)))
             except asyncio.CancelledError:
                 raise

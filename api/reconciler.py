@@ -43,7 +43,7 @@ LOST_INTERACTIVE = "unavailable: the queue lost it and no client waits for it"
 
 async def reconcile_once(
     *,
-    engine: AsyncEngine,
+    db: AsyncEngine,
     transport: AsyncApiTransport,
     settings: Settings,
     eos_token_ids: frozenset[int],
@@ -53,7 +53,7 @@ async def reconcile_once(
     """Re-enqueues the lost items among the `limit` oldest open ones; returns how many.
     Lost interactive items are failed instead, once the epoch has settled."""
     before = datetime.now(UTC) - timedelta(seconds=older_than_s)
-    async with engine.connect() as conn:
+    async with db.connect() as conn:
         items = await store.unfinished_items(conn, created_before=before, limit=limit)
         if not items:
             return 0
@@ -67,7 +67,7 @@ async def reconcile_once(
                 jobs[job_id] = job
     orphans = sorted(job_id for job_id, job in jobs.items() if job.kind == "interactive")
     if orphans:
-        await _fail_orphans(engine, transport, orphans)
+        await _fail_orphans(db, transport, orphans)
     requests = [
         rebuild_request(item, jobs[item.job_id], settings, eos_token_ids)
         for item in lost
@@ -79,26 +79,24 @@ async def reconcile_once(
     return len(requests)
 
 
-async def _fail_orphans(
-    engine: AsyncEngine, transport: AsyncApiTransport, job_ids: list[str]
-) -> None:
+async def _fail_orphans(db: AsyncEngine, transport: AsyncApiTransport, job_ids: list[str]) -> None:
     """Fails lost interactive jobs, unless the epoch is too young for every replica to have
     enqueued its own again (they are looked at again in the next round)."""
     epoch = await transport.epoch()
     if time.time() - epoch.started_at < EPOCH_SETTLE_S:
         return
-    async with engine.begin() as conn:
+    async with db.begin() as conn:
         failed = await store.fail_jobs(conn, job_ids=job_ids, error=LOST_INTERACTIVE)
     log.warning("reconciler: failed %d lost interactive items nobody waits for", len(failed))
 
 
 async def resume_batches(
-    engine: AsyncEngine, start: Callable[[str], Awaitable[None]], *, grace_s: float
+    db: AsyncEngine, start: Callable[[str], Awaitable[None]], *, grace_s: float
 ) -> list[str]:
     """Starts a runner for every unfinished batch that nobody drives (its runner died, or the
     task meant to start one was lost); returns their ids. Each is leased for `grace_s` to the
     runner being started, so that other reconcilers leave it alone meanwhile."""
-    async with engine.begin() as conn:
+    async with db.begin() as conn:
         lapsed = await db_batches.lapsed_batches(conn, grace_s=grace_s)
     for batch_id in lapsed:
         log.warning("reconciler: batch %s has no live runner: starting one", batch_id)

@@ -42,14 +42,14 @@ class Recorder(BackgroundLoop):
     """Commits jobs, then enqueues their requests; many concurrent submissions per round."""
 
     def __init__(
-        self, engine: AsyncEngine, transport: AsyncApiTransport, *, max_group: int = 256
+        self, db: AsyncEngine, transport: AsyncApiTransport, *, max_group: int = 256
     ) -> None:
-        self.engine = engine
+        self.db = db
         self.transport = transport
         self.max_group = max_group
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self.num_rounds = 0
-        self.withdrawals = Withdrawals(engine, transport)
+        self.withdrawals = Withdrawals(db, transport)
 
     def start(self) -> None:
         super().start()
@@ -75,7 +75,7 @@ class Recorder(BackgroundLoop):
         the key returns the first job and enqueues nothing."""
         with tracing.span("enqueue", job_id=job.job_id, num_requests=len(requests)):
             try:
-                async with self.engine.begin() as conn:
+                async with self.db.begin() as conn:
                     fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
                     record, created = await store.create_job(conn, **fields)
             except Exception as error:
@@ -108,7 +108,7 @@ class Recorder(BackgroundLoop):
         self.num_rounds += 1
         requests = [r for pending in group for r in pending.requests]
         try:
-            async with self.engine.begin() as conn:
+            async with self.db.begin() as conn:
                 records = await store.create_jobs(conn, jobs=[pending.job for pending in group])
         except Exception as error:  # every waiter learns it; the loop goes on
             _fail(group, _unavailable(error))

@@ -31,9 +31,9 @@ RETRY_S = 0.5
 
 class Withdrawals:
     def __init__(
-        self, engine: AsyncEngine, transport: AsyncApiTransport, *, retry_s: float = RETRY_S
+        self, db: AsyncEngine, transport: AsyncApiTransport, *, retry_s: float = RETRY_S
     ) -> None:
-        self.engine = engine
+        self.db = db
         self.transport = transport
         self.retry_s = retry_s
         self._unmarked: dict[str, str] = {}  # job id -> reason, not yet failed in the database
@@ -89,7 +89,7 @@ class Withdrawals:
         if not pending:
             return
         try:
-            async with asyncio.timeout(MARK_TIMEOUT_S), self.engine.begin() as conn:
+            async with asyncio.timeout(MARK_TIMEOUT_S), self.db.begin() as conn:
                 for reason in set(pending.values()):
                     job_ids = [job_id for job_id, why in pending.items() if why == reason]
                     await store.fail_jobs(conn, job_ids=job_ids, error=reason)

@@ -29,7 +29,7 @@ def run_batch_task(batch_id: str) -> str:
 
 
 async def _run_batch(settings: Settings, batch_id: str) -> str:
-    engine = create_engine(settings.database_url)
+    db = create_engine(settings.database_url)
     transport = AsyncRedisApiTransport.from_url(
         settings.redis_url or DEFAULT_BROKER, settings.redis_prefix
     )
@@ -37,7 +37,7 @@ async def _run_batch(settings: Settings, batch_id: str) -> str:
         model_dir_of(settings), max_workers=settings.validation_workers
     )
     context = BatchContext(
-        engine, transport, LocalFileStorage(settings.file_storage_dir), tokenizer, settings,
+        db, transport, LocalFileStorage(settings.file_storage_dir), tokenizer, settings,
         window=settings.batch_window, lease_s=settings.batch_lease_s,
     )  # fmt: skip
     try:
@@ -45,7 +45,7 @@ async def _run_batch(settings: Settings, batch_id: str) -> str:
     finally:
         tokenizer.close()
         await transport.close()
-        await engine.dispose()
+        await db.dispose()
 
 
 @app.task(name="tgq.reconcile")  # type: ignore[untyped-decorator]  # celery has no types
@@ -56,7 +56,7 @@ def reconcile() -> int:
 
 
 async def _reconcile(settings: Settings) -> int:
-    engine = create_engine(settings.database_url, poolclass=NullPool)
+    db = create_engine(settings.database_url, poolclass=NullPool)
     redis_url = settings.redis_url or DEFAULT_BROKER
     transport = AsyncRedisApiTransport.from_url(redis_url, settings.redis_prefix)
 
@@ -65,18 +65,18 @@ async def _reconcile(settings: Settings) -> int:
 
     try:
         count = await reconcile_once(
-            engine=engine,
+            db=db,
             transport=transport,
             settings=settings,
             eos_token_ids=model_eos_token_ids(model_dir_of(settings)),
             older_than_s=settings.reconcile_grace_s,
         )
         if settings.batches_on_celery:
-            await resume_batches(engine, start, grace_s=2 * settings.batch_lease_s)
+            await resume_batches(db, start, grace_s=2 * settings.batch_lease_s)
         return count
     finally:
         await transport.close()
-        await engine.dispose()
+        await db.dispose()
 
 
 @app.task(name="tgq.retention")  # type: ignore[untyped-decorator]  # celery has no types
@@ -91,23 +91,23 @@ async def delete_expired(settings: Settings, *, now: datetime | None = None) -> 
     file's record goes first, then its bytes (a crash in between leaves bytes nobody sees, never
     a record without them)."""
     now = now or datetime.now(UTC)
-    engine = create_engine(settings.database_url, poolclass=NullPool)
+    db = create_engine(settings.database_url, poolclass=NullPool)
     storage = LocalFileStorage(settings.file_storage_dir)
     deleted = {"jobs": 0, "files": 0}
     try:
         if settings.retention_days > 0:
             before = now - timedelta(days=settings.retention_days)
-            async with engine.begin() as conn:
+            async with db.begin() as conn:
                 deleted["jobs"] = await store.delete_finished_before(conn, before=before)
         if settings.file_retention_days > 0:
             before = now - timedelta(days=settings.file_retention_days)
-            async with engine.connect() as conn:
+            async with db.connect() as conn:
                 expired = await db_files.expired_files(conn, created_before=before)
             for record in expired:
-                async with engine.begin() as conn:
+                async with db.begin() as conn:
                     await db_files.purge_file(conn, file_id=record.id)
                 await storage.delete(record.storage_key)
             deleted["files"] = len(expired)
     finally:
-        await engine.dispose()
+        await db.dispose()
     return deleted

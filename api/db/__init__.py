@@ -33,28 +33,28 @@ def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
     """An async engine for `url`; keyword arguments go to `create_async_engine`."""
     url = normalize_url(url)
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, **kwargs)
-        _configure_sqlite(engine)
-        return engine
+        db = create_async_engine(url, **kwargs)
+        _configure_sqlite(db)
+        return db
     pooling = {} if "poolclass" in kwargs else {"pool_size": POOL_SIZE, "max_overflow": 10}
     return create_async_engine(url, **pooling, **kwargs)
 
 
-async def warm_up(engine: AsyncEngine, num_connections: int) -> None:
+async def warm_up(db: AsyncEngine, num_connections: int) -> None:
     """Opens `num_connections` (at most the pool's size) pooled connections now, so that the
     first burst of requests does not wait for Postgres to start a backend for each."""
-    if engine.dialect.name == "sqlite":
+    if db.dialect.name == "sqlite":
         return  # a file: nothing worth opening ahead
     count = min(num_connections, POOL_SIZE)
-    connections = await asyncio.gather(*(engine.connect().start() for _ in range(count)))
+    connections = await asyncio.gather(*(db.connect().start() for _ in range(count)))
     await asyncio.gather(*(connection.close() for connection in connections))
 
 
-def _configure_sqlite(engine: AsyncEngine) -> None:
+def _configure_sqlite(db: AsyncEngine) -> None:
     # SQLite has one writer at a time. BEGIN IMMEDIATE takes the write lock when a transaction
     # starts, so concurrent writers wait (busy timeout) instead of failing with SQLITE_BUSY
     # when a transaction that has read tries to write.
-    @event.listens_for(engine.sync_engine, "connect")
+    @event.listens_for(db.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # the driver emits no BEGIN: we do
         cursor = dbapi_connection.cursor()
@@ -62,6 +62,6 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
             cursor.execute(f"PRAGMA {pragma}")
         cursor.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
+    @event.listens_for(db.sync_engine, "begin")
     def _on_begin(connection: Any) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")

@@ -63,15 +63,15 @@ def current_revision(url: str) -> str | None:
 
 
 async def _current_revision(url: str) -> str | None:
-    engine = create_engine(url)
+    db = create_engine(url)
     try:
-        return await _engine_revision(engine)
+        return await _engine_revision(db)
     finally:
-        await engine.dispose()
+        await db.dispose()
 
 
-async def _engine_revision(engine: AsyncEngine) -> str | None:
-    async with engine.connect() as conn:
+async def _engine_revision(db: AsyncEngine) -> str | None:
+    async with db.connect() as conn:
         return await conn.run_sync(_revision_of)
 
 
@@ -79,10 +79,10 @@ def _revision_of(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
 
-async def check_schema(engine: AsyncEngine) -> None:
+async def check_schema(db: AsyncEngine) -> None:
     """Raise `SchemaNotMigratedError` unless the database is at the head revision (the app
     refuses to start on a database that was not migrated)."""
-    current, head = await _engine_revision(engine), head_revision()
+    current, head = await _engine_revision(db), head_revision()
     if current != head:
         raise SchemaNotMigratedError(
             f"database schema is at revision {current or 'none'}, this tgq needs {head}: "

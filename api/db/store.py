@@ -1,5 +1,5 @@
 """The queries of jobs, their items and their results, in SQLAlchemy Core on an
-`AsyncConnection`; the caller owns the transaction (`async with engine.begin() as conn`). Files,
+`AsyncConnection`; the caller owns the transaction (`async with db.begin() as conn`). Files,
 batches and API keys have their own modules beside this one.
 
 Statuses: a job and each of its items go `queued` → `running` → `succeeded` | `failed` |

@@ -126,7 +126,7 @@ async def create_batch(body: BatchRequest, request: Request) -> BatchObject:
         )
     expires_at = datetime.now(UTC) + timedelta(seconds=window_s(body.completion_window))
     key_id = request.state.api_key_id
-    async with state.engine.begin() as conn:
+    async with state.db.begin() as conn:
         file = await db_files.get_file(conn, file_id=body.input_file_id, api_key_id=key_id)
         if file is None or file.purpose != "batch":
             raise NotFoundError(
@@ -148,7 +148,7 @@ async def create_batch(body: BatchRequest, request: Request) -> BatchObject:
 
 
 async def _visible(state: AppState, batch_id: str, request: Request) -> db_batches.BatchRecord:
-    async with state.engine.connect() as conn:
+    async with state.db.connect() as conn:
         batch = await db_batches.get_batch(
             conn, batch_id=batch_id, api_key_id=request.state.api_key_id
         )
@@ -169,7 +169,7 @@ async def list_batches(
     after: str | None = Query(None, description="The last batch id of the previous page."),
 ) -> BatchList:
     state = state_of(request)
-    async with state.engine.connect() as conn:
+    async with state.db.connect() as conn:
         found = await db_batches.list_batches(
             conn, limit=limit + 1, after=after, api_key_id=request.state.api_key_id
         )
@@ -190,7 +190,7 @@ async def cancel_batch(batch_id: str, request: Request) -> BatchObject:
     state = state_of(request)
     await _visible(state, batch_id, request)
     request_ids: list[str] = []
-    async with state.engine.begin() as conn:
+    async with state.db.begin() as conn:
         cancelling = await db_batches.set_status(
             conn, batch_id=batch_id, status="cancelling", only_from=("validating", "in_progress")
         )

@@ -121,7 +121,7 @@ async def upload_file(request: Request) -> FileObject:
     file_id = new_file_id()
     await state.files.write(file_id, _checked(upload, checker, request.stream()))
     try:
-        async with state.engine.begin() as conn:
+        async with state.db.begin() as conn:
             record = await db_files.create_file(
                 conn,
                 file_id=file_id,
@@ -139,7 +139,7 @@ async def upload_file(request: Request) -> FileObject:
 
 
 async def get_visible_file(state: AppState, file_id: str, request: Request) -> db_files.FileRecord:
-    async with state.engine.connect() as conn:
+    async with state.db.connect() as conn:
         record = await db_files.get_file(conn, file_id=file_id, api_key_id=request.state.api_key_id)
     if record is None:
         raise NotFoundError(f"No file with id {file_id!r}", param="file_id")
@@ -156,7 +156,7 @@ async def list_files(
 ) -> FileList:
     """Files by creation time (`order`, newest first by default), `limit` per page."""
     state = state_of(request)
-    async with state.engine.connect() as conn:
+    async with state.db.connect() as conn:
         records = await db_files.list_files(
             conn,
             limit=limit + 1,
@@ -204,7 +204,7 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
 async def delete_file(file_id: str, request: Request) -> FileDeleted:
     """Delete a file: its record is marked deleted first, then its bytes are removed."""
     state = state_of(request)
-    async with state.engine.begin() as conn:
+    async with state.db.begin() as conn:
         record = await db_files.delete_file(
             conn, file_id=file_id, api_key_id=request.state.api_key_id
         )

@@ -122,12 +122,12 @@ def _final_result(index: int, status: str, final: FinalResult) -> dict[str, Any]
 
 
 async def _stored_result(state: AppState, job_id: str, index: int) -> store.ResultRecord | None:
-    async with state.engine.connect() as conn:
+    async with state.db.connect() as conn:
         return await store.get_result(conn, job_id=job_id, item_index=index)
 
 
 async def _item_is_closed(state: AppState, job_id: str, index: int) -> bool:
-    async with state.engine.connect() as conn:
+    async with state.db.connect() as conn:
         status = await store.get_item_status(conn, job_id=job_id, item_index=index)
     return status in store.TERMINAL_STATUSES
 
@@ -135,7 +135,7 @@ async def _item_is_closed(state: AppState, job_id: str, index: int) -> bool:
 async def _done_event(state: AppState, job_id: str) -> ServerSentEvent:
     deadline = time.monotonic() + DONE_WAIT_S
     while True:
-        async with state.engine.connect() as conn:
+        async with state.db.connect() as conn:
             job = await store.get_job(conn, job_id=job_id)
         if job is None:
             raise NotFoundError(f"No job with id {job_id!r}")

@@ -210,7 +210,7 @@ def _aware(moment: datetime) -> datetime:
 
 
 async def get_visible_job(state: AppState, job_id: str, request: Request) -> store.JobRecord:
-    async with state.engine.connect() as conn:
+    async with state.db.connect() as conn:
         job = await store.get_job(conn, job_id=job_id, api_key_id=request.state.api_key_id)
     if job is None:
         raise NotFoundError(f"No job with id {job_id!r}", param="job_id")
@@ -224,7 +224,7 @@ async def get_job(job_id: str, request: Request) -> JobView:
     job = await get_visible_job(state, job_id, request)
     results = None
     if job.is_finished:
-        async with state.engine.connect() as conn:
+        async with state.db.connect() as conn:
             results = await store.get_results(conn, job_id=job_id)
     return view(job, results)
 
@@ -238,7 +238,7 @@ async def list_jobs(
 ) -> JobList:
     """Jobs, newest first, `limit` per page; `after` continues from the previous page."""
     state = state_of(request)
-    async with state.engine.connect() as conn:
+    async with state.db.connect() as conn:
         jobs = await store.list_jobs(
             conn,
             limit=limit + 1,
@@ -259,7 +259,7 @@ async def cancel_job(job_id: str, request: Request) -> JobView:
     """Cancel a job: its unfinished items are aborted in the batcher; finished ones are kept."""
     state = state_of(request)
     await get_visible_job(state, job_id, request)  # 404 for a job of another key
-    async with state.engine.begin() as conn:
+    async with state.db.begin() as conn:
         request_ids = await store.cancel_job(conn, job_id=job_id)
     if request_ids is None:
         raise NotFoundError(f"No job with id {job_id!r}", param="job_id")

@@ -344,7 +344,7 @@ async def metrics(request: Request) -> Response:
     """Prometheus text format, TGI's metric names plus tgq's."""
     state = state_of(request)
     try:
-        async with state.engine.connect() as conn:
+        async with state.db.connect() as conn:
             state.metrics.set_job_counts(await store.count_jobs_by_status(conn))
             state.metrics.set_batch_request_counts(await batches.request_counts_in_progress(conn))
     except Exception:  # the database may be down; the rest of the metrics still matter

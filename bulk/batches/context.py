@@ -16,7 +16,7 @@ from tgq.batcher.transport.aio import AsyncApiTransport
 
 @dataclass(frozen=True, slots=True)
 class BatchContext:
-    engine: AsyncEngine
+    db: AsyncEngine
     transport: AsyncApiTransport
     storage: FileStorage
     tokenizer: ModelTokenizer
@@ -28,7 +28,7 @@ class BatchContext:
 
 
 async def get_batch(ctx: BatchContext, batch_id: str) -> db_batches.BatchRecord:
-    async with ctx.engine.connect() as conn:
+    async with ctx.db.connect() as conn:
         batch = await db_batches.get_batch(conn, batch_id=batch_id)
     if batch is None:
         raise LookupError(f"no batch {batch_id!r}")

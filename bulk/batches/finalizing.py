@@ -34,7 +34,7 @@ async def finalize(ctx: BatchContext, batch_id: str, lease: BatchLease) -> None:
         first = 0
         while True:
             await lease.renew()
-            async with ctx.engine.connect() as conn:
+            async with ctx.db.connect() as conn:
                 lines = await db_batches.get_lines(
                     conn, batch_id=batch_id, first=first, limit=ctx.chunk_lines
                 )
@@ -59,7 +59,7 @@ async def finalize(ctx: BatchContext, batch_id: str, lease: BatchLease) -> None:
 
     output_id = await _write_file(ctx, batch, "output", rows(want_output=True))
     error_id = await _write_file(ctx, batch, "error", rows(want_output=False))
-    async with ctx.engine.begin() as conn:
+    async with ctx.db.begin() as conn:
         await db_batches.set_status(
             conn, batch_id=batch_id, status=outcome, only_from=("finalizing",),
             output_file_id=output_id, error_file_id=error_id, num_total=tally.num_lines,
@@ -145,7 +145,7 @@ async def _write_file(
     if num_lines == 0:
         await ctx.storage.delete(file_id)
         return None
-    async with ctx.engine.begin() as conn:
+    async with ctx.db.begin() as conn:
         await db_files.purge_file(conn, file_id=file_id)
         await db_files.create_file(
             conn, file_id=file_id, purpose="batch_output", filename=f"{batch.id}_{kind}.jsonl",

@@ -20,7 +20,7 @@ class BatchLease:
         self.renewed = -float("inf")
 
     async def take(self) -> bool:
-        async with self.ctx.engine.begin() as conn:
+        async with self.ctx.db.begin() as conn:
             taken = await db_batches.claim(
                 conn, batch_id=self.batch_id, runner_id=self.ctx.runner_id,
                 lease_s=self.ctx.lease_s,
@@ -30,7 +30,7 @@ class BatchLease:
         return taken
 
     async def release(self) -> None:
-        async with self.ctx.engine.begin() as conn:
+        async with self.ctx.db.begin() as conn:
             await db_batches.release(conn, batch_id=self.batch_id, runner_id=self.ctx.runner_id)
 
     async def renew(self) -> None:

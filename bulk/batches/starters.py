@@ -54,7 +54,7 @@ class InProcessStarter:
             return
         state, settings = self.state, self.state.settings
         context = BatchContext(
-            state.engine, state.transport, state.files, state.tokenizer, settings,
+            state.db, state.transport, state.files, state.tokenizer, settings,
             window=settings.batch_window, lease_s=settings.batch_lease_s,
         )  # fmt: skip
         task = asyncio.create_task(run_batch(context, batch_id), name=f"batch {batch_id}")

@@ -30,7 +30,7 @@ async def validate_lines(
     """Validates the lines after those already committed, `chunk_lines` per transaction, then
     moves the batch to `in_progress` (or stops, when it is being cancelled)."""
     job_id = batch.job_id or await _create_job(ctx, batch)
-    async with ctx.engine.connect() as conn:
+    async with ctx.db.connect() as conn:
         num_lines, num_items = await db_batches.count_lines(conn, batch_id=batch.id)
     lines: list[db_batches.LineRecord] = []
     items: list[tuple[str, list[int]]] = []
@@ -40,7 +40,7 @@ async def validate_lines(
         """Writes the chunk; False when the batch is no longer validating (cancelled)."""
         nonlocal num_items
         await lease.renew()
-        async with ctx.engine.begin() as conn:
+        async with ctx.db.begin() as conn:
             if await db_batches.lock_status(conn, batch_id=batch.id) != "validating":
                 return False
             await db_batches.add_items(
@@ -74,7 +74,7 @@ async def validate_lines(
             if len(lines) >= ctx.chunk_lines and not await commit():
                 return await get_batch(ctx, batch.id)
     except (OSError, LookupError, json.JSONDecodeError) as error:
-        async with ctx.engine.begin() as conn:
+        async with ctx.db.begin() as conn:
             await db_batches.set_status(
                 conn, batch_id=batch.id, status="failed", only_from=("validating",),
                 error=f"the input file could not be read: {error}",
@@ -82,7 +82,7 @@ async def validate_lines(
         return await get_batch(ctx, batch.id)
     if not await commit():
         return await get_batch(ctx, batch.id)
-    async with ctx.engine.begin() as conn:
+    async with ctx.db.begin() as conn:
         num_lines, num_items = await db_batches.count_lines(conn, batch_id=batch.id)
         await db_batches.set_num_items(conn, job_id=job_id, num_items=num_items)
         await db_batches.set_status(
@@ -107,7 +107,7 @@ async def _create_job(ctx: BatchContext, batch: db_batches.BatchRecord) -> str:
         model=ctx.settings.model_id, params={}, items=[], api_key_id=batch.api_key_id,
         deadline=batch.expires_at, metadata={"batch_id": batch.id},
     )  # fmt: skip
-    async with ctx.engine.begin() as conn:
+    async with ctx.db.begin() as conn:
         await store.create_jobs(conn, jobs=[job])
         await db_batches.set_job(conn, batch_id=batch.id, job_id=job_id)
     return job_id
@@ -117,7 +117,7 @@ async def _read_lines(
     ctx: BatchContext, file_id: str, *, skip: int
 ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """The file's non-blank lines after the first `skip`, parsed, streamed from the storage."""
-    async with ctx.engine.connect() as conn:
+    async with ctx.db.connect() as conn:
         record = await db_files.get_file(conn, file_id=file_id)
     if record is None:
         raise LookupError(f"file {file_id} is gone")

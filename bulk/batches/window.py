@@ -29,13 +29,13 @@ async def feed_window(ctx: BatchContext, batch: db_batches.BatchRecord, lease: B
             await _stop_job(ctx, batch.job_id)
             outcome = "cancelled" if batch.status == "cancelling" else "expired"
             break
-        async with ctx.engine.connect() as conn:
+        async with ctx.db.connect() as conn:
             job = await store.get_job(conn, job_id=batch.job_id)
             window = await db_batches.open_items(conn, job_id=batch.job_id, limit=ctx.window)
         assert job is not None
         completed = job.num_items_done - job.num_items_failed
         if (completed, job.num_items_failed) != (batch.num_completed, batch.num_failed):
-            async with ctx.engine.begin() as conn:
+            async with ctx.db.begin() as conn:
                 await db_batches.set_counts(
                     conn, batch_id=batch.id, completed=completed, failed=job.num_items_failed
                 )
@@ -52,7 +52,7 @@ async def feed_window(ctx: BatchContext, batch: db_batches.BatchRecord, lease: B
             ]
             await ctx.transport.submit(requests)
         await asyncio.sleep(POLL_S)
-    async with ctx.engine.begin() as conn:
+    async with ctx.db.begin() as conn:
         await db_batches.set_status(
             conn, batch_id=batch.id, status="finalizing", only_from=("in_progress", "cancelling"),
             finalizing_to=outcome,
@@ -62,7 +62,7 @@ async def feed_window(ctx: BatchContext, batch: db_batches.BatchRecord, lease: B
 async def _stop_job(ctx: BatchContext, job_id: str) -> None:
     """Cancels the job's unfinished items (the cancel route may have done it already) and aborts
     those that can be in the transport: the first `window` of them, in item order."""
-    async with ctx.engine.begin() as conn:
+    async with ctx.db.begin() as conn:
         request_ids = await store.cancel_job(conn, job_id=job_id) or []
     for request_id in request_ids[: ctx.window]:
         await ctx.transport.abort(request_id, "batch cancelled or expired")

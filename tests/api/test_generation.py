@@ -266,7 +266,7 @@ def test_admitted_gives_the_ticket_back_only_when_the_request_never_started(
         transport = ThreadedApiTransport(MemoryTransport(), max_workers=1)
         tokenizer = ModelTokenizer(Tokenizer(BPE()), max_workers=1)
         generation = Generation(
-            settings=settings, engine=pg_engine, transport=transport, tokenizer=tokenizer,
+            settings=settings, db=pg_engine, transport=transport, tokenizer=tokenizer,
             metrics=metrics, admission=admission, recorder=Recorder(pg_engine, transport),
         )  # fmt: skip
         for error in (ValidationError("bad"), TemplateError("broken"), asyncio.CancelledError()):

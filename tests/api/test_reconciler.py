@@ -86,11 +86,11 @@ def test_lost_items_are_enqueued_again_as_first_submitted(
             await store.create_jobs(conn, jobs=[job])
         await transport.submit(requests[:1])  # the rest was lost (say, Redis restarted)
         first = await reconcile_once(
-            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            db=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
             older_than_s=0,
         )  # fmt: skip
         again = await reconcile_once(
-            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            db=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
             older_than_s=0,
         )  # fmt: skip
         await transport.close()
@@ -112,13 +112,13 @@ def test_young_and_finished_items_are_left_alone(pg_engine: AsyncEngine, prefix:
         async with pg_engine.begin() as conn:
             await store.create_jobs(conn, jobs=[job])
         young = await reconcile_once(
-            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            db=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
             older_than_s=60,
         )  # fmt: skip
         async with pg_engine.begin() as conn:
             await store.cancel_job(conn, job_id=job.job_id)
         cancelled = await reconcile_once(
-            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            db=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
             older_than_s=0,
         )  # fmt: skip
         await transport.close()
@@ -159,7 +159,7 @@ def test_interactive_items_are_never_rerun_and_fail_once_the_epoch_has_settled(
 
     async def reconcile(transport: AsyncRedisApiTransport) -> tuple[int, str]:
         count = await reconcile_once(
-            engine=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
+            db=pg_engine, transport=transport, settings=SETTINGS, eos_token_ids=EOS,
             older_than_s=0,
         )  # fmt: skip
         async with pg_engine.connect() as conn:

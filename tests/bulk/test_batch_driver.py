@@ -69,7 +69,7 @@ async def new_batch(
     ctx: BatchContext, num_lines: int, content: bytes | None = None, endpoint: str = CHAT
 ) -> str:
     await ctx.storage.write("file-in", _once(content or jsonl(num_lines)))
-    async with ctx.engine.begin() as conn:
+    async with ctx.db.begin() as conn:
         await db_files.create_file(
             conn, file_id="file-in", purpose="batch", filename="in.jsonl",
             num_bytes=1, num_lines=num_lines, storage_key="file-in",
@@ -87,7 +87,7 @@ async def _once(content: bytes) -> AsyncIterator[bytes]:
 
 
 async def get(ctx: BatchContext, batch_id: str) -> db_batches.BatchRecord:
-    async with ctx.engine.connect() as conn:
+    async with ctx.db.connect() as conn:
         batch = await db_batches.get_batch(conn, batch_id=batch_id)
     assert batch is not None
     return batch
@@ -97,7 +97,7 @@ async def finish_every_item(ctx: BatchContext, batch_id: str) -> None:
     """What the persister would record, had a batcher run the batch's items."""
     job_id = (await get(ctx, batch_id)).job_id
     assert job_id is not None
-    async with ctx.engine.begin() as conn:
+    async with ctx.db.begin() as conn:
         items = await store.get_items(conn, job_id=job_id)
         await store.record_results(
             conn,
@@ -129,7 +129,7 @@ def test_one_runner_drives_a_batch_and_a_second_leaves_it_alone(context: BatchCo
         await wait_for(lambda: _status_is(context, batch_id, "in_progress"))
         other = replace(context, runner_id="runner-other")
         assert await run_batch(other, batch_id) == "in_progress"  # held: it left at once
-        async with context.engine.begin() as conn:  # nobody resumes a batch that is driven
+        async with context.db.begin() as conn:  # nobody resumes a batch that is driven
             assert await db_batches.lapsed_batches(conn, grace_s=5) == []
         batch = await get(context, batch_id)
         assert batch.runner_id == context.runner_id and batch.job_id is not None
@@ -150,7 +150,7 @@ def test_a_stopped_runner_lets_the_next_one_take_over_at_once(context: BatchCont
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        async with context.engine.begin() as conn:  # released: the reconciler sees it now
+        async with context.db.begin() as conn:  # released: the reconciler sees it now
             assert await db_batches.lapsed_batches(conn, grace_s=5) == [batch_id]
         await finish_every_item(context, batch_id)
         other = replace(context, runner_id="runner-other")
@@ -164,16 +164,16 @@ def test_a_dead_runners_lease_runs_out_before_another_takes_the_batch(
 ) -> None:
     async def main() -> None:
         batch_id = await new_batch(context, 2)
-        async with context.engine.begin() as conn:
+        async with context.db.begin() as conn:
             taken = await db_batches.claim(
                 conn, batch_id=batch_id, runner_id="runner-dead", lease_s=0.5
             )
         assert taken
         assert await run_batch(context, batch_id) == "validating"  # still the dead one's
-        async with context.engine.begin() as conn:
+        async with context.db.begin() as conn:
             assert await db_batches.lapsed_batches(conn, grace_s=5) == []
         await asyncio.sleep(0.6)
-        async with context.engine.begin() as conn:
+        async with context.db.begin() as conn:
             assert await db_batches.lapsed_batches(conn, grace_s=0) == [batch_id]
         runner = asyncio.create_task(run_batch(context, batch_id))
         await wait_for(lambda: _status_is(context, batch_id, "in_progress"))
@@ -193,7 +193,7 @@ def test_validation_resumes_after_the_last_committed_chunk(
         first = asyncio.create_task(run_batch(stalling, batch_id))
 
         async def two_chunks() -> bool:
-            async with context.engine.connect() as conn:
+            async with context.db.connect() as conn:
                 return await db_batches.count_lines(conn, batch_id=batch_id) == (6, 6)
 
         await wait_for(two_chunks)
@@ -203,7 +203,7 @@ def test_validation_resumes_after_the_last_committed_chunk(
         resumed = asyncio.create_task(run_batch(context, batch_id))
         await wait_for(lambda: _status_is(context, batch_id, "in_progress"))
         batch = await get(context, batch_id)
-        async with context.engine.connect() as conn:
+        async with context.db.connect() as conn:
             lines = await db_batches.get_lines(conn, batch_id=batch_id)
             job = await store.get_job(conn, job_id=batch.job_id or "")
         assert [line.custom_id for line in lines] == [f"line-{i}" for i in range(10)]
@@ -238,7 +238,7 @@ def test_invalid_lines_get_errors_and_no_item(context: BatchContext) -> None:
         batch_id = await new_batch(context, len(rows), content, endpoint=completions)
         task = asyncio.create_task(run_batch(context, batch_id))
         await wait_for(lambda: _status_is(context, batch_id, "in_progress"))
-        async with context.engine.connect() as conn:
+        async with context.db.connect() as conn:
             lines = await db_batches.get_lines(conn, batch_id=batch_id)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -265,7 +265,7 @@ def test_finalizing_redone_writes_the_same_files(context: BatchContext) -> None:
         assert await asyncio.wait_for(runner, 10) == "completed"
         done = await get(context, batch_id)
         first = b"".join([c async for c in context.storage.read(done.output_file_id or "")])
-        async with context.engine.begin() as conn:  # as if it died while finalizing
+        async with context.db.begin() as conn:  # as if it died while finalizing
             await db_batches.set_status(
                 conn, batch_id=batch_id, status="finalizing", only_from=("completed",),
                 finalizing_to="completed",
@@ -275,7 +275,7 @@ def test_finalizing_redone_writes_the_same_files(context: BatchContext) -> None:
         assert redone.output_file_id == done.output_file_id and redone.error_file_id is None
         again = b"".join([c async for c in context.storage.read(redone.output_file_id or "")])
         assert again == first and len(again.splitlines()) == 3
-        async with context.engine.connect() as conn:
+        async with context.db.connect() as conn:
             outputs = await db_files.list_files(conn, limit=10, purpose="batch_output")
         assert [f.id for f in outputs] == [done.output_file_id]
 
