@@ -12,6 +12,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 import redis
@@ -67,8 +68,15 @@ def offline_tokens(
 
 
 def start_batcher(
-    model_dir: Path, prefix: str, batcher_id: str, *options: str, redis_url: str = REDIS_URL
+    model_dir: Path,
+    prefix: str,
+    batcher_id: str,
+    *options: str,
+    redis_url: str = REDIS_URL,
+    stderr: int | IO[bytes] = subprocess.PIPE,
 ) -> subprocess.Popen[bytes]:
+    """The batcher process; its log goes to `stderr` (a pipe, read once it has exited, or a
+    file a test reads while it runs)."""
     command = [
         sys.executable, "-m", "tgq.batcher", "--model-id", str(model_dir), "--redis-url", redis_url,
         "--prefix", prefix, "--batcher-id", batcher_id, "--num-blocks", str(NUM_BLOCKS),
@@ -76,7 +84,7 @@ def start_batcher(
     ]  # fmt: skip
     # PYTHONFAULTHANDLER: SIGABRT prints every thread's stack (`exit_code` does, on a hang)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    return subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stderr=stderr)
 
 
 def exit_code(process: subprocess.Popen[bytes], timeout_s: float) -> int:
