@@ -21,15 +21,15 @@ from tests.batcher.test_batcher_process import (
     make_prompts,
     offline_tokens,
     start_batcher,
+    submit_all,
 )
 from tests.polling import eventually
 from tests.reliability.redis_server import private_redis
-from tgq.batcher.messages import FinalResult, SubmitRequest
+from tgq.batcher.messages import FinalResult
 from tgq.batcher.request import Priority, StoppingParams
 from tgq.batcher.transport.base import ApiTransport
 from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.batcher.transport.redis_keys import GROUP, RedisKeys
-from tgq.gpu_worker.plan import SamplingParams
 
 STOPPING = StoppingParams(max_new_tokens=64, ignore_eos=True)
 FAST_FAILOVER = ("--heartbeat-ttl-s", "1", "--lease-s", "1", "--max-batch-size", "6")
@@ -43,18 +43,6 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
         if process.poll() is None:
             process.kill()
         process.wait()
-
-
-def submit_all(transport: ApiTransport, prompts: list[list[int]]) -> None:
-    for i, prompt in enumerate(prompts):
-        transport.submit(
-            SubmitRequest(
-                request_id=f"r{i}",
-                prompt_token_ids=prompt,
-                sampling=SamplingParams(),
-                stopping=STOPPING,
-            )
-        )
 
 
 def check_results(transport: ApiTransport, expected: list[list[int]]) -> list[FinalResult]:
@@ -90,7 +78,7 @@ def test_kill_9_of_one_batcher_loses_nothing(
             60,
             lambda: f"two batchers live: {transport.live_batchers()}",
         )
-        submit_all(transport, prompts)
+        submit_all(transport, prompts, STOPPING)
         # b1 holds unacknowledged requests, i.e. unfinished ones: watched on the consumer group
         # itself, since a tiny model can finish a request between two heartbeats.
         eventually(
@@ -133,7 +121,7 @@ def test_a_redis_restart_mid_run_is_survived(
             )
         transport = BlockingApiTransport.from_url(server.url, "tgq")
         expected = offline_tokens(model_dir, prompts, STOPPING)
-        submit_all(transport, prompts)
+        submit_all(transport, prompts, STOPPING)
         assert transport.read_final("r0", 60) is not None
         assert transport.read_final(f"r{len(prompts) - 1}") is None  # mid-run
         server.stop()  # a clean shutdown keeps the AOF

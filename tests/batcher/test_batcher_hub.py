@@ -12,16 +12,14 @@ import pytest
 
 from tests.batcher import test_batcher_process
 from tests.batcher.test_batcher_process import (
-    STOPPING,
     follow,
     make_prompts,
     offline_tokens,
     start_batcher,
+    submit_all,
 )
 from tests.gpu_worker.test_loading import hub_cache
-from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.transport.blocking import BlockingApiTransport
-from tgq.gpu_worker.plan import SamplingParams
 
 REPO = "tgq-test/tiny-llama"
 redis_prefix = test_batcher_process.redis_prefix  # the fixture: a fresh key prefix per test
@@ -41,15 +39,7 @@ def test_a_hub_id_is_served_from_the_cache(
     monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", REPO, model_dir)))
     process = start_batcher(Path(REPO), redis_prefix, "b0")
     try:
-        for i, prompt in enumerate(prompts):
-            api.submit(
-                SubmitRequest(
-                    request_id=f"r{i}",
-                    prompt_token_ids=prompt,
-                    sampling=SamplingParams(),
-                    stopping=STOPPING,
-                )
-            )
+        submit_all(api, prompts)
         expected = offline_tokens(model_dir, prompts)
         assert [follow(api, f"r{i}") for i in range(len(prompts))] == expected
         process.send_signal(signal.SIGTERM)

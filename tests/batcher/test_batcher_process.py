@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -98,6 +98,26 @@ def exit_code(process: subprocess.Popen[bytes], timeout_s: float) -> int:
         pytest.fail(f"the batcher did not exit within {timeout_s} s:\n{stderr.decode()[-6000:]}")
 
 
+def submit_all(
+    transport: ApiTransport,
+    prompts: list[list[int]],
+    stopping: StoppingParams = STOPPING,
+    *,
+    priority_of: Callable[[int], Priority] = lambda _: Priority.INTERACTIVE,
+) -> None:
+    """Prompt i as request `r{i}`, greedy, at `priority_of(i)`."""
+    for i, prompt in enumerate(prompts):
+        transport.submit(
+            SubmitRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(),
+                stopping=stopping,
+                priority=priority_of(i),
+            )
+        )
+
+
 def follow(transport: ApiTransport, request_id: str) -> list[int]:
     """A streaming reader: token ids of every event in order, until the final result."""
     token_ids: list[int] = []
@@ -120,17 +140,11 @@ def test_fifty_requests_through_redis_match_the_offline_engine(
     process = start_batcher(model_dir, redis_prefix, "b0")
     try:
         expected = offline_tokens(model_dir, prompts)
-        for i, prompt in enumerate(prompts):
-            priority = Priority.BULK if i % 3 == 0 else Priority.INTERACTIVE
-            api.submit(
-                SubmitRequest(
-                    request_id=f"r{i}",
-                    prompt_token_ids=prompt,
-                    sampling=SamplingParams(),
-                    stopping=STOPPING,
-                    priority=priority,
-                )
-            )
+        submit_all(
+            api,
+            prompts,
+            priority_of=lambda i: Priority.BULK if i % 3 == 0 else Priority.INTERACTIVE,
+        )
         for i, reference in enumerate(expected):
             assert follow(api, f"r{i}") == reference
             result = api.read_final(f"r{i}", 60)

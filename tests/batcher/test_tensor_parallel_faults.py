@@ -21,7 +21,6 @@ from tests.batcher.test_batcher_failover import (
     check_results,
     drain,
     processes,
-    submit_all,
 )
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
@@ -31,6 +30,7 @@ from tests.batcher.test_batcher_process import (
     offline_tokens,
     redis_prefix,
     start_batcher,
+    submit_all,
 )
 from tests.polling import eventually
 from tgq.batcher.transport.blocking import BlockingApiTransport
@@ -86,7 +86,7 @@ def test_a_lost_rank_hands_the_work_to_another_batcher(
     )
     ranks = ranks_of(processes[0])
     assert len(ranks) == 2
-    submit_all(api, prompts)
+    submit_all(api, prompts, STOPPING)
     eventually(
         lambda: _holds_requests(client, prefix, "b0"), 60, "b0 holds requests", interval_s=0.002
     )
