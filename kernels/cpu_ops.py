@@ -23,7 +23,6 @@ __all__ = [
     "add_rms_norm",
     "argmax",
     "avx512_attention_serves",
-    "decode_layers_",
     "greedy_head_argmax",
     "hardware_unsupported_reason",
     "has_avx512_bf16",
@@ -31,6 +30,7 @@ __all__ = [
     "is_available",
     "linear_bf16",
     "linear_bf16_packed",
+    "op_program",
     "pack_weight_bf16",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -56,7 +56,7 @@ _SOURCES = [
         "argmax.cpp",
         "greedy_head.cpp",
         "greedy_head_avx512.cpp",
-        "decode_layers.cpp",
+        "op_program.cpp",
     )
 ]
 _REQUIRED_FLAGS = frozenset({"avx2", "fma"})
@@ -323,34 +323,11 @@ def rotary_qk_(
     _ops().rotary_qk_(qkv, cos, sin, num_heads, head_dim)
 
 
-def decode_layers_(
-    x: torch.Tensor,  # [T, hidden] bf16, the residual stream: updated in place
-    norms: list[torch.Tensor],  # per layer: input norm, post-attention norm weights
-    weights: list[torch.Tensor],  # per layer: packed qkv, o, gate_up, down
-    biases: list[torch.Tensor | None],  # per layer, the same four
-    out_features: list[int],  # per layer, the same four
-    k_caches: list[torch.Tensor],
-    v_caches: list[torch.Tensor],
-    cos: torch.Tensor,  # [T, head_dim] bf16
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [T] int64
-    block_tables: torch.Tensor,  # [T, max_blocks]
-    kv_lens: torch.Tensor,  # [T] int64
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    eps: float,
-    scale: float,
-    windows: list[int],  # per layer; 0: none
-) -> None:
-    """Every decoder layer of a decode-only step (one token per row), then the last MLP output
-    added to x: the ops the modules' forward runs on the CPU kernels (rms_norm / add_rms_norm,
-    linear_bf16_packed, rotary_qk_, write_kv_, paged_decode_attention, silu_mul), in its order,
-    in one call (gpu_worker.models.cpu_decode.CpuDecodePath)."""
-    _ops().decode_layers_(
-        x, norms, weights, biases, out_features, k_caches, v_caches, cos, sin, slot_mapping,
-        block_tables, kv_lens, num_heads, num_kv_heads, head_dim, eps, scale, windows,
-    )  # fmt: skip
+def op_program(num_inputs: int) -> Any:
+    """An empty OpProgram (op_program.cpp) over `num_inputs` input tensors; kernels/replay.py
+    fills it from recorded op calls and runs it."""
+    _ops()  # builds and loads the library, which registers the class
+    return torch.classes.tgq_cpu_ops.OpProgram(num_inputs)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [N, V] fp32 -> [N] int64

@@ -7,6 +7,8 @@ dtypes, CPUs and head sizes take the torch backend's path."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from tgq.kernels import cpu_ops
@@ -21,6 +23,11 @@ class CpuPagedAttention(TorchPagedAttention):
             raise RuntimeError(
                 f"attention backend 'cpu' is unavailable: {cpu_ops.unavailable_reason()}"
             )
+
+    def replay_key(self, meta: TorchMetadata) -> Hashable | None:
+        """A decode-only step's ops depend on its row count only: the kernels read the block
+        tables and lengths whatever their width (kernels.replay)."""
+        return ("decode", meta.num_single) if meta.num_single and not meta.multi else None
 
     def write_kv(
         self,

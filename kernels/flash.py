@@ -8,6 +8,7 @@ queries is aligned bottom-right, which is exactly "new tokens come after the cac
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,10 @@ class FlashAttention:
             max_seqlen_k=max(kv_lens),
             block_table=table.to(device),
         )
+
+    def replay_key(self, meta: FlashMetadata) -> Hashable | None:
+        """None: steps on the GPU are not replayed (kernels.replay)."""
+        return None
 
     def write_kv(
         self,

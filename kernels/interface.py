@@ -13,7 +13,7 @@ Cache layout, per layer: `k_cache` and `v_cache` are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -79,6 +79,12 @@ class AttentionBackend(Protocol[MetaT]):
     name: str
 
     def prepare(self, step: AttentionStep, device: torch.device) -> MetaT: ...
+
+    def replay_key(self, meta: MetaT) -> Hashable | None:
+        """Where this backend's ops for the step depend on nothing but the metadata's tensors
+        and this key (hashable, shapes included), a step recorded with the same key may be
+        replayed (kernels.replay); None where they depend on more."""
+        ...
 
     def write_kv(
         self,

@@ -10,6 +10,7 @@ into one call would waste compute on the padding.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,11 @@ class TorchPagedAttention:
             single_kv_lens=torch.tensor([s.kv_len for s in singles], device=device),
             multi=multi,
         )
+
+    def replay_key(self, meta: TorchMetadata) -> Hashable | None:
+        """What this backend's ops for a step depend on beyond the metadata's tensors, where
+        nothing but that (kernels.replay): None here, as the gathered blocks' shape varies."""
+        return None
 
     def write_kv(
         self,

@@ -79,7 +79,7 @@ class RotaryEmbedding:
         return (1.0 / (bases[:, None] ** exponents[None, :])).float()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """[T] positions -> cos, sin of shape [T, 1, head_dim] in `dtype`."""
+        """[T] positions -> cos, sin of shape [T, head_dim] in `dtype`."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         if self.rope_type == "dynamic":
             long = positions >= self.original_max_positions
@@ -88,15 +88,15 @@ class RotaryEmbedding:
                     positions[long] + 1
                 )
                 freqs[long] = scaled
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(
     x: torch.Tensor,  # [T, heads, head_dim]
-    cos: torch.Tensor,  # [T, 1, head_dim]
+    cos: torch.Tensor,  # [T, head_dim]
     sin: torch.Tensor,
 ) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos[:, None] + rotated * sin[:, None]

@@ -27,11 +27,10 @@ from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.layers.norm import RMSNorm
 from tgq.gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
-from tgq.gpu_worker.models.cpu_decode import CpuDecodePath
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.kernels import AttentionBackend, AttentionMetadata, cpu_ops
 from tgq.kernels.greedy_head import GreedyHead
-from tgq.kernels.torch_paged import TorchMetadata
+from tgq.kernels.replay import OpReplay, tensors_of
 
 # K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -41,7 +40,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class ForwardContext:
     backend: AttentionBackend[Any]
     meta: AttentionMetadata
-    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    cos: torch.Tensor  # [num_tokens, head_dim]
     sin: torch.Tensor
 
 
@@ -102,8 +101,8 @@ class Attention(nn.Module):
         num_tokens, shape = x.shape[0], self.shape
         qkv = self.qkv_proj(x)
         if self.use_cpu_kernel:  # one fused op rotates q and k in place, before the split
-            cos, sin = ctx.cos.view(num_tokens, -1), ctx.sin.view(num_tokens, -1)
-            cpu_ops.rotary_qk_(qkv, cos, sin, shape.num_heads + shape.num_kv_heads, shape.head_dim)
+            heads = shape.num_heads + shape.num_kv_heads
+            cpu_ops.rotary_qk_(qkv, ctx.cos, ctx.sin, heads, shape.head_dim)
         q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
         q = q.reshape(num_tokens, shape.num_heads, shape.head_dim)
         k = k.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
@@ -244,7 +243,7 @@ class DecoderForCausalLM(nn.Module):
             config.max_position_embeddings,
         )
         self.greedy_head: GreedyHead | None = None  # set by use_cpu_kernels where it can run
-        self.cpu_decode: CpuDecodePath | None = None  # likewise
+        self.replay: OpReplay | None = None  # likewise
 
     @classmethod
     def attention_biases(cls, config: ModelConfig) -> tuple[bool, bool]:
@@ -270,8 +269,11 @@ class DecoderForCausalLM(nn.Module):
         AVX-512 kernel (a tied lm_head gets its own packed copy; the embedding keeps its rows);
         otherwise kernels/cpu_ops.py picks per call. With AVX512_VNNI too, one rank and
         `greedy_head`, argmax-only rows get their tokens from `self.greedy_head`
-        (kernels.greedy_head), which keeps the head's [N, K] rows and an int8 copy. Returns the
-        modules switched."""
+        (kernels.greedy_head), which keeps the head's [N, K] rows and an int8 copy. On one rank,
+        the layers of a step the attention backend can key (`replay_key`: decode-only steps on
+        the CPU kernels) run as the ops recorded from their first such step
+        (`self.replay`, kernels.replay): bit-identical, without the Python between the ops.
+        Returns the modules switched."""
         weight = self.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             return 0
@@ -298,9 +300,9 @@ class DecoderForCausalLM(nn.Module):
                 continue
             switched += 1
         single = self.tp.world_size == 1
-        layers = [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
-        if pack and single and CpuDecodePath.supports(layers):
-            self.cpu_decode = CpuDecodePath(layers)
+        # Steps the backend can key (decode-only ones on the CPU kernels) run as recorded ops.
+        if single:
+            self.replay = OpReplay(self)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
         if greedy_head and pack and single:
             self.greedy_head = GreedyHead.build(self.lm_head.weight.detach(), head)
@@ -320,10 +322,17 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden] (before the final norm)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.cpu_decode is not None and self.cpu_decode.serves(backend, meta, x):
-            assert isinstance(meta, TorchMetadata)
-            return self.cpu_decode(x, cos, sin, kv_caches, meta)
         ctx = ForwardContext(backend, meta, cos, sin)
+        key = None if self.replay is None else backend.replay_key(meta)
+        if self.replay is None or key is None:
+            return self._layers(x, kv_caches, ctx)
+        # Everything `_layers` reads that is not a parameter of this model is an input.
+        inputs = [x, cos, sin, *tensors_of(meta), *(t for kv in kv_caches for t in kv)]
+        return self.replay((x.shape[0], key), inputs, lambda: self._layers(x, kv_caches, ctx))
+
+    def _layers(
+        self, x: torch.Tensor, kv_caches: list[KVCache], ctx: ForwardContext
+    ) -> torch.Tensor:
         delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, delta = layer(x, delta, kv_cache, ctx)

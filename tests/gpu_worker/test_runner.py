@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
 
 from tests.gpu_worker.test_parity import hf_generate
+from tests.kernels.markers import requires_kernels
 from tgq.batcher.offline import OfflineEngine
-from tgq.gpu_worker.models import cpu_decode, decoder
+from tgq.gpu_worker.models import decoder
 from tgq.gpu_worker.plan import (
     NewSequence,
     SamplingParams,
@@ -279,45 +281,46 @@ def test_the_greedy_head_can_be_switched_off(model_dirs: dict[str, Path]) -> Non
     assert parse_args(["--model-id", "m", "--no-greedy-head"]).greedy_head is False
 
 
-@pytest.mark.skipif(not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16")
+@requires_kernels
 @pytest.mark.parametrize(
-    "name", ["llama3-gqa", "llama2-tied-linear", "mistral-window", "qwen2-bias"]
+    "name", ["llama3-gqa", "llama2-tied-linear", "mistral-window", "qwen2-bias", "qwen3-qknorm"]
 )
-def test_decode_steps_through_the_cpu_decode_path_are_unchanged(
+def test_decode_steps_replayed_from_their_recording_are_unchanged(
     name: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bf16 decode-only steps run the layers as one flat loop over the kernels (GQA, tied
-    embeddings, a sliding window, qkv bias): tokens and logprobs are those of the modules'
-    forward, and only decode-only steps take it."""
+    """bf16 decode-only steps on the CPU kernels run as the ops recorded from the first step of
+    their batch size (kernels.replay; GQA, tied embeddings, a sliding window, qkv bias, q/k
+    norms): tokens and logprobs are those of the modules' forward, and steps with prefill
+    chunks run the modules."""
     prompts = [PROMPT, PROMPT[:4], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
     params = [SamplingParams(logprobs=True), SEEDED, SamplingParams()]
-    steps: list[int] = []
-    call = cpu_decode.CpuDecodePath.__call__
+    as_python: list[int] = []  # the row count of each step whose layers ran as Python
+    layers = decoder.DecoderForCausalLM._layers
 
-    def counted(path: cpu_decode.CpuDecodePath, x: torch.Tensor, *args: object) -> torch.Tensor:
-        steps.append(x.shape[0])
-        return call(path, x, *args)  # type: ignore[arg-type]
+    def counted(model: decoder.DecoderForCausalLM, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        as_python.append(x.shape[0])
+        return layers(model, x, *args)
 
-    monkeypatch.setattr(cpu_decode.CpuDecodePath, "__call__", counted)
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "_layers", counted)
 
-    def generate(fast: bool) -> list[tuple[list[int], list[float | None]]]:
+    def generate(replay: bool) -> list[tuple[list[int], list[float | None]]]:
         runner = ModelRunner(RunnerConfig(str(model_dirs[name]), dtype="bfloat16", num_blocks=128))
         model = runner.loaded.model
-        assert model.cpu_decode is not None
-        if not fast:
-            model.cpu_decode = None
-        out = OfflineEngine(runner).generate(prompts, params, max_new_tokens=6, chunk_size=5)
+        assert model.replay is not None
+        if not replay:
+            model.replay = None
+        out = OfflineEngine(runner).generate(prompts, params, max_new_tokens=12, chunk_size=5)
+        if model.replay is not None:  # 9, 4 and 11 tokens, 5 a step: the first steps mix both
+            keys = cast(list[tuple[int, object]], model.replay.keys)
+            assert keys and not model.replay.refusals
+            assert {rows for rows, _ in keys} <= {1, 2, 3}
         return [(g.token_ids, g.logprobs) for g in out]
 
-    assert generate(fast=True) == generate(fast=False)
-    # prompts of 9, 4 and 11 tokens in chunks of 5: the first steps mix prefill and decode
-    assert steps and max(steps) == 3 and min(steps) < 3
-
-
-@pytest.mark.skipif(not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16")
-def test_models_with_qk_norms_keep_the_modules(model_dirs: dict[str, Path]) -> None:
-    config = RunnerConfig(str(model_dirs["qwen3-qknorm"]), dtype="bfloat16", num_blocks=8)
-    assert ModelRunner(config).loaded.model.cpu_decode is None
+    replayed = generate(replay=True)
+    steps_replaying = len(as_python)
+    assert replayed == generate(replay=False)
+    # All three decode together for several steps: one of them ran as Python, to record.
+    assert as_python[:steps_replaying].count(3) == 1 and as_python[steps_replaying:].count(3) > 2
 
 
 def test_the_block_size_follows_the_attention_backend(model_dirs: dict[str, Path]) -> None:
@@ -353,7 +356,7 @@ def test_custom_kernels_off_runs_plain_torch_ops(dtype: str, model_dirs: dict[st
     (default, tokens), (plain, plain_tokens) = run(True), run(False)
     model = plain.loaded.model
     assert (plain.backend.name, plain.loaded.num_cpu_kernel_modules) == ("torch", 0)
-    assert model.greedy_head is None and model.cpu_decode is None
+    assert model.greedy_head is None and model.replay is None
     assert default.backend.name == ("cpu" if cpu_ops.is_available() else "torch")
     if dtype == "bfloat16" and cpu_ops.is_available():
         assert default.loaded.num_cpu_kernel_modules > 0

@@ -61,8 +61,8 @@ def test_rotary_in_place_is_bit_identical(num_heads: int, num_kv_heads: int, hea
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
-    expected_q = apply_rotary(q.reshape(tokens, num_heads, head_dim), cos[:, None], sin[:, None])
-    expected_k = apply_rotary(k.reshape(tokens, num_kv_heads, head_dim), cos[:, None], sin[:, None])
+    expected_q = apply_rotary(q.reshape(tokens, num_heads, head_dim), cos, sin)
+    expected_k = apply_rotary(k.reshape(tokens, num_kv_heads, head_dim), cos, sin)
     expected_v = v.clone()
     cpu_ops.rotary_qk_(qkv, cos, sin, num_heads + num_kv_heads, head_dim)
     q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
