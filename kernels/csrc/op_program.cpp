@@ -21,6 +21,7 @@ struct OpProgram : torch::CustomClassHolder {
     std::vector<c10::IValue> values;  // per argument: the constant (None where a register)
     std::vector<std::vector<int64_t>> lists;  // per argument: a tensor list's registers
     std::vector<int64_t> outputs;     // registers of the returned tensors, lists flattened
+    std::vector<int64_t> last_reads;  // registers no later step reads: released after this one
   };
 
   static constexpr int64_t kConstant = -1;
@@ -67,16 +68,34 @@ struct OpProgram : torch::CustomClassHolder {
       }
     }
     TORCH_CHECK(num_outputs >= 0, "OpProgram: negative output count for ", name);
-    Step step{op, sources, std::move(values), std::move(lists), {}};
+    Step step{op, sources, std::move(values), std::move(lists), {}, {}};
     const int64_t first = num_registers_;
     for (int64_t i = 0; i < num_outputs; ++i) step.outputs.push_back(num_registers_++);
     steps_.push_back(std::move(step));
     return first;
   }
 
+  // Ends the recording: `reg` is what run returns. Every other tensor is released after the
+  // last step that reads it (or makes it, if none does), as the recorded code's frees did, so
+  // a step's buffers are reused by the next ones while still in the cache.
   void set_result(int64_t reg) {
     TORCH_CHECK(reg >= 0 && reg < num_registers_, "OpProgram: no register ", reg);
     result_ = reg;
+    std::vector<int64_t> last(num_registers_, -1);  // the step that last reads or makes it
+    for (int64_t i = 0; i < static_cast<int64_t>(steps_.size()); ++i) {
+      const Step& step = steps_[i];
+      for (size_t a = 0; a < step.sources.size(); ++a) {
+        if (step.sources[a] >= 0) last[step.sources[a]] = i;
+        if (step.sources[a] == kTensorList) {
+          for (const int64_t read : step.lists[a]) last[read] = i;
+        }
+      }
+      for (const int64_t made : step.outputs) last[made] = i;
+    }
+    for (Step& step : steps_) step.last_reads.clear();
+    for (int64_t r = 0; r < num_registers_; ++r) {
+      if (r != result_ && last[r] >= 0) steps_[last[r]].last_reads.push_back(r);
+    }
   }
 
   int64_t num_steps() const { return static_cast<int64_t>(steps_.size()); }
@@ -121,6 +140,7 @@ struct OpProgram : torch::CustomClassHolder {
       }
       TORCH_CHECK(out == step.outputs.size(), "OpProgram: ", step.op.schema().name(),
                   " returned ", out, " tensors, recorded ", step.outputs.size());
+      for (const int64_t reg : step.last_reads) registers[reg] = c10::IValue();
     }
     return registers[result_].toTensor();
   }
