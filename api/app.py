@@ -46,12 +46,9 @@ from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher import tracing
 from tgq.batcher.messages import FinalResult
 from tgq.batcher.request import FinishReason
-from tgq.batcher.transport.aio import (
-    AsyncApiTransport,
-    AsyncRedisApiTransport,
-    ThreadedApiTransport,
-)
+from tgq.batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport
 from tgq.batcher.transport.base import StoredFinal
+from tgq.batcher.transport.threaded import ThreadedApiTransport
 from tgq.gpu_worker.quantization import refuse_quantized_config
 
 log = logging.getLogger("api")

@@ -5,21 +5,18 @@ follow token streams (through the replica's `TokenHub`), read and persist final 
 started log, the epoch. It speaks `redis_keys.py`'s layout and `redis_wire.py`'s entry format
 and consumer-group rule with `redis.asyncio` (a waiting final or started reader holds one pooled
 connection while it blocks, so the pool is sized to the api's concurrency); the batcher's side
-is `redis.RedisBatcherTransport`. `ThreadedApiTransport` runs the in-process transport (`tgq
-serve`) on its own thread pool. Both honour `base.ApiTransport`'s contract, awaited;
-`blocking.BlockingApiTransport` serves either to synchronous callers.
+is `redis.RedisBatcherTransport`. `threaded.ThreadedApiTransport` runs the in-process transport
+(`tgq serve`) on its own thread pool. Both honour `base.ApiTransport`'s contract, awaited
+(`AsyncApiTransport`); `blocking.BlockingApiTransport` serves either to synchronous callers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -31,7 +28,7 @@ from redis.driver_info import DriverInfo
 
 from tgq.batcher.messages import AbortRequest, FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.request import Priority
-from tgq.batcher.transport.base import ApiTransport, StoredFinal, TransportConfig
+from tgq.batcher.transport.base import StoredFinal, TransportConfig
 from tgq.batcher.transport.redis_keys import (
     AFTER_EVENTS_ID,
     END_ID,
@@ -126,64 +123,6 @@ class AsyncApiTransport(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-class ThreadedApiTransport:
-    """A synchronous transport behind a thread pool: one thread per waiting reader."""
-
-    def __init__(self, transport: ApiTransport, max_workers: int) -> None:
-        self.transport = transport
-        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="transport")
-        self._epoch = Epoch.start()  # in process: its data lives as long as this object
-
-    async def _run(self, call: Callable[..., _T], *args: Any) -> _T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(call, *args))
-
-    async def submit(self, requests: list[SubmitRequest]) -> None:
-        for request in requests:
-            self.transport.submit(request)  # in-process: a lock and an append
-
-    async def abort(self, request_id: str, reason: str = "aborted by client") -> None:
-        self.transport.abort(request_id, reason)
-
-    async def read_tokens(
-        self, request_id: str, from_seq: int, timeout_s: float
-    ) -> list[TokenEvent]:
-        return await self._run(self.transport.read_tokens, request_id, from_seq, timeout_s)
-
-    async def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
-        return await self._run(self.transport.read_final, request_id, timeout_s)
-
-    async def live_batchers(self) -> list[Heartbeat]:
-        return self.transport.live_batchers()
-
-    async def queue_depth(self) -> int:
-        return self.transport.queue_depth()
-
-    async def pull_finals(self, consumer: str, max_count: int, block_ms: int) -> list[StoredFinal]:
-        return await self._run(self.transport.pull_finals, consumer, max_count, block_ms)
-
-    async def ack_finals(self, entry_ids: list[str]) -> None:
-        self.transport.ack_finals(entry_ids)
-
-    async def read_started(
-        self, cursor: str | None, max_count: int, block_ms: int
-    ) -> tuple[str, list[str]]:
-        return await self._run(self.transport.read_started, cursor, max_count, block_ms)
-
-    async def missing(self, request_ids: list[str]) -> list[str]:
-        return self.transport.missing(request_ids)
-
-    async def warm_up(self, num_connections: int) -> None:
-        pass  # in process: nothing to connect
-
-    async def epoch(self) -> Epoch:
-        epoch, self._epoch = self._epoch, dataclasses.replace(self._epoch, is_new=False)
-        return epoch
-
-    async def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class AsyncRedisApiTransport:

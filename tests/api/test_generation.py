@@ -29,9 +29,9 @@ from tgq.api.settings import Settings
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher.messages import FinalResult, SubmitRequest
 from tgq.batcher.request import FinishReason, StoppingParams
-from tgq.batcher.transport.aio import ThreadedApiTransport
 from tgq.batcher.transport.base import TransportConfig
 from tgq.batcher.transport.memory import MemoryTransport
+from tgq.batcher.transport.threaded import ThreadedApiTransport
 from tgq.gpu_worker.plan import SamplingParams
 
 

@@ -14,14 +14,11 @@ import redis
 from tests.finals import final_result
 from tgq.batcher.messages import Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.request import StoppingParams
-from tgq.batcher.transport.aio import (
-    AsyncApiTransport,
-    AsyncRedisApiTransport,
-    ThreadedApiTransport,
-)
+from tgq.batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport
 from tgq.batcher.transport.base import BatcherTransport, TransportConfig
 from tgq.batcher.transport.memory import MemoryTransport
 from tgq.batcher.transport.redis import RedisBatcherTransport
+from tgq.batcher.transport.threaded import ThreadedApiTransport
 from tgq.gpu_worker.plan import SamplingParams
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -20,8 +20,8 @@ from tgq.api.db import store
 from tgq.api.files.storage import LocalFileStorage
 from tgq.api.settings import Settings
 from tgq.api.tokenizer import ModelTokenizer
-from tgq.batcher.transport.aio import ThreadedApiTransport
 from tgq.batcher.transport.memory import MemoryTransport
+from tgq.batcher.transport.threaded import ThreadedApiTransport
 from tgq.bulk.batches.context import BatchContext
 from tgq.bulk.batches.driver import run_batch
 
