@@ -32,7 +32,7 @@ from tgq.api.drain import Drain, DrainMiddleware
 from tgq.api.errors import UnavailableError, dependency_failure, install_error_handlers
 from tgq.api.files.storage import FileStorage, LocalFileStorage
 from tgq.api.generation import Generation
-from tgq.api.health import DatabaseProbe
+from tgq.api.health import DatabaseProbe, Health
 from tgq.api.loops import cancel_and_wait
 from tgq.api.metrics import Metrics
 from tgq.api.observability import install_observability
@@ -44,8 +44,6 @@ from tgq.api.settings import Settings
 from tgq.api.shedding import ShedOverload
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher import tracing
-from tgq.batcher.messages import FinalResult
-from tgq.batcher.request import FinishReason
 from tgq.batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport
 from tgq.batcher.transport.base import StoredFinal
 from tgq.batcher.transport.threaded import ThreadedApiTransport
@@ -56,38 +54,6 @@ VERSION = "0.1.0"
 MONITOR_INTERVAL_S = 0.25
 BATCHERS_INTERVAL_S = 1.0
 MAX_WARM_CONNECTIONS = 16  # per pool (database, Redis) opened at start: up to the concurrency cap
-
-
-@dataclass(slots=True)
-class Health:
-    """What `/health` answers from: the database (probed), Redis and live batchers (the
-    monitor's last round), and the engine's last outcome."""
-
-    num_batchers: int = 0
-    engine_failure: str | None = None  # set by a failed result, cleared by a successful one
-    transport_failure: str | None = None  # set by a failed monitor round, cleared by the next
-    database: DatabaseProbe | None = None
-
-    def observe(self, result: FinalResult) -> None:
-        if result.finish_reason == FinishReason.FAILED:
-            self.engine_failure = result.finish_detail or "failed"
-        elif result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.engine_failure = None
-
-    async def check(self) -> str | None:
-        """The first problem found, database first; None when healthy."""
-        database = None if self.database is None else await self.database.problem()
-        return database or self.problem
-
-    @property
-    def problem(self) -> str | None:
-        if self.transport_failure is not None:
-            return self.transport_failure
-        if self.num_batchers == 0:
-            return "no batcher is alive"
-        if self.engine_failure is not None:
-            return f"the engine is failing: {self.engine_failure}"
-        return None
 
 
 class BatchStarter(Protocol):

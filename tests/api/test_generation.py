@@ -16,10 +16,10 @@ from tokenizers.models import BPE
 from tests.finals import final_result
 from tests.polling import eventually
 from tgq.api.admission import Admission, Limits
-from tgq.api.app import Health
 from tgq.api.db import create_engine, store
 from tgq.api.errors import OverloadedError, TemplateError, UnavailableError, ValidationError
 from tgq.api.generation import Generation
+from tgq.api.health import Health
 from tgq.api.ids import new_job_id, parse_request_id, request_id_of
 from tgq.api.loops import RECANCEL_S, cancel_and_wait
 from tgq.api.metrics import Metrics
