@@ -25,7 +25,15 @@ from tgq.api.chat_prompt import render_chat
 from tgq.api.errors import ApiError, GenerationError, error_body
 from tgq.api.generation import Run, check_failed
 from tgq.api.openai_validation import chat_params, completion_params, completion_prompts
-from tgq.api.routes.tgi import output_text
+from tgq.api.routes.openai_answers import (
+    chat_token_logprobs,
+    chosen_items,
+    completion_choice,
+    finish_reason,
+    legacy_logprobs,
+    run_usage,
+)
+from tgq.api.routes.tgi_answers import output_text
 from tgq.api.schemas.openai import (
     ChatCompletion,
     ChatCompletionChoice,
@@ -33,77 +41,22 @@ from tgq.api.schemas.openai import (
     ChatCompletionRequest,
     ChatLogprobs,
     ChatMessage,
-    ChatTokenLogprob,
     ChunkChoice,
     Completion,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     Delta,
     Model,
     ModelList,
-    PromptTokensDetails,
-    TopLogprob,
     Usage,
 )
 from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
 from tgq.api.validated import GenerationParams
-from tgq.batcher.messages import FinalResult, TokenEvent
-from tgq.batcher.request import FinishReason
+from tgq.batcher.messages import FinalResult
 
 router = APIRouter(tags=["OpenAI"])
 FINGERPRINT = f"{VERSION}-native"
 DONE = data_event("[DONE]")
-
-
-def _finish_reason(final: FinalResult) -> str:
-    return "length" if final.finish_reason == FinishReason.LENGTH else "stop"
-
-
-def _usage(run: Run) -> Usage:
-    finals = run.finals.values()
-    prompt_tokens = sum(p.num_prompt_tokens for p in run.prompts)
-    completion_tokens = sum(final.num_output_tokens for final in finals)
-    cached_tokens = sum(_num_cached_tokens(run, p) for p in range(len(run.prompts)))
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-    )
-
-
-def _items_of(run: Run, prompt_index: int) -> range:
-    return range(prompt_index * run.copies, (prompt_index + 1) * run.copies)
-
-
-def _num_cached_tokens(run: Run, prompt_index: int) -> int:
-    finals = [run.finals.get(run.requests[i].request_id) for i in _items_of(run, prompt_index)]
-    return min((f.num_cached_tokens for f in finals if f is not None), default=0)
-
-
-def _token_logprobs(state: AppState, event: TokenEvent) -> list[ChatTokenLogprob]:
-    entries = []
-    for position, token_id in enumerate(event.token_ids):
-        text = state.tokenizer.token_text(token_id)
-        logprob = event.logprobs[position] if position < len(event.logprobs) else None
-        tops = event.top_logprobs[position] if position < len(event.top_logprobs) else []
-        entries.append(
-            ChatTokenLogprob(
-                token=text,
-                logprob=logprob if logprob is not None else 0.0,
-                bytes=list(text.encode()),
-                top_logprobs=[
-                    TopLogprob(
-                        token=(t := state.tokenizer.token_text(i)),
-                        logprob=lp,
-                        bytes=list(t.encode()),
-                    )
-                    for i, lp in tops
-                ],
-            )
-        )
-    return entries
 
 
 async def _start(
@@ -151,14 +104,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         if params.sampling.logprobs:
             events = run.events.get(request_.request_id, [])
             logprobs = ChatLogprobs(
-                content=[e for ev in events for e in _token_logprobs(state, ev)]
+                content=[e for ev in events for e in chat_token_logprobs(state, ev)]
             )
         choices.append(
             ChatCompletionChoice(
                 index=index,
                 message=ChatMessage(content=output_text(state, final, include_stop=False)),
                 logprobs=logprobs,
-                finish_reason=_finish_reason(final),
+                finish_reason=finish_reason(final),
             )
         )
     return ChatCompletion(
@@ -167,7 +120,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         model=state.settings.model_id,
         system_fingerprint=FINGERPRINT,
         choices=choices,
-        usage=_usage(run),
+        usage=run_usage(run),
     )
 
 
@@ -198,19 +151,19 @@ async def _chat_chunks(state: AppState, run: Run, *, include_usage: bool) -> Asy
             if isinstance(event, FinalResult):
                 if event.finish_reason not in ("stop", "length"):
                     raise GenerationError(event.finish_detail or event.finish_reason)
-                reason = _finish_reason(event)
+                reason = finish_reason(event)
                 yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
                 continue
             if not event.text and not params.sampling.logprobs:
                 continue
             if params.sampling.logprobs:
-                logprobs = ChatLogprobs(content=_token_logprobs(state, event))
+                logprobs = ChatLogprobs(content=chat_token_logprobs(state, event))
                 delta = Delta(content=event.text)
                 yield chunk([ChunkChoice(index=index, delta=delta, logprobs=logprobs)])
             else:
                 yield content_chunks[index](event.text)
         if include_usage:
-            yield chunk([], _usage(run))
+            yield chunk([], run_usage(run))
     except ApiError as error:
         yield data_event(dump_json(error_body(error, flavour="openai")))
     yield DONE
@@ -251,26 +204,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     check_failed(finals)
     with_logprobs = body.logprobs is not None
     choices = [
-        _completion_choice(state, run, index, item, with_logprobs=with_logprobs)
-        for index, item in enumerate(_chosen_items(run, params.num_choices))
+        completion_choice(state, run, index, item, with_logprobs=with_logprobs)
+        for index, item in enumerate(chosen_items(run, params.num_choices))
     ]
-    return _completion(state, run, choices, _usage(run))
-
-
-def _chosen_items(run: Run, num_choices: int) -> list[int]:
-    """Per prompt, its `n` items: all of them, or the most likely `n` of its `best_of`."""
-    chosen = []
-    for prompt_index in range(len(run.prompts)):
-        items = list(_items_of(run, prompt_index))
-        if len(items) > num_choices:
-            items = sorted(items, key=lambda i: -_cumulative_logprob(run, i))[:num_choices]
-        chosen += items
-    return chosen
-
-
-def _cumulative_logprob(run: Run, item: int) -> float:
-    final = run.finals[run.requests[item].request_id]
-    return sum(lp for lp in final.logprobs if lp is not None)
+    return _completion(state, run, choices, run_usage(run))
 
 
 def _completion(
@@ -286,44 +223,6 @@ def _completion(
     )
 
 
-def _completion_choice(
-    state: AppState, run: Run, index: int, item: int, *, with_logprobs: bool
-) -> CompletionChoice:
-    prompt = run.prompt_of(item)
-    final = run.finals[run.requests[item].request_id]
-    text = output_text(state, final, include_stop=False)
-    prefix = prompt.prompt if prompt.params.return_full_text else ""
-    logprobs = None
-    if with_logprobs:
-        events = run.events.get(final.request_id, [])
-        logprobs = _legacy_logprobs(state, events, offset=len(prefix))
-    return CompletionChoice(
-        index=index,
-        text=prefix + text,
-        logprobs=logprobs,
-        finish_reason=_finish_reason(final),
-    )
-
-
-def _legacy_logprobs(
-    state: AppState, events: list[TokenEvent], *, offset: int
-) -> CompletionLogprobs:
-    result = CompletionLogprobs(top_logprobs=[])
-    for event in events:
-        for position, token_id in enumerate(event.token_ids):
-            text = state.tokenizer.token_text(token_id)
-            result.tokens.append(text)
-            result.token_logprobs.append(
-                event.logprobs[position] if position < len(event.logprobs) else None
-            )
-            tops = event.top_logprobs[position] if position < len(event.top_logprobs) else []
-            assert result.top_logprobs is not None
-            result.top_logprobs.append({state.tokenizer.token_text(i): lp for i, lp in tops})
-            result.text_offset.append(offset)
-            offset += len(text)
-    return result
-
-
 async def _completion_chunks(
     state: AppState, run: Run, *, include_usage: bool
 ) -> AsyncIterator[bytes]:
@@ -337,15 +236,15 @@ async def _completion_chunks(
             if isinstance(event, FinalResult):
                 if event.finish_reason not in ("stop", "length"):
                     raise GenerationError(event.finish_detail or event.finish_reason)
-                reason = _finish_reason(event)
+                reason = finish_reason(event)
                 yield chunk([CompletionChoice(index=index, text="", finish_reason=reason)])
                 continue
             if not event.text and not wants_logprobs:
                 continue
-            logprobs = _legacy_logprobs(state, [event], offset=0) if wants_logprobs else None
+            logprobs = legacy_logprobs(state, [event], offset=0) if wants_logprobs else None
             yield chunk([CompletionChoice(index=index, text=event.text, logprobs=logprobs)])
         if include_usage:
-            yield chunk([], _usage(run))
+            yield chunk([], run_usage(run))
     except ApiError as error:
         yield data_event(dump_json(error_body(error, flavour="openai")))
     yield DONE
