@@ -1,0 +1,125 @@
+"""The pieces of OpenAI's answers built from a run: choices, their logprobs (chat's and legacy
+completions'), finish reasons and usage. Choice `i` of prompt `p` is item `p * n + i`; with
+`best_of` > `n` the chosen items are each prompt's `n` most likely (`chosen_items`).
+"""
+
+from __future__ import annotations
+
+from tgq.api.app import AppState
+from tgq.api.generation import Run
+from tgq.api.routes.tgi_answers import output_text
+from tgq.api.schemas.openai import (
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from tgq.batcher.messages import FinalResult, TokenEvent
+from tgq.batcher.request import FinishReason
+
+
+def finish_reason(final: FinalResult) -> str:
+    """OpenAI's names: `length`, else `stop`."""
+    return "length" if final.finish_reason == FinishReason.LENGTH else "stop"
+
+
+def run_usage(run: Run) -> Usage:
+    finals = run.finals.values()
+    prompt_tokens = sum(p.num_prompt_tokens for p in run.prompts)
+    completion_tokens = sum(final.num_output_tokens for final in finals)
+    cached_tokens = sum(_num_cached_tokens(run, p) for p in range(len(run.prompts)))
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def _items_of(run: Run, prompt_index: int) -> range:
+    return range(prompt_index * run.copies, (prompt_index + 1) * run.copies)
+
+
+def _num_cached_tokens(run: Run, prompt_index: int) -> int:
+    finals = [run.finals.get(run.requests[i].request_id) for i in _items_of(run, prompt_index)]
+    return min((f.num_cached_tokens for f in finals if f is not None), default=0)
+
+
+def chat_token_logprobs(state: AppState, event: TokenEvent) -> list[ChatTokenLogprob]:
+    entries = []
+    for position, token_id in enumerate(event.token_ids):
+        text = state.tokenizer.token_text(token_id)
+        logprob = event.logprobs[position] if position < len(event.logprobs) else None
+        tops = event.top_logprobs[position] if position < len(event.top_logprobs) else []
+        entries.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=logprob if logprob is not None else 0.0,
+                bytes=list(text.encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=(t := state.tokenizer.token_text(i)),
+                        logprob=lp,
+                        bytes=list(t.encode()),
+                    )
+                    for i, lp in tops
+                ],
+            )
+        )
+    return entries
+
+
+def chosen_items(run: Run, num_choices: int) -> list[int]:
+    """Per prompt, its `n` items: all of them, or the most likely `n` of its `best_of`."""
+    chosen = []
+    for prompt_index in range(len(run.prompts)):
+        items = list(_items_of(run, prompt_index))
+        if len(items) > num_choices:
+            items = sorted(items, key=lambda i: -_cumulative_logprob(run, i))[:num_choices]
+        chosen += items
+    return chosen
+
+
+def _cumulative_logprob(run: Run, item: int) -> float:
+    final = run.finals[run.requests[item].request_id]
+    return sum(lp for lp in final.logprobs if lp is not None)
+
+
+def completion_choice(
+    state: AppState, run: Run, index: int, item: int, *, with_logprobs: bool
+) -> CompletionChoice:
+    prompt = run.prompt_of(item)
+    final = run.finals[run.requests[item].request_id]
+    text = output_text(state, final, include_stop=False)
+    prefix = prompt.prompt if prompt.params.return_full_text else ""
+    logprobs = None
+    if with_logprobs:
+        events = run.events.get(final.request_id, [])
+        logprobs = legacy_logprobs(state, events, offset=len(prefix))
+    return CompletionChoice(
+        index=index,
+        text=prefix + text,
+        logprobs=logprobs,
+        finish_reason=finish_reason(final),
+    )
+
+
+def legacy_logprobs(
+    state: AppState, events: list[TokenEvent], *, offset: int
+) -> CompletionLogprobs:
+    result = CompletionLogprobs(top_logprobs=[])
+    for event in events:
+        for position, token_id in enumerate(event.token_ids):
+            text = state.tokenizer.token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(
+                event.logprobs[position] if position < len(event.logprobs) else None
+            )
+            tops = event.top_logprobs[position] if position < len(event.top_logprobs) else []
+            assert result.top_logprobs is not None
+            result.top_logprobs.append({state.tokenizer.token_text(i): lp for i, lp in tops})
+            result.text_offset.append(offset)
+            offset += len(text)
+    return result
