@@ -1,4 +1,5 @@
-"""What routes call to generate: admit, tokenize and validate, record and enqueue, then follow.
+"""What routes call to generate: admit, tokenize and validate, record and enqueue, then follow
+(each request in flight is a `Run`, `api/run.py`).
 
 An interactive HTTP request is one job of kind "interactive": one item per prompt and copy (OpenAI
 `n`, TGI `best_of`; copy `c` of a seeded request gets seed + c). The job row is committed before
@@ -21,7 +22,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -29,47 +29,23 @@ from starlette.types import Receive
 
 from tgq.api.admission import Admission, Ticket
 from tgq.api.db import store
-from tgq.api.errors import ApiError, GenerationError, TemplateError, UnavailableError
+from tgq.api.errors import ApiError, TemplateError, UnavailableError
 from tgq.api.ids import new_job_id
 from tgq.api.metrics import Metrics
 from tgq.api.recorder import Recorder
+from tgq.api.run import Run
 from tgq.api.settings import Settings
 from tgq.api.submit import job_items, job_params, job_requests, num_copies
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.api.validated import GenerationParams, ValidatedRequest
 from tgq.api.validation import validate_tokens
-from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
+from tgq.batcher.messages import FinalResult, TokenEvent
 from tgq.batcher.request import FAILED_REASONS, Priority
 from tgq.batcher.transport.aio import AsyncApiTransport
 
 log = logging.getLogger(__name__)
 
 FOLLOW_POLL_S = 4.0  # one blocking read waits at most this long (under the socket timeout)
-
-
-@dataclass(slots=True)
-class Run:
-    """One interactive request in flight: its job and one engine request per item."""
-
-    job_id: str
-    prompts: list[ValidatedRequest]
-    requests: list[SubmitRequest]
-    copies: int  # items per prompt
-    ticket: Ticket
-    started_at: float  # time.time() when the HTTP request was admitted
-    validated_at: float
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finals: dict[str, FinalResult] = field(default_factory=dict)
-    keep_events: bool = False  # keep every token event (non-stream answers with top tokens)
-    events: dict[str, list[TokenEvent]] = field(default_factory=dict)
-
-    def prompt_of(self, item_index: int) -> ValidatedRequest:
-        return self.prompts[item_index // self.copies]
-
-    @property
-    def is_finished(self) -> bool:
-        return len(self.finals) == len(self.requests)
 
 
 class Generation:
@@ -320,13 +296,6 @@ class Generation:
     async def aclose(self) -> None:
         for task in list(self._background):
             await task
-
-
-def check_failed(finals: Sequence[FinalResult]) -> None:
-    """424 when any item failed in the engine (TGI: any failure fails the whole request)."""
-    for final in finals:
-        if final.finish_reason in FAILED_REASONS:
-            raise GenerationError(final.finish_detail or final.finish_reason)
 
 
 def _as_datetime(deadline: float | None) -> datetime | None:

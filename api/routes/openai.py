@@ -23,7 +23,6 @@ from tgq.api.admission import Ticket
 from tgq.api.app import VERSION, AppState, state_of
 from tgq.api.chat_prompt import render_chat
 from tgq.api.errors import ApiError, GenerationError, error_body
-from tgq.api.generation import Run, check_failed
 from tgq.api.openai_validation import chat_params, completion_params, completion_prompts
 from tgq.api.routes.openai_answers import (
     chat_token_logprobs,
@@ -34,6 +33,7 @@ from tgq.api.routes.openai_answers import (
     run_usage,
 )
 from tgq.api.routes.tgi_answers import output_text
+from tgq.api.run import Run, check_failed
 from tgq.api.schemas.openai import (
     ChatCompletion,
     ChatCompletionChoice,

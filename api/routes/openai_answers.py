@@ -6,8 +6,8 @@ completions'), finish reasons and usage. Choice `i` of prompt `p` is item `p * n
 from __future__ import annotations
 
 from tgq.api.app import AppState
-from tgq.api.generation import Run
 from tgq.api.routes.tgi_answers import output_text
+from tgq.api.run import Run
 from tgq.api.schemas.openai import (
     ChatTokenLogprob,
     CompletionChoice,

@@ -17,7 +17,6 @@ from sse_starlette import EventSourceResponse
 from tgq.api.app import VERSION, AppState, state_of
 from tgq.api.db import batches, store
 from tgq.api.errors import ApiError, GenerationError, error_body
-from tgq.api.generation import Run, check_failed
 from tgq.api.limits import served_dtype
 from tgq.api.metrics import CONTENT_TYPE
 from tgq.api.request_fields import check_parameter_fields, check_tgi_fields
@@ -29,6 +28,7 @@ from tgq.api.routes.tgi_answers import (
     token,
     top_tokens,
 )
+from tgq.api.run import Run, check_failed
 from tgq.api.schemas.tgi import (
     CompatGenerateRequest,
     GenerateRequest,

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from tgq.api.app import AppState
-from tgq.api.generation import Run
+from tgq.api.run import Run
 from tgq.api.schemas.tgi import BestOfSequence, Details, GenerateResponse, PrefillToken, Token
 from tgq.batcher.messages import FinalResult
 from tgq.batcher.request import FinishReason
