@@ -20,13 +20,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tgq.batcher import tracing
+from tgq.batcher.active import ActiveRequest
 from tgq.batcher.engine import LLMEngine, RequestOutput
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.ranks import WorkerLostError
-from tgq.batcher.request import FinishReason, Priority, Request
+from tgq.batcher.request import FinishReason, Priority
 from tgq.batcher.transport.base import BatcherTransport, Delivery
 
 log = logging.getLogger(__name__)
@@ -44,20 +45,6 @@ class ServingConfig:
     max_pull: int = 16
 
 
-@dataclass(slots=True)
-class _Active:
-    """A pulled request the engine runs; `request` is None when the engine rejected it."""
-
-    delivery: Delivery
-    request: Request | None
-    num_events: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    text: str = ""
-    deadline_passed: bool = False
-    duplicates: list[Delivery] = field(default_factory=list)  # other entries of this request
-
-
 class Batcher:
     def __init__(
         self,
@@ -72,7 +59,7 @@ class Batcher:
         self.config = config
         self.clock = clock  # unix time, for deadlines
         self.transient_errors = transient_errors
-        self.active: dict[str, _Active] = {}
+        self.active: dict[str, ActiveRequest] = {}
         self._outbox_events: list[TokenEvent] = []
         self._outbox_finals: list[tuple[FinalResult, list[Delivery]]] = []  # published, then acked
         self._next_heartbeat = 0.0
@@ -217,11 +204,15 @@ class Batcher:
         if self.spans is not None:
             self.spans.start(submit, log_fields(submit))
         if delivery.is_aborted:
-            self._finish(_Active(delivery, None), FinishReason.ABORT, "aborted before it started")
+            self._finish(
+                ActiveRequest(delivery, None), FinishReason.ABORT, "aborted before it started"
+            )
             return
         if submit.deadline is not None and submit.deadline <= self.clock():
             self._finish(
-                _Active(delivery, None), FinishReason.DEADLINE, "deadline passed before it started"
+                ActiveRequest(delivery, None),
+                FinishReason.DEADLINE,
+                "deadline passed before it started",
             )
             return
         try:
@@ -233,10 +224,10 @@ class Batcher:
                 request_id=submit.request_id,
             )
         except ValueError as error:  # e.g. stop strings for a batcher without a tokenizer
-            self._finish(_Active(delivery, None), FinishReason.REJECTED, str(error))
+            self._finish(ActiveRequest(delivery, None), FinishReason.REJECTED, str(error))
             return
         request = self.engine.scheduler.requests.get(submit.request_id)
-        self.active[submit.request_id] = _Active(delivery, request)
+        self.active[submit.request_id] = ActiveRequest(delivery, request)
 
     def _apply_aborts_and_deadlines(self) -> None:
         for request_id in self.transport.poll_aborts(self.batcher_id):
@@ -270,7 +261,11 @@ class Batcher:
             raise
         if self.spans is not None:
             self.spans.observe_step(started_ns, outputs, self.engine.scheduler.requests)
-        events = [self._event(output) for output in outputs if output.request_id in self.active]
+        events = [
+            self.active[output.request_id].add_output(output)
+            for output in outputs
+            if output.request_id in self.active
+        ]
         self._outbox_events += [e for e in events if e is not None]
         for output in outputs:
             active = self.active.get(output.request_id)
@@ -295,29 +290,7 @@ class Batcher:
                 self.transport.ack(self.batcher_id, delivery)
             self._outbox_finals.pop(0)
 
-    def _event(self, output: RequestOutput) -> TokenEvent | None:
-        active = self.active[output.request_id]
-        active.token_ids += output.new_token_ids
-        active.logprobs += output.new_logprobs
-        active.text += output.new_text
-        if not output.new_token_ids and not output.new_text:
-            return None
-        event = TokenEvent(
-            request_id=output.request_id,
-            seq_index=active.num_events,
-            token_ids=output.new_token_ids,
-            logprobs=output.new_logprobs,
-            text=output.new_text,
-            attempt=active.delivery.request.attempt,
-            created_at=time.time(),
-            top_logprobs=[
-                [(t.token_id, t.logprob) for t in top] for top in output.new_top_logprobs
-            ],
-        )
-        active.num_events += 1
-        return event
-
-    def _finish_output(self, active: _Active, output: RequestOutput) -> None:
+    def _finish_output(self, active: ActiveRequest, output: RequestOutput) -> None:
         if active.deadline_passed:
             num_tokens = len(active.token_ids)
             self._finish(
@@ -326,24 +299,9 @@ class Batcher:
         else:
             self._finish(active, output.finish_reason or FinishReason.ABORT, output.finish_detail)
 
-    def _finish(self, active: _Active, reason: FinishReason, detail: str | None) -> None:
-        submit, request = active.delivery.request, active.request
-        text = request.output_text if request is not None else None
-        wants_logprobs = active.delivery.request.sampling.wants_logprobs
-        result = FinalResult(
-            request_id=submit.request_id,
-            token_ids=active.token_ids,
-            finish_reason=reason,
-            finish_detail=detail,
-            num_prompt_tokens=len(submit.prompt_token_ids),
-            num_output_tokens=len(active.token_ids),
-            num_cached_tokens=request.num_cached_tokens if request is not None else 0,
-            attempt=submit.attempt,
-            batcher_id=self.batcher_id,
-            text=active.text if text is not None else None,
-            matched_stop=text.matched_stop if text is not None else None,
-            logprobs=active.logprobs if wants_logprobs else [],
-        )
+    def _finish(self, active: ActiveRequest, reason: FinishReason, detail: str | None) -> None:
+        submit = active.delivery.request
+        result = active.final_result(reason, detail, self.batcher_id)
         self._outbox_finals.append((result, [active.delivery, *active.duplicates]))
         self.active.pop(submit.request_id, None)
         _log_finish(submit, result)
