@@ -115,13 +115,9 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's,
         self._alive += outputs
 
     def _source(self, op: str, value: Any) -> int:
-        """The register `value` comes from, or CONSTANT where the program keeps it as it is."""
+        """The register a tensor argument comes from, or CONSTANT for any other value."""
         if isinstance(value, torch.Tensor):
-            register = self._registers.get(id(value))
-            if register is not None:
-                return register
-            self._check_constant(op, value)
-            return CONSTANT
+            return self._register(op, value)
         if isinstance(value, list | tuple):  # Tensor?[] and the like: constants only
             for item in value:
                 if isinstance(item, torch.Tensor) and id(item) not in self._constants:
@@ -129,19 +125,17 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's,
         return CONSTANT
 
     def _register(self, op: str, tensor: torch.Tensor) -> int:
-        """The register of a tensor in a list argument (a kept one for a constant)."""
+        """The register of `tensor`: an input's, an earlier op's result's, or one the program
+        keeps for a constant (a parameter or buffer of the owner)."""
         register = self._registers.get(id(tensor))
         if register is None:
-            self._check_constant(op, tensor)
+            if id(tensor) not in self._constants:
+                raise ReplayRefusedError(
+                    f"{op} reads a tensor that is neither an input, an op's result nor a constant"
+                )
             register = self._registers[id(tensor)] = self.program.keep(tensor)
             self._alive.append(tensor)
         return register
-
-    def _check_constant(self, op: str, tensor: torch.Tensor) -> None:
-        if id(tensor) not in self._constants:
-            raise ReplayRefusedError(
-                f"{op} reads a tensor that is neither an input, an op's result nor a constant"
-            )
 
 
 def _tensors_out(op: str, out: Any) -> list[torch.Tensor]:
@@ -149,8 +143,6 @@ def _tensors_out(op: str, out: Any) -> list[torch.Tensor]:
         return []
     if isinstance(out, torch.Tensor):
         return [out]
-    if isinstance(out, list | tuple) and all(isinstance(item, torch.Tensor) for item in out):
-        return list(out)
     if isinstance(out, list | tuple):
         return [tensor for item in out for tensor in _tensors_out(op, item)]
     raise ReplayRefusedError(f"{op} returns {type(out).__name__}, which Python may branch on")

@@ -310,12 +310,11 @@ class DecoderForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         ctx = ForwardContext(backend, meta, cos, sin)
-        key = None if self.replay is None else backend.replay_key(meta)
-        if self.replay is None or key is None:
-            return self._layers(x, kv_caches, ctx)
-        # Everything `_layers` reads that is not a parameter of this model is an input.
-        inputs = [x, cos, sin, *tensors_of(meta), *(t for kv in kv_caches for t in kv)]
-        return self.replay((x.shape[0], key), inputs, lambda: self._layers(x, kv_caches, ctx))
+        if self.replay is not None and (key := backend.replay_key(meta)) is not None:
+            # Everything `_layers` reads that is not a parameter of this model is an input.
+            inputs = [x, cos, sin, *tensors_of(meta), *(t for kv in kv_caches for t in kv)]
+            return self.replay((x.shape[0], key), inputs, lambda: self._layers(x, kv_caches, ctx))
+        return self._layers(x, kv_caches, ctx)
 
     def _layers(
         self, x: torch.Tensor, kv_caches: list[KVCache], ctx: ForwardContext

@@ -1,9 +1,9 @@
 // OpProgram: a list of dispatcher op calls, recorded once from Python (kernels/replay.py) and run
 // again in one C++ call. It knows no model: each step names an operator, where each argument
-// comes from (a register holding an input, a kept tensor or an earlier step's tensor; a list of
-// such registers; or a constant captured at recording) and which registers the tensors it
-// returns go to. What a run saves against the
-// Python code it was recorded from is the interpreter between the ops.
+// comes from (a register holding an input, a kept weight or an earlier step's tensor; a list of
+// such registers; or a non-tensor constant captured at recording) and which registers the
+// tensors it returns go to. What a run saves against the Python code it was recorded from is the
+// interpreter between the ops.
 #include <ATen/ScalarOps.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -31,7 +31,7 @@ struct OpProgram : torch::CustomClassHolder {
     TORCH_CHECK(num_inputs >= 0, "OpProgram: negative input count ", num_inputs);
   }
 
-  // A tensor every run finds in the returned register (a weight read in a list argument).
+  // A tensor every run finds in the returned register (a weight the recorded code reads).
   int64_t keep(const at::Tensor& tensor) {
     kept_.emplace_back(num_registers_, tensor);
     return num_registers_++;
