@@ -8,6 +8,7 @@ from tgq.api.errors import RouteValidationError
 from tgq.api.request_fields import check_openai_fields
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest, ImagePart
 from tgq.api.settings import Settings
+from tgq.api.structured import openai_grammar
 from tgq.api.validated import GenerationParams
 from tgq.api.validation import (
     check_inputs,
@@ -22,6 +23,7 @@ from tgq.api.validation import (
     non_empty,
     require,
 )
+from tgq.batcher.grammar import GrammarSpec
 from tgq.gpu_worker.plan import SamplingParams
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
@@ -52,6 +54,7 @@ def chat_params(request: ChatCompletionRequest, settings: Settings) -> Generatio
         ignore_eos=request.ignore_eos,
         top_n_tokens=top_n,
         add_special_tokens=False,  # the chat template has them already
+        grammar=_grammar(request),
     )
 
 
@@ -77,6 +80,7 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
         return_full_text=request.echo,
         decoder_input_details=request.echo and request.logprobs is not None,
         top_n_tokens=top_n,
+        grammar=_grammar(request),
     )
 
 
@@ -119,12 +123,6 @@ def _check_chat_unsupported(request: ChatCompletionRequest) -> None:
         '`tool_choice` other than "none" or "auto" is not supported yet',
         "tool_choice",
     )
-    kind = "text" if request.response_format is None else request.response_format.type
-    require(
-        kind == "text",
-        f"`response_format` of type `{kind}` is not supported yet",
-        "response_format",
-    )
     for i, message in enumerate(request.messages):
         parts = message.content if isinstance(message.content, list) else []
         has_image = any(isinstance(part, ImagePart) for part in parts)
@@ -160,6 +158,14 @@ def _openai_sampling(
         seed=request.seed,
         logprobs=logprobs,
         top_n_logprobs=top_n,
+    )
+
+
+def _grammar(request: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
+    response_format = request.response_format
+    return openai_grammar(
+        None if response_format is None else response_format.model_dump(),
+        request.structured_fields(),
     )
 
 

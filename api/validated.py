@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tgq.batcher.grammar import GrammarSpec
 from tgq.batcher.request import Priority, StoppingParams
 from tgq.gpu_worker.plan import SamplingParams
 
@@ -27,6 +28,7 @@ class GenerationParams:
     include_stop_string: bool = False  # TGI keeps the stop string in `generated_text`
     top_n_tokens: int = 0
     add_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # structured output: what the output must match
 
 
 @dataclass(frozen=True, slots=True)

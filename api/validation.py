@@ -66,6 +66,7 @@ from tgq.api.errors import ValidationError
 from tgq.api.request_fields import check_adapter_id, check_parameter_fields
 from tgq.api.schemas.tgi import GenerateParameters, default_parameters
 from tgq.api.settings import Settings
+from tgq.api.structured import tgi_grammar
 from tgq.api.submit import resolve_max_new_tokens, stopping_params
 from tgq.api.validated import GenerationParams, ValidatedRequest
 from tgq.batcher.request import Priority
@@ -111,6 +112,7 @@ def tgi_params(
         return_full_text=default(p.return_full_text, return_full_text_default),
         include_stop_string=True,
         top_n_tokens=default(p.top_n_tokens, 0),
+        grammar=tgi_grammar(p.grammar),
     )
 
 
@@ -173,7 +175,6 @@ def _check_tgi_limits(p: GenerateParameters, best_of: int, settings: Settings) -
         f"`truncate` must be strictly positive and less than {max_input}. Given: {p.truncate}",
         "truncate",
     )
-    require(p.grammar is None, "grammar is not supported", "grammar")
     require(not p.watermark, "`watermark` is not supported", "watermark")
     check_adapter_id(p.adapter_id, settings.model_id)
 

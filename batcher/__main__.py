@@ -23,6 +23,7 @@ from tgq.batcher.engine import LLMEngine, StepRunner
 from tgq.batcher.faults import inject_fault
 from tgq.batcher.flags import parse
 from tgq.batcher.gc_freeze import freeze_startup_objects
+from tgq.batcher.grammar_compiler import GrammarCompiler
 from tgq.batcher.logs import configure_logging
 from tgq.batcher.options import BatcherOptions
 from tgq.batcher.ranks import ServedWith, ShardConfig, ShardedRunner, WorkerLostError
@@ -89,9 +90,14 @@ def describe(options: BatcherOptions, runner: StepRunner) -> str:
 
 def build_engine(options: BatcherOptions, model_dir: str, runner: StepRunner) -> LLMEngine:
     tokenizer = Path(model_dir) / "tokenizer.json"
-    decoder = HFTokenDecoder.from_file(str(tokenizer)) if tokenizer.exists() else None
-    scheduler = options.scheduler_config()
-    return LLMEngine(runner, scheduler, decoder, model_eos_token_ids(model_dir))
+    eos_token_ids = model_eos_token_ids(model_dir)
+    if not tokenizer.exists():
+        return LLMEngine(runner, options.scheduler_config(), None, eos_token_ids)
+    decoder = HFTokenDecoder.from_file(str(tokenizer))
+    grammars = GrammarCompiler(
+        tokenizer.read_text(), eos_token_ids, max_cache=options.max_grammar_cache
+    )
+    return LLMEngine(runner, options.scheduler_config(), decoder, eos_token_ids, grammars)
 
 
 def resolve_model(options: BatcherOptions) -> str:

@@ -6,25 +6,38 @@ It drives anything with `execute(StepPlan) -> StepResult`, `num_blocks` and `blo
 `ModelRunner` in `gpu_worker`, or a fake in tests) without importing it. Given a tokenizer
 (`TokenDecoder`), it also detokenizes each request's output incrementally, streams the text with
 every token event, and stops a request when one of its stop strings completes in that text.
+
+Structured output: given a `GrammarCompiler`, a request may carry a `GrammarSpec`. One whose
+grammar is not compiled yet waits here, outside the scheduler, while the compile thread works;
+each step takes in the requests whose grammars are ready (a grammar that fails to compile rejects
+its request) and sends the runner, with the plan, the mask of every constrained sequence that
+samples in that step. A step never waits for a compile; an engine with nothing else to do waits a
+few milliseconds for one rather than spin.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.detokenize import TokenDecoder
-from tgq.batcher.request import FinishReason, Priority, Request, StoppingParams
+from tgq.batcher.grammar import GrammarError, GrammarSpec
+from tgq.batcher.grammar_compiler import GrammarCompiler
+from tgq.batcher.request import FinishReason, Priority, Request, RequestStatus, StoppingParams
 from tgq.batcher.scheduler import Scheduler
+from tgq.batcher.scheduler_output import SchedulerOutput
 from tgq.batcher.stopping import OutputText
 from tgq.gpu_worker.plan import SamplingParams, StepPlan, StepResult, TokenLogprob
 
 GREEDY = SamplingParams()
+COMPILE_WAIT_S = 0.01  # an idle engine's longest wait for a grammar compile, per step
 
 
 class StepRunner(Protocol):
@@ -91,11 +104,16 @@ class LLMEngine:
         config: SchedulerConfig | None = None,
         decoder: TokenDecoder | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """`eos_token_ids`: the model's (`gpu_worker.config.model_eos_token_ids`), used by every
-        request whose StoppingParams names none."""
+        request whose StoppingParams names none. `grammars`: structured output (None: a request
+        with a grammar is refused)."""
         self.runner = runner
         self.decoder = decoder
+        self.grammars = grammars
+        # Requests waiting for their grammar's compile: (request, spec, compile).
+        self._compiling: dict[str, tuple[Request, GrammarSpec, Future[Any]]] = {}
         self.eos_token_ids = eos_token_ids
         config = config or SchedulerConfig()
         self.scheduler = Scheduler(config, runner.num_blocks, runner.block_size)
@@ -111,7 +129,10 @@ class LLMEngine:
         *,
         priority: Priority = Priority.INTERACTIVE,
         request_id: str | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> str:
+        if grammar is not None and self.grammars is None:
+            raise ValueError("structured output needs an engine with a tokenizer (grammars)")
         stopping = stopping or StoppingParams()
         if not stopping.eos_token_ids:
             stopping = dataclasses.replace(stopping, eos_token_ids=self.eos_token_ids)
@@ -127,11 +148,45 @@ class LLMEngine:
             time.monotonic(),
         )
         request.output_text = self._output_text(request)
-        self.scheduler.add_request(request)
         self._requests[request.request_id] = request
+        if grammar is not None and self.grammars is not None:
+            request.grammar = self.grammars.cached(grammar)
+            if request.grammar is None:
+                future = self.grammars.compile(grammar)
+                self._compiling[request.request_id] = (request, grammar, future)
+                return request.request_id
+        self._queue(request)
+        return request.request_id
+
+    def request(self, request_id: str) -> Request | None:
+        """An added request that has not been reported finished."""
+        return self._requests.get(request_id)
+
+    def _queue(self, request: Request) -> None:
+        self.scheduler.add_request(request)
         if request.is_finished:
             self._pending.append(_end_of(request))
-        return request.request_id
+
+    def _take_compiled(self) -> None:
+        """Queues the requests whose grammars are ready; waits a little for one when there is
+        nothing else to run."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_work:
+            futures = [future for _, _, future in self._compiling.values()]
+            concurrent.futures.wait(futures, COMPILE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+        for request_id, (request, spec, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            assert self.grammars is not None
+            try:
+                request.grammar = self.grammars.take(spec, future)
+            except GrammarError as error:
+                request.transition(RequestStatus.FINISHED_REJECTED, str(error))
+                self._pending.append(_end_of(request))
+                continue
+            self._queue(request)
 
     def _output_text(self, request: Request) -> OutputText | None:
         stop_strings = request.stopping.stop_strings
@@ -142,6 +197,10 @@ class LLMEngine:
         return OutputText(self.decoder, request.prompt_token_ids, stop_strings)
 
     def abort(self, request_id: str) -> None:
+        if (compiling := self._compiling.pop(request_id, None)) is not None:
+            compiling[0].transition(RequestStatus.FINISHED_ABORTED, "aborted")
+            self._pending.append(_end_of(compiling[0]))
+            return
         request = self.scheduler.abort(request_id)
         if request is not None:
             self._pending.append(_end_of(request))
@@ -151,15 +210,37 @@ class LLMEngine:
         return bool(self._requests) or self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
+        self._take_compiled()
         scheduled = self.scheduler.schedule()
+        plan = scheduled.to_plan()
+        if plan.chunks:
+            plan = dataclasses.replace(plan, token_masks=self._token_masks(scheduled))
+        outputs, self._pending = self._pending, []  # after the masks: a broken grammar ends here
         if not scheduled.is_empty:
-            result = self.runner.execute(scheduled.to_plan())
+            result = self.runner.execute(plan)
             outputs += [_token_of(r) for r in self.scheduler.update(scheduled, result)]
         for output in outputs:
             if output.is_finished:
                 del self._requests[output.request_id]
         return outputs
+
+    def _token_masks(self, scheduled: SchedulerOutput) -> dict[str, bytes]:
+        """The grammar masks of the constrained sequences that sample in this step. A grammar
+        that broke (past llguidance's limits) fails its request; the runner samples its row
+        freely and the scheduler drops that token."""
+        masks = {}
+        for chunk in scheduled.chunks:
+            request = self.scheduler.requests.get(chunk.request_id)
+            if request is None or request.grammar is None:
+                continue
+            if chunk.num_computed_tokens + chunk.num_new_tokens < request.num_tokens:
+                continue  # a prefill chunk short of the end samples nothing
+            try:
+                masks[chunk.request_id] = request.grammar.mask()
+            except GrammarError as error:
+                self.scheduler.finish(chunk.request_id, RequestStatus.FINISHED_FAILED, str(error))
+                self._pending.append(_end_of(request))
+        return masks
 
     def stream(self) -> Iterator[RequestOutput]:
         """Per-token outputs of every added request until all are finished."""
@@ -173,13 +254,16 @@ class LLMEngine:
         stopping: StoppingParams | None = None,
         *,
         priority: Priority = Priority.INTERACTIVE,
+        grammar: GrammarSpec | None = None,
     ) -> list[RequestResult]:
         """Run the prompts together (with anything already added) to completion; `sampling` is
-        one for all, or one per prompt."""
+        one for all, or one per prompt; `grammar` constrains every prompt's output."""
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         pairs = list(zip(prompts, sampling, strict=True))  # a length mismatch adds nothing
-        request_ids = [self.add_request(p, s, stopping, priority=priority) for p, s in pairs]
+        request_ids = [
+            self.add_request(p, s, stopping, priority=priority, grammar=grammar) for p, s in pairs
+        ]
         requests = [self._requests[request_id] for request_id in request_ids]
         for _ in self.stream():
             pass

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tgq.batcher.grammar import GrammarSpec, spec_from_wire
 from tgq.batcher.request import FinishReason, Priority, StoppingParams
 from tgq.gpu_worker.plan import SamplingParams
 
@@ -37,6 +38,8 @@ class SubmitRequest:
     # reconciler's and batches' resubmissions, tracing off); optional on the wire.
     http_request_id: str = ""
     traceparent: str = ""
+    # Structured output: what the output must match (optional on the wire; None: free).
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +194,7 @@ def _submit(body: dict[str, Any]) -> SubmitRequest:
         attempt=_field(body, "attempt", int),
         http_request_id=_optional(body, "http_request_id", str) or "",
         traceparent=_optional(body, "traceparent", str) or "",
+        grammar=spec_from_wire(body.get("grammar")),
     )
 
 

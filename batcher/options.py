@@ -16,6 +16,7 @@ from pydantic import ByteSize, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.grammar_compiler import DEFAULT_MAX_CACHE
 from tgq.batcher.transport.base import TransportConfig
 
 _SCHEDULER = SchedulerConfig()  # the engine's defaults are the options' defaults
@@ -96,6 +97,9 @@ class BatcherOptions(BaseSettings):
         _SCHEDULER.max_waiting_tokens,
         ge=0,
         description="steps after which waiting requests join whatever the ratio",
+    )
+    max_grammar_cache: int = Field(
+        DEFAULT_MAX_CACHE, ge=1, description="compiled grammars kept for structured output (LRU)"
     )
 
     # Logs and traces, as TGI's launcher.

@@ -2,7 +2,7 @@
 
 Lifecycle (every move goes through `Request.transition`, checked against `_TRANSITIONS`):
 
-    WAITING ──▶ RUNNING ──▶ FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED
+    WAITING ──▶ RUNNING ──▶ FINISHED_STOPPED | FINISHED_LENGTH | FINISHED_ABORTED | FINISHED_FAILED
        │           │  ▲
        │           ▼  │ (re-admitted: recomputes prompt + output so far)
        │        PREEMPTED ──▶ FINISHED_ABORTED
@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
+from typing import TYPE_CHECKING
 
 from tgq.batcher.stopping import OutputText
 from tgq.gpu_worker.plan import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from tgq.batcher.grammar_compiler import Constraint
 
 
 class RequestStatus(IntEnum):
@@ -30,6 +34,7 @@ class RequestStatus(IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_REJECTED = 6
+    FINISHED_FAILED = 7  # its own state broke (a grammar past its limits), not the engine
 
     @property
     def is_finished(self) -> bool:
@@ -46,6 +51,7 @@ _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_FAILED,
         }
     ),
     RequestStatus.PREEMPTED: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED}),
@@ -53,6 +59,7 @@ _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.FINISHED_LENGTH: frozenset(),
     RequestStatus.FINISHED_ABORTED: frozenset(),
     RequestStatus.FINISHED_REJECTED: frozenset(),
+    RequestStatus.FINISHED_FAILED: frozenset(),
 }
 
 
@@ -75,6 +82,7 @@ FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
+    RequestStatus.FINISHED_FAILED: FinishReason.FAILED,
 }
 
 
@@ -122,6 +130,8 @@ class Request:
     # Detokenized output, when the engine has a tokenizer; stop strings are matched on it.
     output_text: OutputText | None = None
     new_text: str = ""  # text released since the last output event (taken by the engine)
+    # Structured output: masks each next token, advances with each sampled one.
+    grammar: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):
@@ -177,6 +187,8 @@ class Request:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.output_top_logprobs.append(top)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
         if self.output_text is not None:
             self.new_text += self.output_text.push(token_id, can_stop=self.can_stop)[0]
 
@@ -189,7 +201,10 @@ class Request:
     def stop_status(self) -> tuple[RequestStatus, str | None] | None:
         """Stopping after the last sampled token: a stop string completed in the text, EOS, stop
         token ids (none of them before `min_tokens`), length. Returns the status and a detail,
-        or None to go on."""
+        or None to go on. A grammar that allows nothing more ends it whatever `min_tokens` says:
+        EOS is all it could still sample."""
+        if self.grammar is not None and self.grammar.is_complete:
+            return RequestStatus.FINISHED_STOPPED, "grammar complete"
         if self.can_stop and (stop := self._stop_before_length()) is not None:
             return stop
         if self.num_output_tokens >= self.stopping.max_new_tokens:

@@ -222,11 +222,12 @@ class Batcher:
                 submit.stopping,
                 priority=submit.priority,
                 request_id=submit.request_id,
+                grammar=submit.grammar,
             )
         except ValueError as error:  # e.g. stop strings for a batcher without a tokenizer
             self._finish(ActiveRequest(delivery, None), FinishReason.REJECTED, str(error))
             return
-        request = self.engine.scheduler.requests.get(submit.request_id)
+        request = self.engine.request(submit.request_id)
         self.active[submit.request_id] = ActiveRequest(delivery, request)
 
     def _apply_aborts_and_deadlines(self) -> None:

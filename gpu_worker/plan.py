@@ -16,6 +16,7 @@ offset `i % block_size`; its slot is `block_id * block_size + offset`. Blocks be
 
 from __future__ import annotations
 
+import base64
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -120,6 +121,10 @@ class StepPlan:
     new_sequences: list[NewSequence] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # drop their state first
+    # Structured output: the tokens a sequence may sample next, for the sequences this step
+    # samples under a grammar. A bitmask: token t is allowed when bit `t % 32` of little-endian
+    # 32-bit word `t // 32` is set; tokens past its end are not.
+    token_masks: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -150,8 +155,10 @@ class StepResult:
 
 
 def to_wire(plan: StepPlan) -> dict[str, Any]:
-    """Plain dict/list form for JSON or msgpack (no pickle)."""
-    return asdict(plan)
+    """Plain dict/list form for JSON or msgpack (no pickle); masks as base64."""
+    wire = asdict(plan)
+    wire["token_masks"] = {k: base64.b64encode(v).decode() for k, v in plan.token_masks.items()}
+    return wire
 
 
 def plan_from_wire(data: dict[str, Any]) -> StepPlan:
@@ -168,4 +175,5 @@ def plan_from_wire(data: dict[str, Any]) -> StepPlan:
         ],
         chunks=[ScheduledChunk(**c) for c in data["chunks"]],
         finished_request_ids=list(data["finished_request_ids"]),
+        token_masks={k: base64.b64decode(v) for k, v in data.get("token_masks", {}).items()},
     )

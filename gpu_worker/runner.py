@@ -88,6 +88,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device)
         self.sequences: dict[str, _Sequence] = {}
+        self._token_masks: dict[str, bytes] = {}  # this step's (structured output)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -102,6 +103,7 @@ class ModelRunner:
             )
         if not plan.chunks:
             return StepResult()
+        self._token_masks = plan.token_masks
         # Single-token chunks first: the attention backends batch them in one call.
         chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
         for chunk in chunks:
@@ -128,12 +130,13 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]) -> SamplerOutput | None:
         """The next token of each row (None on a rank that does not sample). Rows that only need
         the argmax (greedy, no penalties, no logprobs) take it from the model's greedy head where
-        it has one, without computing their logits."""
+        it has one, without computing their logits; a row under a grammar mask never does."""
         model = self.loaded.model
         argmax_rows = [
             row
             for row, request_id in enumerate(request_ids)
             if self.sequences[request_id].sampling.needs_only_argmax
+            and request_id not in self._token_masks
         ]
         every_row = len(argmax_rows) == len(request_ids)
         greedy = (
@@ -235,6 +238,7 @@ class ModelRunner:
             params=[s.sampling for s in seqs],
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
             output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in seqs],
+            token_masks=[self._token_masks.get(request_id) for request_id in request_ids],
         )
 
     def _record(self, request_ids: list[str], output: SamplerOutput) -> StepResult:

@@ -1,6 +1,8 @@
 """Turn one step's logits `[N, V]` into one token per row, each row with its own SamplingParams.
 
-Processors run in this order (that of Hugging Face `generate` and TGI):
+First a row under a grammar (structured output) has every token outside its bitmask set to -inf,
+as vLLM does, so the processors below only ever see allowed tokens. They run in this order (that
+of Hugging Face `generate` and TGI):
 
 0. min_tokens (vLLM): while a row has generated fewer than `min_tokens` tokens, its
    `min_tokens_stop_ids` (EOS, stop token ids) are set to -inf, as transformers'
@@ -41,6 +43,7 @@ from tgq.kernels import cpu_ops
 
 _MASK64 = (1 << 64) - 1
 _NEG_INF = float("-inf")
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass
@@ -48,6 +51,8 @@ class SamplingInputs:
     params: list[SamplingParams]  # one per row of logits
     prompt_token_ids: list[list[int]]  # per row, for the repetition penalty
     output_token_ids: list[list[int]]  # per row, generated so far: penalties and the seeded step
+    # per row, the grammar's bitmask of allowed tokens (`plan.StepPlan.token_masks`), or None
+    token_masks: list[bytes | None] | None = None
 
 
 @dataclass
@@ -113,6 +118,25 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(-1)
     threshold = _column(min_p, probs) * probs.amax(-1, keepdim=True)
     return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_token_masks(logits: torch.Tensor, masks: list[bytes | None]) -> torch.Tensor:
+    """Sets every token outside row i's bitmask `masks[i]` to -inf (None: the row is free).
+    Bit `t % 32` of little-endian 32-bit word `t // 32` allows token t; columns past the mask's
+    end (a model vocabulary padded beyond the tokenizer's) are not allowed."""
+    rows = [i for i, mask in enumerate(masks) if mask is not None]
+    if not rows:
+        return logits
+    words = torch.frombuffer(bytearray(b"".join(masks[i] or b"" for i in rows)), dtype=torch.int32)
+    bits = (words.view(len(rows), -1, 1) >> _BIT_SHIFTS) & 1
+    allowed = bits.view(len(rows), -1).to(torch.bool)
+    vocab_size = logits.shape[-1]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    allowed = allowed[:, :vocab_size].to(logits.device)
+    masked = logits.clone()
+    masked[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+    return masked
 
 
 def apply_min_tokens(logits: torch.Tensor, stop_ids: list[tuple[int, ...]]) -> torch.Tensor:
@@ -224,6 +248,8 @@ def _splitmix64(x: int) -> int:
 
 def _penalise(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     params = inputs.params
+    if inputs.token_masks is not None:
+        logits = apply_token_masks(logits, inputs.token_masks)
     stop_ids = [
         p.min_tokens_stop_ids if p.masks_stop_ids and len(output) < p.min_tokens else ()
         for p, output in zip(params, inputs.output_token_ids, strict=True)

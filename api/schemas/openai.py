@@ -82,7 +82,8 @@ class Tool(_Request):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # `json_schema` and friends, rejected later
+    # OpenAI's `json_schema`, or TGI's `value`: read by `api.structured`.
+    model_config = ConfigDict(extra="allow")
 
     type: str = Field(examples=["text"])
 
@@ -99,6 +100,35 @@ class _VllmExtras(_Body):
         default=None, description="vLLM/TGI extension; 1: off.", examples=[1.03]
     )
     ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS.")
+    # vLLM's structured output (see `api.structured`)
+    guided_json: dict[str, Any] | str | None = Field(
+        default=None, description="vLLM extension: the output follows this JSON schema."
+    )
+    guided_regex: str | None = Field(
+        default=None, description="vLLM extension: the output matches this regex."
+    )
+    guided_grammar: str | None = Field(
+        default=None, description="vLLM extension: the output follows this Lark or GBNF grammar."
+    )
+    guided_choice: list[str] | None = Field(
+        default=None, description="vLLM extension: the output is one of these strings."
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        default=None,
+        description="vLLM extension: one of `json`, `regex`, `grammar`, `choice`, `json_object`.",
+    )
+    guided_decoding_backend: str | None = Field(
+        default=None, description="vLLM extension; accepted, changes nothing (one engine)."
+    )
+    guided_whitespace_pattern: str | None = Field(
+        default=None, description="vLLM extension; accepted, changes nothing."
+    )
+    response_format: ResponseFormat | None = None
+
+    def structured_fields(self) -> dict[str, Any]:
+        """vLLM's structured-output fields, by name (`api.structured.openai_grammar`)."""
+        names = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+        return {name: getattr(self, name) for name in (*names, "structured_outputs")}
 
 
 class ChatCompletionRequest(_VllmExtras):
@@ -121,7 +151,6 @@ class ChatCompletionRequest(_VllmExtras):
     temperature: float | None = Field(default=None, examples=[1.0])
     top_p: float | None = Field(default=None, examples=[0.95])
     user: str | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -107,7 +107,8 @@ class GenerateParameters(_Request):
         examples=[5],
     )
     grammar: dict[str, Any] | None = Field(
-        default=None, description="Grammar constraints for the generation (not supported by tgq)."
+        default=None,
+        description="Structured output: {type: json|json_object|regex|json_schema, value}.",
     )
     adapter_id: str | None = Field(default=None, description="Lora adapter id", examples=[None])
     ignore_eos: bool = Field(

@@ -168,7 +168,8 @@ def case(api: str, route: str, body: Any, message: str, param: str | None = None
 
 
 IMAGE = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
-GRAMMAR = {"type": "json", "value": {"type": "object"}}
+GRAMMAR = {"type": "json", "value": {"type": "strin"}}
+SCHEMA = {"name": "bad", "schema": {"type": "strin"}}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 VALIDATION_CASES = [
@@ -208,7 +209,8 @@ VALIDATION_CASES = [
          "`truncate` must be strictly positive and less than 1023. Given: 0", "truncate"),
     case("limited", "/generate", generate(truncate=17),
          "`truncate` must be strictly positive and less than 16. Given: 17", "truncate"),
-    case("default", "/generate", generate(grammar=GRAMMAR), "grammar is not supported", "grammar"),
+    case("default", "/generate", generate(grammar=GRAMMAR),
+         "grammar is not valid: invalid json_schema: Invalid type: strin", "grammar"),
     case("default", "/generate", generate(watermark=True),
          "`watermark` is not supported", "watermark"),
     case("default", "/generate", {"inputs": ""}, "`inputs` cannot be empty", "inputs"),
@@ -220,8 +222,9 @@ VALIDATION_CASES = [
          "`tools` are not supported yet", "tools"),
     case("default", CHAT, chat(tool_choice="required"),
          '`tool_choice` other than "none" or "auto" is not supported yet', "tool_choice"),
-    case("default", CHAT, chat(response_format={"type": "json_object"}),
-         "`response_format` of type `json_object` is not supported yet", "response_format"),
+    case("default", CHAT, chat(response_format={"type": "json_schema", "json_schema": SCHEMA}),
+         "`response_format.json_schema.schema` is not valid: invalid json_schema: "
+         "Invalid type: strin", "response_format"),
     case("default", CHAT, chat(IMAGE), "image content is not supported", "messages[0].content"),
     case("default", CHAT, {"messages": []}, "`messages` cannot be empty", "messages"),
     case("default", CHAT, chat(logprobs=True, top_logprobs=6),

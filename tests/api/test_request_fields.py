@@ -12,6 +12,7 @@ EOS at once; with `min_tokens: k` it is `X` k times, then EOS. OpenAI requests a
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,6 +61,18 @@ OPENAI_COMPLETIONS = (
     "temperature", "top_p", "user",
 )  # fmt: skip
 EXTRAS = ("ignore_eos", "min_tokens", "min_p", "top_k", "repetition_penalty")  # vLLM's, tgq's
+STRUCTURED = (  # vLLM's structured output, on both OpenAI routes
+    "guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs",
+    "guided_decoding_backend", "guided_whitespace_pattern",
+)  # fmt: skip
+# A schema whose every output is `{"n":D}`: a random model completes it within 8 tokens.
+DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+DIGIT_SCHEMA = {**DIGIT, "required": ["n"]}
+BAD_SCHEMA = {"type": "strin"}
+BAD_SCHEMA_MESSAGE = "invalid json_schema: Invalid type: strin"
+BAD_REGEX_MESSAGE = (
+    'invalid regex: invalid regex "a(" (in regex): regex parse error: a( error: unclosed group'
+)
 
 
 @dataclass(frozen=True)
@@ -155,7 +168,28 @@ TGI_CASES: dict[str, Case | tuple[Case, ...]] = {
     "details": Works({}, lambda b, m: _eq(_details(b)["tokens"][0]["id"], EOS)),
     "do_sample": Works({"do_sample": True, "seed": 3}, lambda b, m: _eq(_details(b)["seed"], 3)),
     "frequency_penalty": Works({"frequency_penalty": 0.5}),
-    "grammar": Rejected({"grammar": {"type": "json", "value": {}}}, "grammar is not supported"),
+    "grammar": (
+        Works(
+            {"grammar": {"type": "regex", "value": "[0-9]{3}"}},
+            lambda b, m: _matches(b["generated_text"], "[0-9]{3}"),
+        ),
+        Works(
+            {"grammar": {"type": "json", "value": DIGIT_SCHEMA}, "max_new_tokens": 8},
+            lambda b, m: _is_digit_object(b["generated_text"]),
+        ),
+        Works(
+            {"grammar": {"type": "json_schema", "value": {"name": "d", "schema": DIGIT_SCHEMA}}},
+            lambda b, m: _is_digit_object(b["generated_text"]),
+        ),
+        Rejected(
+            {"grammar": {"type": "regex", "value": "a("}},
+            f"grammar is not valid: {BAD_REGEX_MESSAGE}",
+        ),
+        Rejected(
+            {"grammar": {"type": "json", "value": BAD_SCHEMA}},
+            f"grammar is not valid: {BAD_SCHEMA_MESSAGE}",
+        ),
+    ),
     "max_new_tokens": Works(
         {"max_new_tokens": 3, "ignore_eos": True},
         lambda b, m: _eq(_details(b)["generated_tokens"], 3),
@@ -244,6 +278,19 @@ def _all_eos(body: Any, m: Model) -> None:
     assert (_text(body), _usage(body)["completion_tokens"]) == ("", 8)
 
 
+def _matches(text: str, pattern: str) -> None:
+    assert re.fullmatch(pattern, text), text
+
+
+def _is_in(text: str, words: str) -> None:
+    assert text in words.split(), text
+
+
+def _is_digit_object(text: str) -> None:
+    value = json.loads(text)
+    assert list(value) == ["n"] and value["n"] in range(10), text
+
+
 def _text(body: Any) -> str:
     choice = _choice(body)
     text: str = choice["message"]["content"] if "message" in choice else choice["text"]
@@ -252,6 +299,78 @@ def _text(body: Any) -> str:
 
 # Shared by chat and completions: the sampling fields and the vLLM extras.
 OPENAI_SHARED: dict[str, Case | tuple[Case, ...]] = {
+    "response_format": (
+        Works({"response_format": {"type": "text"}}),
+        Works(
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": DIGIT_SCHEMA}}},
+            lambda b, m: _is_digit_object(_text(b)),
+        ),
+        Works(  # TGI's shape of it
+            {"response_format": {"type": "json", "value": DIGIT_SCHEMA}},
+            lambda b, m: _is_digit_object(_text(b)),
+        ),
+        Works(
+            {"response_format": {"type": "json_object"}, "max_tokens": 4},
+            lambda b, m: _eq(_text(b)[:2], '{"'),
+        ),
+        Rejected(
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": BAD_SCHEMA}}},
+            f"`response_format.json_schema.schema` is not valid: {BAD_SCHEMA_MESSAGE}",
+        ),
+        Rejected(
+            {"response_format": {"type": "json_schema"}},
+            "`response_format` of type `json_schema` needs a `json_schema` object",
+        ),
+    ),
+    "guided_json": (
+        Works({"guided_json": DIGIT_SCHEMA}, lambda b, m: _is_digit_object(_text(b))),
+        Works({"guided_json": json.dumps(DIGIT_SCHEMA)}, lambda b, m: _is_digit_object(_text(b))),
+        Rejected({"guided_json": BAD_SCHEMA}, f"`guided_json` is not valid: {BAD_SCHEMA_MESSAGE}"),
+        Rejected(
+            {"guided_json": DIGIT_SCHEMA, "response_format": {"type": "json_object"}},
+            "one kind of structured output per request; got `response_format` and `guided_json`",
+        ),
+    ),
+    "guided_regex": (
+        Works({"guided_regex": "[a-c]{2}"}, lambda b, m: _matches(_text(b), "[a-c]{2}")),
+        Rejected({"guided_regex": "a("}, f"`guided_regex` is not valid: {BAD_REGEX_MESSAGE}"),
+    ),
+    "guided_grammar": (
+        Works({"guided_grammar": 'start: "yes" | "no"'}, lambda b, m: _is_in(_text(b), "yes no")),
+        Works({"guided_grammar": 'root ::= "ab" | "cd"'}, lambda b, m: _is_in(_text(b), "ab cd")),
+        Rejected(
+            {"guided_grammar": "start: foo"},
+            '`guided_grammar` is not valid: invalid lark: at 1(8): unknown name: "foo"',
+        ),
+    ),
+    "guided_choice": (
+        Works({"guided_choice": ["left", "right"]}, lambda b, m: _is_in(_text(b), "left right")),
+        Rejected({"guided_choice": []}, "`guided_choice` is a non-empty list of non-empty strings"),
+        Rejected(
+            {"guided_choice": ["a"], "guided_regex": "b"},
+            "one kind of structured output per request; got `guided_regex` and `guided_choice`",
+        ),
+    ),
+    "structured_outputs": (
+        Works(
+            {"structured_outputs": {"choice": ["up", "down"]}},
+            lambda b, m: _is_in(_text(b), "up down"),
+        ),
+        Works(
+            {"structured_outputs": {"json": DIGIT_SCHEMA}},
+            lambda b, m: _is_digit_object(_text(b)),
+        ),
+        Rejected(
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "`structured_outputs` takes exactly one of json, regex, grammar, choice, json_object",
+        ),
+        Rejected(
+            {"structured_outputs": {"structural_tag": "x"}},
+            "`structured_outputs` does not support `structural_tag`",
+        ),
+    ),
+    "guided_decoding_backend": Works({"guided_decoding_backend": "xgrammar"}),
+    "guided_whitespace_pattern": Works({"guided_whitespace_pattern": " "}),
     "model": Works({"model": "any-name"}, lambda b, m: _eq(b["model"], MODEL_ID)),
     "frequency_penalty": Works({"frequency_penalty": 0.5}),
     "logit_bias": Rejected({"logit_bias": {"1": 5.0}}, "`logit_bias` is not supported"),
@@ -360,13 +479,6 @@ CHAT_CASES: dict[str, Case | tuple[Case, ...]] = {
     "reasoning_effort": Rejected(
         {"reasoning_effort": "low"},
         "`reasoning_effort` is not supported: no reasoning model is served",
-    ),
-    "response_format": (
-        Works({"response_format": {"type": "text"}}),
-        Rejected(
-            {"response_format": {"type": "json_object"}},
-            "`response_format` of type `json_object` is not supported yet",
-        ),
     ),
     "safety_identifier": Works({"safety_identifier": "user-1"}),
     "service_tier": (
@@ -497,8 +609,12 @@ def _check_openai(result: tuple[int, Any], case: Case) -> None:
             TGI_PARAMETERS + TGI_REQUEST + EXTRAS[:3],
             (GenerateParameters, CompatGenerateRequest),
         ),
-        (CHAT_CASES, OPENAI_CHAT + EXTRAS, (ChatCompletionRequest,)),
-        (COMPLETION_CASES, OPENAI_COMPLETIONS + EXTRAS, (CompletionRequest,)),
+        (CHAT_CASES, OPENAI_CHAT + EXTRAS + STRUCTURED, (ChatCompletionRequest,)),
+        (
+            COMPLETION_CASES,
+            (*OPENAI_COMPLETIONS, *EXTRAS, *STRUCTURED, "response_format"),
+            (CompletionRequest,),
+        ),
     ],
     ids=["tgi", "chat", "completions"],
 )

@@ -5,6 +5,7 @@ parameters read back exactly."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,11 +24,13 @@ from tgq.api.submit import (
 )
 from tgq.api.validated import GenerationParams, ValidatedRequest
 from tgq.api.validation import validate_tokens
+from tgq.batcher.grammar import GrammarSpec
 from tgq.batcher.request import Priority
 from tgq.gpu_worker.plan import SamplingParams
 
 SETTINGS = Settings.model_validate({"max_input_tokens": 6, "max_total_tokens": 10})
 EOS = frozenset({2})
+SCHEMA = {"type": "integer", "maximum": 3}
 DEADLINE = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
@@ -116,22 +119,27 @@ def test_unseeded_copies_stay_unseeded() -> None:
 def test_recorded_params_read_back_what_was_recorded() -> None:
     params = params_of(
         stop_strings=("a", "b"), ignore_eos=True, truncate=4, best_of=2, details=True,
-        top_n_tokens=3, add_special_tokens=False,
+        top_n_tokens=3, add_special_tokens=False, grammar=GrammarSpec.json_schema(SCHEMA),
     )  # fmt: skip
     assert recorded_params(job_params(params)) == params
+    assert json.loads(json.dumps(job_params(params)))["grammar"] == {
+        "kind": "json_schema",
+        "value": '{"type":"integer","maximum":3}',
+    }
     assert recorded_params({}) == GenerationParams(sampling=SamplingParams(), max_new_tokens=None)
     # A key of another version is left out (a rolling deploy writes and reads rows).
     assert recorded_params({**job_params(params), "renamed_since": 1}) == params
 
 
 def test_rebuild_gives_back_the_request_first_submitted() -> None:
-    params = params_of(num_choices=2, stop_strings=("\n",))
+    params = params_of(num_choices=2, stop_strings=("\n",), grammar=GrammarSpec.json_schema(SCHEMA))
     first = job_requests("job_x", [validated([5, 6, 7], params), validated([8, 9], params)])
     job = job_record("job_x", params, priority=int(Priority.BULK))
     for index, request in enumerate(first):
         item = item_record("job_x", index, request.prompt_token_ids, attempts=1)
         rebuilt = rebuild_request(item, job, SETTINGS, EOS)
         assert rebuilt == dataclasses.replace(request, attempt=2)
+        assert rebuilt.grammar == params.grammar
         assert rebuild_request(item, job, SETTINGS, EOS, attempt=5).attempt == 5
 
 

@@ -95,7 +95,13 @@ TGI_REJECTIONS: list[tuple[dict[str, Any], bool, dict[str, Any], str]] = [
     ({"top_n_tokens": 6}, False, {}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
     ({"truncate": 0}, False, {}, "`truncate` must be strictly positive and less than 6. Given: 0"),
     ({"truncate": 7}, False, {}, "`truncate` must be strictly positive and less than 6. Given: 7"),
-    ({"grammar": {"type": "regex", "value": "a+"}}, False, {}, "grammar is not supported"),
+    (
+        {"grammar": {"type": "regex", "value": "a("}},
+        False,
+        {},
+        'grammar is not valid: invalid regex: invalid regex "a(" (in regex): regex parse error: '
+        "a( error: unclosed group",
+    ),
     ({"watermark": True}, False, {}, "`watermark` is not supported"),
     # TGI's order: the first failing check wins.
     (
@@ -248,8 +254,9 @@ CHAT_REJECTIONS: list[tuple[dict[str, Any], str, str]] = [
         "tool_choice",
     ),
     (
-        {"response_format": {"type": "json_object"}},
-        "`response_format` of type `json_object` is not supported yet",
+        {"response_format": {"type": "xml"}},
+        "`response_format` of type `xml` is not supported "
+        "(text, json_object, json_schema; or TGI's json, regex with a `value`)",
         "response_format",
     ),
     (

@@ -226,6 +226,8 @@ def test_invalid_lines_get_errors_and_no_item(context: BatchContext) -> None:
         {"prompt": ["a", "b"], "max_tokens": 2},
         {"prompt": "neg", "max_tokens": 2, "temperature": -1},
         {"prompt": "ok too", "max_tokens": 2},
+        {"prompt": "schema", "max_tokens": 2, "guided_json": {"type": "strin"}},
+        {"prompt": "json", "max_tokens": 8, "guided_json": {"type": "integer"}},
     ]
     rows = [
         {"custom_id": f"l{i}", "method": "POST", "url": completions, "body": body}
@@ -244,14 +246,18 @@ def test_invalid_lines_get_errors_and_no_item(context: BatchContext) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         by_id = {line.custom_id: line for line in lines}
-        assert (by_id["l0"].item_index, by_id["l5"].item_index) == (0, 1)
+        assert [by_id[key].item_index for key in ("l0", "l5", "l7")] == [0, 1, 2]
         assert by_id["l0"].error is None and by_id["l5"].error is None
         assert by_id["l1"].error == "`n` > 1 is not supported in batches"
         assert by_id["l2"].error == "`best_of` > 1 is not supported in batches"
         assert by_id["l3"].error == "a batch line takes one prompt (a string)"
+        assert by_id["l6"].error == (
+            "`guided_json` is not valid: invalid json_schema: Invalid type: strin"
+        )
         assert by_id["l4"].error is not None and "temperature" in by_id["l4"].error
         assert by_id["chat"].error == (f"url '{CHAT}' is not the batch's {completions}")
-        assert all(by_id[key].item_index is None for key in ("l1", "l2", "l3", "l4", "chat"))
+        rejected = ("l1", "l2", "l3", "l4", "l6", "chat")
+        assert all(by_id[key].item_index is None for key in rejected)
 
     asyncio.run(main())
 
