@@ -33,8 +33,8 @@ class Constraint:
 
     def mask(self) -> bytes:
         """The allowed next tokens: bit `t % 32` of little-endian 32-bit word `t // 32`."""
-        if self._matcher.is_error():
-            raise GrammarError(f"grammar state: {self._matcher.get_error()}")
+        if self._matcher.is_error():  # llguidance's first line; the rest dumps its state
+            raise GrammarError(f"grammar state: {self._matcher.get_error().splitlines()[0]}")
         return bytes(self._matcher.compute_bitmask())
 
     def consume(self, token_id: int) -> None:

@@ -127,7 +127,9 @@ def apply_token_masks(logits: torch.Tensor, masks: list[bytes | None]) -> torch.
     rows = [i for i, mask in enumerate(masks) if mask is not None]
     if not rows:
         return logits
-    words = torch.frombuffer(bytearray(b"".join(masks[i] or b"" for i in rows)), dtype=torch.int32)
+    width = max(len(masks[i] or b"") for i in rows)  # one tokenizer: all alike, but be sure
+    packed = b"".join((masks[i] or b"").ljust(width, b"\0") for i in rows)
+    words = torch.frombuffer(bytearray(packed), dtype=torch.int32)
     bits = (words.view(len(rows), -1, 1) >> _BIT_SHIFTS) & 1
     allowed = bits.view(len(rows), -1).to(torch.bool)
     vocab_size = logits.shape[-1]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tgq.batcher.grammar import GrammarKind, GrammarSpec
 from tgq.batcher.messages import (
     VERSION,
     AbortRequest,
@@ -39,6 +40,13 @@ MESSAGES: list[Message] = [
         prompt_token_ids=[5],
         sampling=SamplingParams(),
         stopping=StoppingParams(),
+    ),
+    SubmitRequest(
+        request_id="req-3",
+        prompt_token_ids=[5],
+        sampling=SamplingParams(),
+        stopping=StoppingParams(),
+        grammar=GrammarSpec(GrammarKind.REGEX, "[0-9]+"),
     ),
     AbortRequest("req-1", "client disconnected"),
     TokenEvent(
@@ -149,6 +157,9 @@ def _body(**changes: object) -> bytes:
         (_body(sampling={"evil": 1}), "unknown sampling fields \\['evil'\\]"),
         (_body(stopping={"max_new_tokens": 3}), "missing field 'eos_token_ids'"),
         (_body(deadline="soon"), "field 'deadline' has the wrong type"),
+        (_body(grammar={"kind": "regex"}), "a grammar is \\{'kind', 'value'\\}"),
+        (_body(grammar={"kind": "ebnf", "value": "x"}), "malformed submit message.*'ebnf'"),
+        (_body(grammar={"kind": "regex", "value": 3}), "a grammar's value is a string"),
     ],
 )
 def test_garbage_is_rejected_with_a_reason(data: bytes, match: str) -> None:
@@ -157,7 +168,7 @@ def test_garbage_is_rejected_with_a_reason(data: bytes, match: str) -> None:
 
 
 def test_a_missing_field_is_named() -> None:
-    frame = json.loads(encode(MESSAGES[3]))
+    frame = json.loads(encode(MESSAGES[4]))
     del frame["body"]["seq_index"]
     with pytest.raises(MessageError, match="missing field 'seq_index'"):
         decode(json.dumps(frame))

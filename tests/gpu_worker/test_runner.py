@@ -165,6 +165,7 @@ def test_plan_round_trips_through_json() -> None:
         new_sequences=[NewSequence("a", PROMPT, 5, SEEDED, [3, 4])],
         chunks=[ScheduledChunk("a", 0, 9), ScheduledChunk("b", 30, 1, [7])],
         finished_request_ids=["c"],
+        token_masks={"b": bytes([0xFF, 0x00, 0x81, 0x7F])},
     )
     assert plan_from_wire(json.loads(json.dumps(to_wire(plan)))) == plan
 

@@ -25,6 +25,7 @@ from tgq.gpu_worker.sampling import (
     apply_min_tokens,
     apply_repetition_penalty,
     apply_temperature,
+    apply_token_masks,
     apply_top_k,
     apply_top_p,
     apply_typical_p,
@@ -241,6 +242,37 @@ def test_min_tokens_masks_the_stop_ids_until_reached() -> None:
     for output, expected in steps:
         inputs = SamplingInputs(params, [[1]] * 3, [output] * 3)
         assert sampler(logits, inputs).token_ids.tolist() == expected
+
+
+def _bitmask(allowed: list[int], num_bits: int) -> bytes:
+    words = [0] * (num_bits // 32)
+    for token_id in allowed:
+        words[token_id // 32] |= 1 << (token_id % 32)
+    return b"".join(word.to_bytes(4, "little") for word in words)
+
+
+def test_token_masks_leave_only_the_allowed_tokens() -> None:
+    """Bit t of the little-endian words allows token t; columns past the mask (a vocabulary
+    padded past the tokenizer's) are not allowed; a row without a mask is untouched."""
+    logits = torch.randn(3, 70)
+    masks = [_bitmask([0, 33, 63], 64), None, _bitmask([5], 96)]
+    masked = apply_token_masks(logits, masks)
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [0, 33, 63]
+    assert_close(masked[1], logits[1])
+    assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [5]
+    assert_close(masked[0, [0, 33, 63]], logits[0, [0, 33, 63]])
+
+
+def test_a_masked_row_samples_only_allowed_tokens_greedy_or_not() -> None:
+    logits = torch.zeros(2, 64)
+    logits[:, 7] = 10.0  # the favourite, masked out
+    logits[:, 40] = 1.0
+    params = [SamplingParams(), SamplingParams(temperature=1.5, seed=1)]
+    masks: list[bytes | None] = [_bitmask([3, 40], 64)] * 2
+    for _ in range(20):
+        inputs = SamplingInputs(params, [[1]] * 2, [[]] * 2, token_masks=masks)
+        tokens = Sampler(CPU)(logits, inputs).token_ids.tolist()
+        assert tokens[0] == 40 and tokens[1] in (3, 40)
 
 
 def test_greedy_rows_take_argmax_after_penalties_and_logprobs_are_raw() -> None:
