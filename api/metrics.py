@@ -7,6 +7,7 @@ a `_created` series. Each `Metrics` has its own registry, so several apps share 
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -22,9 +23,15 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from tgq.batcher.grammar_compiler import COMPILE_BUCKETS_S
 from tgq.batcher.messages import Heartbeat
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -69,6 +76,14 @@ PER_BATCHER: tuple[tuple[str, str, _Family, Callable[[Heartbeat], float]], ...] 
      CounterMetricFamily, attrgetter("num_step_tokens")),
     ("tgq_batch_step_tokens_max", "Tokens of the largest step since the start",
      GaugeMetricFamily, attrgetter("max_step_tokens")),
+    ("tgq_grammar_cache_hits", "Structured-output requests whose grammar was compiled already",
+     CounterMetricFamily, attrgetter("num_grammar_cache_hits")),
+    ("tgq_grammar_compile_failures", "Grammars that failed to compile in the batcher",
+     CounterMetricFamily, attrgetter("num_grammar_failures")),
+    ("tgq_grammar_masks", "Token masks computed for constrained sequences",
+     CounterMetricFamily, attrgetter("num_grammar_masks")),
+    ("tgq_grammar_mask_seconds", "Seconds the steps spent computing token masks",
+     CounterMetricFamily, attrgetter("grammar_mask_seconds")),
 )  # fmt: skip
 
 
@@ -94,6 +109,23 @@ class BatcherCollector(Collector):
             for beat in known:
                 family.add_metric([beat.batcher_id], value(beat))
             yield family
+        yield _compile_durations(known)
+
+
+def _compile_durations(beats: Sequence[Heartbeat]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "tgq_grammar_compile_duration",
+        "Seconds to compile a structured-output grammar (off the step loop)",
+        labels=["batcher"],
+    )
+    bounds = [*map(str, COMPILE_BUCKETS_S), "+Inf"]
+    for beat in beats:
+        if len(beat.grammar_compiles) != len(bounds):  # an older batcher's beat says nothing
+            continue
+        cumulative = list(itertools.accumulate(beat.grammar_compiles))
+        buckets = list(zip(bounds, cumulative, strict=True))
+        family.add_metric([beat.batcher_id], buckets, beat.grammar_compile_seconds)
+    return family
 
 
 def without_total_suffix(registry: CollectorRegistry) -> Callable[[str], str]:

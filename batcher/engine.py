@@ -228,7 +228,7 @@ class LLMEngine:
         """The grammar masks of the constrained sequences that sample in this step. A grammar
         that broke (past llguidance's limits) fails its request; the runner samples its row
         freely and the scheduler drops that token."""
-        masks = {}
+        masks, started = {}, time.perf_counter()
         for chunk in scheduled.chunks:
             request = self.scheduler.requests.get(chunk.request_id)
             if request is None or request.grammar is None:
@@ -240,6 +240,9 @@ class LLMEngine:
             except GrammarError as error:
                 self.scheduler.finish(chunk.request_id, RequestStatus.FINISHED_FAILED, str(error))
                 self._pending.append(_end_of(request))
+        if masks and self.grammars is not None:
+            self.grammars.stats.num_masks += len(masks)
+            self.grammars.stats.mask_seconds += time.perf_counter() - started
         return masks
 
     def stream(self) -> Iterator[RequestOutput]:

@@ -10,6 +10,7 @@ runs beside the step loop rather than inside it.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -21,6 +22,8 @@ import llguidance
 from tgq.batcher.grammar import GrammarError, GrammarSpec, check, tidy
 
 DEFAULT_MAX_CACHE = 1024  # compiled grammars kept (`--max-grammar-cache`)
+# Upper bounds (seconds) of the compile-time histogram the heartbeat carries; one more for +Inf.
+COMPILE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Constraint:
@@ -49,16 +52,25 @@ class Constraint:
 
 
 @dataclass
-class CompileStats:
+class GrammarStats:
+    """Since the start: compiles (a histogram by `COMPILE_BUCKETS_S`), cache hits, failures, and
+    the masks the engine computed for constrained rows and the time they took."""
+
     num_compiles: int = 0
     num_failures: int = 0
     num_cache_hits: int = 0
     compile_seconds: list[float] = field(default_factory=list)  # the most recent, bounded
+    compile_buckets: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_BUCKETS_S) + 1))
+    compile_seconds_sum: float = 0.0
+    num_masks: int = 0
+    mask_seconds: float = 0.0
 
     def record(self, seconds: float) -> None:
         self.num_compiles += 1
         self.compile_seconds.append(seconds)
         del self.compile_seconds[:-1000]
+        self.compile_buckets[bisect.bisect_left(COMPILE_BUCKETS_S, seconds)] += 1
+        self.compile_seconds_sum += seconds
 
 
 class GrammarCompiler:
@@ -74,7 +86,7 @@ class GrammarCompiler:
         if max_cache < 1:
             raise ValueError("the grammar cache holds at least one grammar")
         self.max_cache = max_cache
-        self.stats = CompileStats()
+        self.stats = GrammarStats()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         eos = sorted(eos_token_ids)
         self._tokenizer = self._executor.submit(

@@ -97,6 +97,14 @@ class Heartbeat:
     num_steps: int = 0
     num_step_tokens: int = 0
     max_step_tokens: int = 0
+    # Structured output (`grammar_compiler.GrammarStats`): compiles per histogram bucket, their
+    # total seconds, failures, cache hits; masks computed and their total seconds.
+    grammar_compiles: list[int] = field(default_factory=list)
+    grammar_compile_seconds: float = 0.0
+    num_grammar_failures: int = 0
+    num_grammar_cache_hits: int = 0
+    num_grammar_masks: int = 0
+    grammar_mask_seconds: float = 0.0
 
 
 Message = SubmitRequest | AbortRequest | TokenEvent | FinalResult | Heartbeat
@@ -262,6 +270,12 @@ def _heartbeat(body: dict[str, Any]) -> Heartbeat:
         num_steps=_optional(body, "num_steps", int) or 0,
         num_step_tokens=_optional(body, "num_step_tokens", int) or 0,
         max_step_tokens=_optional(body, "max_step_tokens", int) or 0,
+        grammar_compiles=_ints(body, "grammar_compiles") if "grammar_compiles" in body else [],
+        grammar_compile_seconds=_optional(body, "grammar_compile_seconds", (int, float)) or 0.0,
+        num_grammar_failures=_optional(body, "num_grammar_failures", int) or 0,
+        num_grammar_cache_hits=_optional(body, "num_grammar_cache_hits", int) or 0,
+        num_grammar_masks=_optional(body, "num_grammar_masks", int) or 0,
+        grammar_mask_seconds=_optional(body, "grammar_mask_seconds", (int, float)) or 0.0,
     )
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tgq.batcher import tracing
 from tgq.batcher.active import ActiveRequest
 from tgq.batcher.engine import LLMEngine, RequestOutput
+from tgq.batcher.grammar_compiler import GrammarStats
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.ranks import WorkerLostError
 from tgq.batcher.request import FinishReason, Priority
@@ -145,6 +146,7 @@ class Batcher:
     def heartbeat(self) -> Heartbeat:
         scheduler, kv = self.engine.scheduler, self.engine.scheduler.kv
         steps = scheduler.step_stats
+        grammars = self.engine.grammars.stats if self.engine.grammars else GrammarStats()
         return Heartbeat(
             batcher_id=self.batcher_id,
             num_running=len(scheduler.running),
@@ -158,6 +160,12 @@ class Batcher:
             num_steps=steps.num_steps,
             num_step_tokens=steps.num_tokens,
             max_step_tokens=steps.max_tokens,
+            grammar_compiles=list(grammars.compile_buckets),
+            grammar_compile_seconds=grammars.compile_seconds_sum,
+            num_grammar_failures=grammars.num_failures,
+            num_grammar_cache_hits=grammars.num_cache_hits,
+            num_grammar_masks=grammars.num_masks,
+            grammar_mask_seconds=grammars.mask_seconds,
         )
 
     def _pull(self) -> None:

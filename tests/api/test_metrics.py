@@ -40,6 +40,11 @@ TGQ_TYPES = {
     "tgq_batch_step_tokens": "counter",
     "tgq_batch_step_tokens_max": "gauge",
     "tgq_batch_request_counts": "gauge",
+    "tgq_grammar_cache_hits": "counter",
+    "tgq_grammar_compile_failures": "counter",
+    "tgq_grammar_masks": "counter",
+    "tgq_grammar_mask_seconds": "counter",
+    "tgq_grammar_compile_duration": "histogram",
 }
 
 
@@ -143,6 +148,11 @@ def beat(batcher_id: str, num_running: int, num_free: int, queries: int, hits: i
         num_steps=hits + 1,
         num_step_tokens=queries,
         max_step_tokens=num_running,
+        grammar_compiles=[0, 2, 1] + [0] * 9 + [1],
+        grammar_compile_seconds=7.5,
+        num_grammar_cache_hits=hits // 2,
+        num_grammar_masks=hits * 3,
+        grammar_mask_seconds=0.25,
     )
 
 
@@ -159,6 +169,14 @@ def test_batcher_gauges_follow_the_live_heartbeats() -> None:
     assert samples['tgq_batch_steps{batcher="b0"}'] == 641
     assert samples['tgq_batch_step_tokens{batcher="b0"}'] == 1000
     assert samples['tgq_batch_step_tokens_max{batcher="b1"}'] == 7
+    assert samples['tgq_grammar_cache_hits{batcher="b0"}'] == 320
+    assert samples['tgq_grammar_masks{batcher="b0"}'] == 1920
+    assert samples['tgq_grammar_mask_seconds{batcher="b0"}'] == 0.25
+    assert samples['tgq_grammar_compile_duration_bucket{batcher="b0",le="0.001"}'] == 0
+    assert samples['tgq_grammar_compile_duration_bucket{batcher="b0",le="0.005"}'] == 3
+    assert samples['tgq_grammar_compile_duration_bucket{batcher="b0",le="+Inf"}'] == 4
+    assert samples['tgq_grammar_compile_duration_count{batcher="b0"}'] == 4
+    assert samples['tgq_grammar_compile_duration_sum{batcher="b0"}'] == 7.5
     metrics.set_batchers([beat("b1", 1, 50, 64, 16)])  # b0's heartbeat expired
     _, samples = parse(metrics)
     assert samples["tgq_batchers_alive"] == 1
