@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+import jsonschema_rs
 import openai
 import pytest
 from sqlalchemy import text
@@ -90,6 +91,60 @@ def test_the_openai_sdk_flow(stack: Stack) -> None:
     listed = client.batches.list(limit=5)
     assert batch.id in [b.id for b in listed.data]
     assert "Task tgq.run_batch[" in stack.worker_log()  # it ran on the Celery worker
+
+
+CONTRACT = {
+    "type": "object",
+    "properties": {
+        "parties": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "role": {"enum": ["buyer", "seller", "agent"]},
+                },
+                "required": ["name", "role"],
+            },
+            "minItems": 1,
+            "maxItems": 2,
+        },
+        "amount": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "currency": {"enum": ["EUR", "USD", "GBP"]},
+        "signed": {"type": "boolean"},
+    },
+    "required": ["parties", "amount", "currency", "signed"],
+}
+
+
+def test_a_thousand_line_extraction_batch_all_follows_its_schema(stack: Stack) -> None:
+    """Every output of a 1,000-line batch with one JSON schema, sampled, parses and validates;
+    a line whose schema cannot compile is in the error file with the reason, and only it."""
+    client = sdk(stack)
+    response_format = {"type": "json_schema", "json_schema": {"name": "c", "schema": CONTRACT}}
+    rows = [
+        line(f"c{i}", response_format=response_format, max_tokens=120, temperature=1.0, seed=i)
+        for i in range(1000)
+    ]
+    bad_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    rows.insert(500, line("bad-schema", response_format=bad_format, max_tokens=8))
+    uploaded = client.files.create(file=("in.jsonl", "\n".join(rows).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="1h")
+    done = wait(client, batch.id, ("completed", "failed"), timeout_s=280)
+    assert done.status == "completed", done
+    outputs, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    assert len(outputs) == 1000
+    validator = jsonschema_rs.validator_for(CONTRACT)
+    for row in outputs:
+        choice = row["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "stop", row
+        assert validator.is_valid(json.loads(choice["message"]["content"])), row
+    (bad,) = errors
+    assert bad["custom_id"] == "bad-schema"
+    assert bad["error"]["message"] == (
+        "`response_format.json_schema.schema` is not valid: invalid json_schema: "
+        "Invalid type: strin"
+    )
 
 
 def test_cancel_mid_batch_keeps_what_finished(stack: Stack) -> None:
