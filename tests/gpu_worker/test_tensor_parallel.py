@@ -15,11 +15,15 @@ from typing import Any
 import pytest
 import torch
 
+from tests.api.stack import write_text_model
 from tests.gpu_worker.test_parity import prompts
 from tgq.batcher.engine import LLMEngine
+from tgq.batcher.grammar import GrammarSpec
+from tgq.batcher.grammar_compiler import GrammarCompiler
 from tgq.batcher.ranks import ShardConfig, ShardedRunner
 from tgq.batcher.request import StoppingParams
 from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.loader import load_model
 from tgq.gpu_worker.parallel import TensorParallel
 from tgq.gpu_worker.plan import SamplingParams
@@ -67,6 +71,36 @@ def test_two_ranks_generate_what_one_process_does(name: str, tmp_path: Path) -> 
     try:
         assert generate(sharded, batch) == expected
         assert sharded.num_steps > 0
+    finally:
+        sharded.close()
+
+
+def test_two_ranks_follow_a_grammar_as_one_process_does(tmp_path: Path) -> None:
+    """The masks travel to the ranks in the plan (base64 on the pipe); rank 0 samples under
+    them: seeded constrained sampling gives the single process's tokens."""
+    model_dir = write_text_model(tmp_path / "text")
+    tokenizer = (model_dir / "tokenizer.json").read_text()
+    spec = GrammarSpec.json_schema(
+        {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6}}}
+    )
+    batch = prompts(4, 500, 12, (3, 30))
+    eos = model_eos_token_ids(str(model_dir))
+
+    def constrained(runner: Any) -> list[list[int]]:
+        engine = LLMEngine(runner, None, None, eos, GrammarCompiler(tokenizer, eos))
+        sampling = SamplingParams(temperature=1.2, seed=5)
+        results = engine.generate(batch, sampling, StoppingParams(40), grammar=spec)
+        assert all(r.finish_detail == "grammar complete" for r in results)
+        return [r.token_ids for r in results]
+
+    single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    expected = constrained(single)
+    config = ShardConfig(
+        str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1
+    )
+    sharded = ShardedRunner(config)
+    try:
+        assert constrained(sharded) == expected
     finally:
         sharded.close()
 
