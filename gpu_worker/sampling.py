@@ -120,24 +120,31 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
-def apply_token_masks(logits: torch.Tensor, masks: list[bytes | None]) -> torch.Tensor:
+def apply_token_masks(
+    logits: torch.Tensor, masks: list[bytes | None], *, in_place: bool = False
+) -> torch.Tensor:
     """Sets every token outside row i's bitmask `masks[i]` to -inf (None: the row is free).
     Bit `t % 32` of little-endian 32-bit word `t // 32` allows token t; columns past the mask's
-    end (a model vocabulary padded beyond the tokenizer's) are not allowed."""
+    end (a model vocabulary padded beyond the tokenizer's) are not allowed. `in_place` when the
+    raw logits are not needed afterwards (no row asked for logprobs)."""
     rows = [i for i, mask in enumerate(masks) if mask is not None]
     if not rows:
         return logits
     width = max(len(masks[i] or b"") for i in rows)  # one tokenizer: all alike, but be sure
     packed = b"".join((masks[i] or b"").ljust(width, b"\0") for i in rows)
-    words = torch.frombuffer(bytearray(packed), dtype=torch.int32)
+    words = torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(rows), -1)
+    masked = logits if in_place else logits.clone()
+    is_cpu_fp32 = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if is_cpu_fp32 and masked.is_contiguous() and cpu_ops.is_available():
+        cpu_ops.apply_token_mask_(masked, words, torch.tensor(rows, dtype=torch.int64))
+        return masked
     bits = (words.view(len(rows), -1, 1) >> _BIT_SHIFTS) & 1
     allowed = bits.view(len(rows), -1).to(torch.bool)
     vocab_size = logits.shape[-1]
     if allowed.shape[1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
     allowed = allowed[:, :vocab_size].to(logits.device)
-    masked = logits.clone()
-    masked[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+    masked[rows] = masked[rows].masked_fill(~allowed, _NEG_INF)
     return masked
 
 
@@ -251,7 +258,8 @@ def _splitmix64(x: int) -> int:
 def _penalise(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
     params = inputs.params
     if inputs.token_masks is not None:
-        logits = apply_token_masks(logits, inputs.token_masks)
+        raw_needed = any(p.wants_logprobs for p in params)  # logprobs read the raw logits
+        logits = apply_token_masks(logits, inputs.token_masks, in_place=not raw_needed)
     stop_ids = [
         p.min_tokens_stop_ids if p.masks_stop_ids and len(output) < p.min_tokens else ()
         for p, output in zip(params, inputs.output_token_ids, strict=True)

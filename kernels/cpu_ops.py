@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "add_rms_norm",
+    "apply_token_mask_",
     "argmax",
     "avx512_attention_serves",
     "greedy_head_argmax",
@@ -57,6 +58,7 @@ _SOURCES = [
         "greedy_head.cpp",
         "greedy_head_avx512.cpp",
         "op_program.cpp",
+        "token_mask.cpp",
     )
 ]
 _REQUIRED_FLAGS = frozenset({"avx2", "fma"})
@@ -328,6 +330,16 @@ def op_program(num_inputs: int) -> Any:
     fills it from recorded op calls and runs it."""
     _ops()  # builds and loads the library, which registers the class
     return torch.classes.tgq_cpu_ops.OpProgram(num_inputs)
+
+
+def apply_token_mask_(
+    logits: torch.Tensor,  # [N, V] fp32, contiguous: changed in place
+    words: torch.Tensor,  # [n, W] int32: row rows[i]'s allowed tokens, bit t % 32 of word t // 32
+    rows: torch.Tensor,  # [n] int64
+) -> None:
+    """Sets to -inf every logit of row `rows[i]` whose token is not allowed by `words[i]`
+    (columns past `32 * W` included)."""
+    _ops().apply_token_mask_(logits, words, rows)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [N, V] fp32 -> [N] int64

@@ -342,3 +342,32 @@ def test_argmax_refuses_what_it_does_not_handle() -> None:
         cpu_ops.argmax(torch.randn(2, 8).bfloat16())
     with pytest.raises(RuntimeError, match="argmax_rows: rows must not be empty"):
         cpu_ops.argmax(torch.randn(2, 0))
+
+
+@requires_kernels
+@pytest.mark.parametrize(("vocab", "num_words"), [(128, 4), (100, 4), (140, 4), (37, 1)])
+def test_token_mask_matches_the_unpacked_bits(vocab: int, num_words: int) -> None:
+    """All-ones, all-zeros and mixed words; a mask shorter than the vocabulary masks the rest;
+    rows not named stay as they were."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(4, vocab)
+    words = torch.randint(-(2**31), 2**31 - 1, (2, num_words), dtype=torch.int32)
+    words[0, 0], words[1, -1] = -1, 0
+    rows = torch.tensor([3, 1])
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = torch.zeros(2, vocab, dtype=torch.bool)
+    width = min(vocab, 32 * num_words)
+    allowed[:, :width] = bits.view(2, -1)[:, :width].bool()
+    expected = logits.clone()
+    expected[rows] = expected[rows].masked_fill(~allowed, float("-inf"))
+    cpu_ops.apply_token_mask_(logits, words, rows)
+    assert torch.equal(logits, expected)
+
+
+@requires_kernels
+def test_token_mask_refuses_what_it_does_not_handle() -> None:
+    words, rows = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0])
+    with pytest.raises(RuntimeError, match="logits must be a contiguous 2-d fp32 CPU tensor"):
+        cpu_ops.apply_token_mask_(torch.zeros(2, 8).bfloat16(), words, rows)
+    with pytest.raises(RuntimeError, match="row out of range"):
+        cpu_ops.apply_token_mask_(torch.zeros(1, 8), words, torch.tensor([1]))
