@@ -228,22 +228,26 @@ class LLMEngine:
         """The grammar masks of the constrained sequences that sample in this step. A grammar
         that broke (past llguidance's limits) fails its request; the runner samples its row
         freely and the scheduler drops that token."""
-        masks, started = {}, time.perf_counter()
+        if self.grammars is None:
+            return {}
+        started, constrained = time.perf_counter(), []
         for chunk in scheduled.chunks:
             request = self.scheduler.requests.get(chunk.request_id)
             if request is None or request.grammar is None:
                 continue
             if chunk.num_computed_tokens + chunk.num_new_tokens < request.num_tokens:
                 continue  # a prefill chunk short of the end samples nothing
-            try:
-                masks[chunk.request_id] = request.grammar.mask()
-            except GrammarError as error:
-                self.scheduler.finish(chunk.request_id, RequestStatus.FINISHED_FAILED, str(error))
+            if (error := request.grammar.error) is not None:
+                self.scheduler.finish(chunk.request_id, RequestStatus.FINISHED_FAILED, error)
                 self._pending.append(_end_of(request))
-        if masks and self.grammars is not None:
-            self.grammars.stats.num_masks += len(masks)
-            self.grammars.stats.mask_seconds += time.perf_counter() - started
-        return masks
+                continue
+            constrained.append((chunk.request_id, request.grammar))
+        if not constrained:
+            return {}
+        masks = self.grammars.masks([constraint for _, constraint in constrained])
+        self.grammars.stats.num_masks += len(masks)
+        self.grammars.stats.mask_seconds += time.perf_counter() - started
+        return {request_id: mask for (request_id, _), mask in zip(constrained, masks, strict=True)}
 
     def stream(self) -> Iterator[RequestOutput]:
         """Per-token outputs of every added request until all are finished."""

@@ -11,13 +11,15 @@ runs beside the step loop rather than inside it.
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import llguidance
+import numpy
 
 from tgq.batcher.grammar import GrammarError, GrammarSpec, check, tidy
 
@@ -36,9 +38,16 @@ class Constraint:
 
     def mask(self) -> bytes:
         """The allowed next tokens: bit `t % 32` of little-endian 32-bit word `t // 32`."""
-        if self._matcher.is_error():  # llguidance's first line; the rest dumps its state
-            raise GrammarError(f"grammar state: {self._matcher.get_error().splitlines()[0]}")
+        if (error := self.error) is not None:
+            raise GrammarError(error)
         return bytes(self._matcher.compute_bitmask())
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar state broke (a token it did not allow, a parser limit), or None."""
+        if not self._matcher.is_error():
+            return None
+        return f"grammar state: {self._matcher.get_error().splitlines()[0]}"  # the rest: a dump
 
     def consume(self, token_id: int) -> None:
         """Advance past an accepted token. A token the mask did not allow leaves the matcher in
@@ -92,6 +101,7 @@ class GrammarCompiler:
         self._tokenizer = self._executor.submit(
             llguidance.LLTokenizer, tokenizer_json, eos_token=eos or None
         )
+        self._mask_threads = llguidance.LLExecutor(os.cpu_count() or 1)
         self._cache: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
         self._compiling: dict[GrammarSpec, Future[llguidance.LLMatcher]] = {}
 
@@ -127,6 +137,18 @@ class GrammarCompiler:
             while len(self._cache) > self.max_cache:
                 self._cache.popitem(last=False)
         return Constraint(matcher.deep_copy())
+
+    def masks(self, constraints: Sequence[Constraint]) -> list[bytes]:
+        """The next-token masks of several constraints (none broken: see `Constraint.error`),
+        computed on llguidance's own threads at once; the same bytes as `Constraint.mask`."""
+        if len(constraints) == 1:
+            return [constraints[0].mask()]
+        size = (self._tokenizer.result().vocab_size + 31) // 32 * 4
+        out = numpy.empty(len(constraints) * size, dtype=numpy.uint8)
+        matchers = [(constraint._matcher, row) for row, constraint in enumerate(constraints)]
+        self._mask_threads.unsafe_compute_mask_ptr(matchers, out.ctypes.data, size, len(matchers))
+        data = out.tobytes()
+        return [data[row * size : (row + 1) * size] for row in range(len(constraints))]
 
     def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         tokenizer = self._tokenizer.result()

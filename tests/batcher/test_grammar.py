@@ -189,3 +189,15 @@ def test_each_request_advances_its_own_copy(
     one.consume(c_id)  # not allowed after "a": the constraint breaks and says so
     with pytest.raises(GrammarError, match="grammar state"):
         one.mask()
+
+
+def test_masks_at_once_equal_masks_one_by_one(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    specs = [GrammarSpec(GrammarKind.REGEX, "[a-z]+"), GrammarSpec.json_schema({"type": "integer"})]
+    constraints = [compiler.take(spec, compiler.compile(spec)) for spec in specs for _ in range(3)]
+    (a_id,) = tokenizer.encode("a").ids
+    constraints[1].consume(a_id)
+    together = compiler.masks(constraints)
+    assert together == [constraint.mask() for constraint in constraints]
+    assert len({*together}) == 3  # the regex before and after "a", the integer
