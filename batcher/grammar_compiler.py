@@ -140,9 +140,8 @@ class GrammarCompiler:
 
     def masks(self, constraints: Sequence[Constraint]) -> list[bytes]:
         """The next-token masks of several constraints (none broken: see `Constraint.error`),
-        computed on llguidance's own threads at once; the same bytes as `Constraint.mask`."""
-        if len(constraints) == 1:
-            return [constraints[0].mask()]
+        computed on llguidance's own threads at once: `Constraint.mask`'s bits, in words enough
+        for the vocabulary (that one adds a word of zeros when the size is a multiple of 32)."""
         size = (self._tokenizer.result().vocab_size + 31) // 32 * 4
         out = numpy.empty(len(constraints) * size, dtype=numpy.uint8)
         matchers = [(constraint._matcher, row) for row, constraint in enumerate(constraints)]

@@ -199,5 +199,8 @@ def test_masks_at_once_equal_masks_one_by_one(
     (a_id,) = tokenizer.encode("a").ids
     constraints[1].consume(a_id)
     together = compiler.masks(constraints)
-    assert together == [constraint.mask() for constraint in constraints]
+    assert len(together[0]) == 512 // 8  # the tokenizer's 512 tokens
+    one_by_one = [constraint.mask() for constraint in constraints]
+    assert together == [mask[: len(together[0])] for mask in one_by_one]
+    assert not any(mask[len(together[0]) :].strip(b"\0") for mask in one_by_one)
     assert len({*together}) == 3  # the regex before and after "a", the integer
