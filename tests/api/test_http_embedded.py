@@ -55,3 +55,16 @@ def test_jobs_are_persisted_in_sqlite(embedded: Stack) -> None:
     with sqlite3.connect(database) as conn:
         rows = conn.execute("SELECT count(*) FROM results WHERE job_id = ?", (job["id"],))
         assert rows.fetchone() == (2,)
+
+
+def test_structured_output_runs_embedded(embedded: Stack) -> None:
+    """The in-process batcher compiles grammars too (`tgq serve` on a laptop)."""
+    body = {
+        "messages": [{"role": "user", "content": "Pick one"}],
+        "guided_choice": ["alpha", "beta"],
+        "temperature": 1.5,
+        "max_tokens": 8,
+    }
+    answer = httpx.post(f"{embedded.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert answer["choices"][0]["message"]["content"] in ("alpha", "beta")
+    assert answer["choices"][0]["finish_reason"] == "stop"
