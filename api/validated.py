@@ -29,6 +29,9 @@ class GenerationParams:
     top_n_tokens: int = 0
     add_special_tokens: bool = True
     grammar: GrammarSpec | None = None  # structured output: what the output must match
+    # Chat tools (`api.tools`): how the output is read for tool calls (None: it is not).
+    tool_parser: str | None = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 `/v1/models`).
 
 Requests accept the whole OpenAI surface that clients send, including fields tgq does not
-support (`logit_bias`, `tools`, `audio`, `suffix`, ...), and keep unknown fields
+support (`logit_bias`, `audio`, `suffix`, ...), and keep unknown fields
 (`model_extra`): `api.request_fields` rejects both with a message naming the field instead of
 dropping them silently. Range checks live in `api.openai_validation`. Nested objects (messages,
 stream options) ignore unknown keys, so a message echoed back from a response (with `refusal`,
@@ -16,7 +16,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Seed = Annotated[int, Field(ge=0, lt=2**64)]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+def _is_none(value: object) -> bool:
+    return value is None
 
 
 class _Request(BaseModel):
@@ -154,6 +158,9 @@ class ChatCompletionRequest(_VllmExtras):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    tool_prompt: Any = Field(
+        default=None, description="TGI extension: ends the last message with the tools."
+    )
     # Accepted with no effect on the output: tgq records no end users, and its prefix cache
     # serves every request whatever its key.
     safety_identifier: str | None = None
@@ -173,7 +180,6 @@ class ChatCompletionRequest(_VllmExtras):
     store: Any = None
     verbosity: Any = None
     web_search_options: Any = None
-    tool_prompt: Any = Field(default=None, description="TGI extension, for `tools`.")
 
 
 class CompletionRequest(_VllmExtras):
@@ -233,6 +239,7 @@ class ChatLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -252,8 +259,16 @@ class ChatCompletion(BaseModel):
     usage: Usage | None = None
 
 
-def _is_none(value: object) -> bool:
-    return value is None
+class DeltaFunction(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_is_none)  # on a call's first delta
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # the call's position in `message.tool_calls`
+    id: str | None = Field(default=None, exclude_if=_is_none)  # on a call's first delta
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
+    function: DeltaFunction
 
 
 class Delta(BaseModel):
@@ -261,6 +276,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChunkChoice(BaseModel):
