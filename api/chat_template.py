@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The named special tokens transformers passes to every template (its `special_tokens_map`).
@@ -129,6 +130,7 @@ class ChatTemplate:
             raise NoChatTemplateError
         self.special_tokens = dict(special_tokens or {})
         self._compiled: dict[str, jinja2.Template] = {}
+        self._reads_tools: dict[str, bool] = {}
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatTemplate:
@@ -162,6 +164,17 @@ class ChatTemplate:
         raise ChatTemplateError(
             f"this model has several chat templates and none is named 'default' (found: {names})"
         )
+
+    def uses_tools(self) -> bool:
+        """Whether the template picked when tools are passed reads the `tools` variable."""
+        name = self.template_name([])
+        if name not in self._reads_tools:
+            try:
+                parsed = _ENVIRONMENT.parse(self.templates[name])
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(_describe(exc)) from exc
+            self._reads_tools[name] = "tools" in jinja2.meta.find_undeclared_variables(parsed)
+        return self._reads_tools[name]
 
     def render(
         self,

@@ -4,11 +4,13 @@ check after tokenization are in `api.validation`."""
 
 from __future__ import annotations
 
+from tgq.api.chat_template import ChatTemplate
 from tgq.api.errors import RouteValidationError
 from tgq.api.request_fields import check_openai_fields
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest, ImagePart
 from tgq.api.settings import Settings
 from tgq.api.structured import openai_grammar
+from tgq.api.tools import tool_use
 from tgq.api.validated import GenerationParams
 from tgq.api.validation import (
     check_inputs,
@@ -31,7 +33,10 @@ SUFFIX_MESSAGE = "Suffix is not supported and can be achieved by preprocessing t
 EMPTY_PROMPTS_MESSAGE = "Empty array detected. Do not use an empty array for the prompt."
 
 
-def chat_params(request: ChatCompletionRequest, settings: Settings) -> GenerationParams:
+def chat_params(
+    request: ChatCompletionRequest, settings: Settings, template: ChatTemplate | None = None
+) -> GenerationParams:
+    """`template`: the model's chat template, for `--tool-call-parser auto`."""
     check_openai_fields(request)
     _check_chat_unsupported(request)
     require(bool(request.messages), "`messages` cannot be empty", "messages")
@@ -46,6 +51,8 @@ def chat_params(request: ChatCompletionRequest, settings: Settings) -> Generatio
         max_new_tokens = _max_tokens("max_completion_tokens", request.max_completion_tokens)
     else:
         max_new_tokens = _max_tokens("max_tokens", request.max_tokens)
+    grammar = _grammar(request)
+    tools = tool_use(request, parser_setting=settings.tool_call_parser, template=template)
     return GenerationParams(
         sampling=_openai_sampling(request, logprobs=request.logprobs is True, top_n=top_n),
         max_new_tokens=max_new_tokens,
@@ -54,7 +61,9 @@ def chat_params(request: ChatCompletionRequest, settings: Settings) -> Generatio
         ignore_eos=request.ignore_eos,
         top_n_tokens=top_n,
         add_special_tokens=False,  # the chat template has them already
-        grammar=_grammar(request),
+        grammar=tools.grammar or grammar,
+        tool_parser=tools.parser,
+        parallel_tool_calls=tools.parallel,
     )
 
 
@@ -117,12 +126,6 @@ def _completion_best_of(request: CompletionRequest, num_choices: int, settings: 
 
 
 def _check_chat_unsupported(request: ChatCompletionRequest) -> None:
-    require(not request.tools, "`tools` are not supported yet", "tools")
-    require(
-        request.tool_choice in (None, "none", "auto"),
-        '`tool_choice` other than "none" or "auto" is not supported yet',
-        "tool_choice",
-    )
     for i, message in enumerate(request.messages):
         parts = message.content if isinstance(message.content, list) else []
         has_image = any(isinstance(part, ImagePart) for part in parts)

@@ -44,7 +44,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
         '`service_tier` other than "auto" or "default" is not supported',
     ),
     "web_search_options": ((), "`web_search_options` is not supported: tgq has no web search"),
-    "tool_prompt": ((), "`tool_prompt` is only used with `tools`, which are not supported yet"),
 }
 LOGIT_BIAS_MESSAGE = "`logit_bias` is not supported"
 

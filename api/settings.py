@@ -51,6 +51,11 @@ class Settings(BatcherOptions):
     max_job_prompts: int = Field(1000, ge=1, description="prompts in one POST /v1/jobs")
     retry_after_s: int = Field(1, ge=1, description="`Retry-After` of a 429 or 503")
 
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "auto"] = Field(
+        "hermes",
+        description="how `tool_choice: auto` reads calls in the output (auto: from the template)",
+    )
+
     # Uploaded files (POST /v1/files): not bound by `payload_limit`, streamed to storage.
     max_file_bytes: int = Field(200_000_000, ge=1, description="largest uploaded file (413)")
     max_file_lines: int = Field(50_000, ge=1, description="requests in one batch input file")

@@ -243,16 +243,7 @@ CHAT_REJECTIONS: list[tuple[dict[str, Any], str, str]] = [
         "max_completion_tokens",
     ),
     ({"logit_bias": {"42": 5.0}}, "`logit_bias` is not supported", "logit_bias"),
-    (
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        "`tools` are not supported yet",
-        "tools",
-    ),
-    (
-        {"tool_choice": "required"},
-        '`tool_choice` other than "none" or "auto" is not supported yet',
-        "tool_choice",
-    ),
+    ({"tool_choice": "required"}, '`tool_choice` "required" needs `tools`', "tool_choice"),
     (
         {"response_format": {"type": "xml"}},
         "`response_format` of type `xml` is not supported "
