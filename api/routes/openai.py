@@ -9,6 +9,11 @@ cumulative logprob, best first (`usage` counts the tokens of every candidate, as
 `usage.prompt_tokens_details.cached_tokens`: per prompt, the prompt tokens the batcher found in
 its prefix cache when it first scheduled the prompt's prefill (the least over the prompt's
 copies), a multiple of the KV block size.
+
+Chat with tools (`api.tools`): each choice's text goes through a tool-call reader
+(`api.tool_calls`), which turns it into content and `tool_calls` deltas; the answer without
+streaming is the same deltas folded. A choice with calls that ended by itself finishes with
+`tool_calls`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from tgq.api.chat_prompt import render_chat
 from tgq.api.errors import ApiError, GenerationError, error_body
 from tgq.api.openai_validation import chat_params, completion_params, completion_prompts
 from tgq.api.routes.openai_answers import (
+    chat_choice,
+    chat_finish_reason,
     chat_token_logprobs,
     chosen_items,
     completion_choice,
@@ -32,15 +39,12 @@ from tgq.api.routes.openai_answers import (
     legacy_logprobs,
     run_usage,
 )
-from tgq.api.routes.tgi_answers import output_text
 from tgq.api.run import Run, check_failed
 from tgq.api.schemas.openai import (
     ChatCompletion,
-    ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatLogprobs,
-    ChatMessage,
     ChunkChoice,
     Completion,
     CompletionChoice,
@@ -51,6 +55,8 @@ from tgq.api.schemas.openai import (
     Usage,
 )
 from tgq.api.sse import STREAM_RESPONSES, data_event, dump_json, sse_response
+from tgq.api.tool_calls import ToolCallReader, tool_reader
+from tgq.api.tools import prompt_tools
 from tgq.api.validated import GenerationParams
 from tgq.batcher.messages import FinalResult
 
@@ -87,8 +93,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     """OpenAI chat completions; `stream: true` for Server-Sent Events."""
     state = state_of(request)
     with state.generation.admitted() as ticket:
-        params = chat_params(body, state.settings)
-        prompt = await render_chat(state.tokenizer, body.messages)
+        params = chat_params(body, state.settings, state.tokenizer.chat_template)
+        prompt = await render_chat(
+            state.tokenizer, body.messages, tools=prompt_tools(body), tool_prompt=body.tool_prompt
+        )
         run = await _start(
             request, ticket, [prompt], params, route="/v1/chat/completions", param="messages"
         )
@@ -97,23 +105,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         return sse_response(_chat_chunks(state, run, include_usage=include_usage), {})
     finals = await state.generation.wait_finals(run, request.receive)
     check_failed(finals)
-    choices = []
-    for index, request_ in enumerate(run.requests):
-        final = run.finals[request_.request_id]
-        logprobs = None
-        if params.sampling.logprobs:
-            events = run.events.get(request_.request_id, [])
-            logprobs = ChatLogprobs(
-                content=[e for ev in events for e in chat_token_logprobs(state, ev)]
-            )
-        choices.append(
-            ChatCompletionChoice(
-                index=index,
-                message=ChatMessage(content=output_text(state, final, include_stop=False)),
-                logprobs=logprobs,
-                finish_reason=finish_reason(final),
-            )
-        )
+    choices = [chat_choice(state, run, index) for index in range(len(run.requests))]
     return ChatCompletion(
         id=f"chatcmpl-{run.job_id}",
         created=int(run.started_at),
@@ -140,6 +132,7 @@ async def _chat_chunks(state: AppState, run: Run, *, include_usage: bool) -> Asy
         return data_event(body.model_dump_json())
 
     content_chunks = [_content_chunk(chunk, i) for i in range(len(run.requests))]
+    readers = [tool_reader(params) for _ in run.requests]
     try:
         yield chunk(
             [
@@ -148,16 +141,26 @@ async def _chat_chunks(state: AppState, run: Run, *, include_usage: bool) -> Asy
             ]
         )
         async for index, event in state.generation.stream(run):
+            reader = readers[index]
             if isinstance(event, FinalResult):
                 if event.finish_reason not in ("stop", "length"):
                     raise GenerationError(event.finish_detail or event.finish_reason)
-                reason = finish_reason(event)
+                deltas = [] if reader is None else reader.finish()
+                for delta in deltas:
+                    yield chunk([ChunkChoice(index=index, delta=delta)])
+                has_calls = reader is not None and reader.has_calls
+                reason = chat_finish_reason(event, has_calls=has_calls)
                 yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
                 continue
             if not event.text and not params.sampling.logprobs:
                 continue
+            logprobs = None
             if params.sampling.logprobs:
                 logprobs = ChatLogprobs(content=chat_token_logprobs(state, event))
+            if reader is not None:
+                for choice in _read_tool_calls(reader, index, event.text, logprobs):
+                    yield chunk([choice])
+            elif logprobs is not None:
                 delta = Delta(content=event.text)
                 yield chunk([ChunkChoice(index=index, delta=delta, logprobs=logprobs)])
             else:
@@ -167,6 +170,18 @@ async def _chat_chunks(state: AppState, run: Run, *, include_usage: bool) -> Asy
     except ApiError as error:
         yield data_event(dump_json(error_body(error, flavour="openai")))
     yield DONE
+
+
+def _read_tool_calls(
+    reader: ToolCallReader, index: int, text: str, logprobs: ChatLogprobs | None
+) -> list[ChunkChoice]:
+    """The chunks a token's text makes through a tool-call reader; its logprobs go on the
+    first (an empty delta when the reader holds the text back)."""
+    deltas = reader.feed(text) or ([Delta()] if logprobs is not None else [])
+    return [
+        ChunkChoice(index=index, delta=delta, logprobs=logprobs if i == 0 else None)
+        for i, delta in enumerate(deltas)
+    ]
 
 
 def _content_chunk(

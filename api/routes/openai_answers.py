@@ -9,6 +9,9 @@ from tgq.api.app import AppState
 from tgq.api.routes.tgi_answers import output_text
 from tgq.api.run import Run
 from tgq.api.schemas.openai import (
+    ChatCompletionChoice,
+    ChatLogprobs,
+    ChatMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -16,6 +19,7 @@ from tgq.api.schemas.openai import (
     TopLogprob,
     Usage,
 )
+from tgq.api.tool_calls import reply_of
 from tgq.batcher.messages import FinalResult, TokenEvent
 from tgq.batcher.request import FinishReason
 
@@ -23,6 +27,30 @@ from tgq.batcher.request import FinishReason
 def finish_reason(final: FinalResult) -> str:
     """OpenAI's names: `length`, else `stop`."""
     return "length" if final.finish_reason == FinishReason.LENGTH else "stop"
+
+
+def chat_finish_reason(final: FinalResult, *, has_calls: bool) -> str:
+    """With tool calls, `tool_calls` where the output ended by itself."""
+    reason = finish_reason(final)
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def chat_choice(state: AppState, run: Run, index: int) -> ChatCompletionChoice:
+    """Choice `index` of a finished chat run: its text, or its tool calls and the rest."""
+    request_id = run.requests[index].request_id
+    final, params = run.finals[request_id], run.prompts[0].params
+    content, tool_calls = reply_of(params, output_text(state, final, include_stop=False))
+    logprobs = None
+    if params.sampling.logprobs:
+        events = run.events.get(request_id, [])
+        entries = [entry for event in events for entry in chat_token_logprobs(state, event)]
+        logprobs = ChatLogprobs(content=entries)
+    return ChatCompletionChoice(
+        index=index,
+        message=ChatMessage(content=content, tool_calls=tool_calls),
+        logprobs=logprobs,
+        finish_reason=chat_finish_reason(final, has_calls=tool_calls is not None),
+    )
 
 
 def run_usage(run: Run) -> Usage:

@@ -30,6 +30,7 @@ from tests.api.stack import BLOCK_SIZE, Stack, running_stack, write_text_model
 from tests.api.test_http_jobs import wait_for
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.schemas.tgi import CompatGenerateRequest, GenerateParameters
+from tgq.api.tools import TOOL_CHOICE_MESSAGE
 
 pytestmark = pytest.mark.timeout(300)
 EOS = 2  # the random model's `eos_token_id`
@@ -69,6 +70,10 @@ STRUCTURED = (  # vLLM's structured output, on both OpenAI routes
 DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
 DIGIT_SCHEMA = {**DIGIT, "required": ["n"]}
 BAD_SCHEMA = {"type": "strin"}
+PICK = {"type": "function", "function": {"name": "pick", "parameters": DIGIT_SCHEMA}}
+# A random model may add calls for ever: one call, unless the case is about several.
+ONE_PICK = {"tools": [PICK], "tool_choice": "required", "parallel_tool_calls": False}
+NO_CALL = {"role": "assistant", "content": ""}  # no `tool_calls` key
 BAD_SCHEMA_MESSAGE = "invalid json_schema: Invalid type: strin"
 BAD_REGEX_MESSAGE = (
     'invalid regex: invalid regex "a(" (in regex): regex parse error: a( error: unclosed group'
@@ -291,6 +296,15 @@ def _is_digit_object(text: str) -> None:
     assert list(value) == ["n"] and value["n"] in range(10), text
 
 
+def _is_one_pick_call(body: Any) -> None:
+    """A forced call of `PICK`: `{"n": D}` arguments, the finish reason `tool_calls`."""
+    choice = _choice(body)
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None)
+    (call,) = choice["message"]["tool_calls"]
+    assert (call["type"], call["function"]["name"]) == ("function", "pick")
+    _is_digit_object(call["function"]["arguments"])
+
+
 def _text(body: Any) -> str:
     choice = _choice(body)
     text: str = choice["message"]["content"] if "message" in choice else choice["text"]
@@ -460,7 +474,7 @@ CHAT_CASES: dict[str, Case | tuple[Case, ...]] = {
         ),
     ),
     "moderation": Rejected({"moderation": {}}, "`moderation` is not supported"),
-    "parallel_tool_calls": Works({"parallel_tool_calls": False}),
+    "parallel_tool_calls": Works(ONE_PICK, lambda b, m: _is_one_pick_call(b)),
     "prediction": Rejected(
         {"prediction": {"type": "content", "content": "x"}},
         "`prediction` (predicted outputs) is not supported",
@@ -493,15 +507,19 @@ CHAT_CASES: dict[str, Case | tuple[Case, ...]] = {
         Rejected({"store": True}, "`store` is not supported: tgq does not store chat completions"),
     ),
     "tool_choice": (
-        Works({"tool_choice": "none"}),
-        Rejected(
-            {"tool_choice": "required"},
-            '`tool_choice` other than "none" or "auto" is not supported yet',
+        Works({"tools": [PICK], "tool_choice": "none"}, lambda b, m: _eq(_content(b), "")),
+        Works(
+            {"tools": [PICK], "tool_choice": {"type": "function", "function": {"name": "pick"}}},
+            lambda b, m: _is_one_pick_call(b),
         ),
+        Rejected({"tool_choice": "required"}, '`tool_choice` "required" needs `tools`'),
+        Rejected({"tools": [PICK], "tool_choice": {"type": "function"}}, TOOL_CHOICE_MESSAGE),
     ),
-    "tools": Rejected(
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        "`tools` are not supported yet",
+    "tools": (
+        Works(ONE_PICK, lambda b, m: _is_one_pick_call(b)),
+        # `auto`: the model writes EOS at once, no call
+        Works({"tools": [PICK]}, lambda b, m: _eq(_choice(b)["message"], NO_CALL)),
+        Rejected({"tools": [PICK, PICK]}, "`tools` has more than one function named `pick`"),
     ),
     "top_logprobs": Works(
         {"logprobs": True, "top_logprobs": 2},
@@ -513,9 +531,9 @@ CHAT_CASES: dict[str, Case | tuple[Case, ...]] = {
     "web_search_options": Rejected(
         {"web_search_options": {}}, "`web_search_options` is not supported: tgq has no web search"
     ),
-    "tool_prompt": Rejected(
-        {"tool_prompt": "Use the tools"},
-        "`tool_prompt` is only used with `tools`, which are not supported yet",
+    "tool_prompt": (
+        Works({"tools": [PICK], "tool_prompt": "Use the tools"}),
+        Rejected({"tool_prompt": "Use the tools"}, "`tool_prompt` is only used with `tools`"),
     ),
 }
 COMPLETION_CASES: dict[str, Case | tuple[Case, ...]] = {
