@@ -1,5 +1,6 @@
 """`finalizing`: the output file, then the error file, written a chunk of lines at a time; the
-files have ids of the batch's own, so a redone finalizing replaces them."""
+files have ids of the batch's own, so a redone finalizing replaces them. A chat line's output is
+read for tool calls as its item's parameters say (`api.tool_calls`), as the chat route does."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.db import store
+from tgq.api.submit import recorded_params
+from tgq.api.tool_calls import reply_of
+from tgq.api.validated import GenerationParams
 from tgq.batcher.request import FinishReason
 from tgq.bulk.batches.context import BatchContext, get_batch
 from tgq.bulk.batches.lease import BatchLease
@@ -39,15 +45,17 @@ async def finalize(ctx: BatchContext, batch_id: str, lease: BatchLease) -> None:
                     conn, batch_id=batch_id, first=first, limit=ctx.chunk_lines
                 )
                 indexes = [line.item_index for line in lines if line.item_index is not None]
-                results = {}
+                results, params = {}, {}
                 if batch.job_id is not None and indexes:
                     found = await store.get_results(conn, job_id=batch.job_id, item_indexes=indexes)
                     results = {result.item_index: result for result in found}
+                    params = await _item_params(conn, batch, indexes)
             if not lines:
                 return
             for line in lines:
                 result = None if line.item_index is None else results.get(line.item_index)
-                is_output, row = _line_of(ctx, batch, line, result, outcome)
+                item_params = None if line.item_index is None else params.get(line.item_index)
+                is_output, row = _line_of(ctx, batch, line, result, item_params, outcome)
                 if is_output == want_output:
                     yield (json.dumps(row, ensure_ascii=False) + "\n").encode()
                 if want_output:
@@ -67,18 +75,29 @@ async def finalize(ctx: BatchContext, batch_id: str, lease: BatchLease) -> None:
         )  # fmt: skip
 
 
+async def _item_params(
+    conn: AsyncConnection, batch: db_batches.BatchRecord, indexes: list[int]
+) -> dict[int, GenerationParams]:
+    """The items' parameters, which a chat line's output needs (its tool calls)."""
+    if batch.endpoint != "/v1/chat/completions" or batch.job_id is None:
+        return {}
+    items = await store.get_items(conn, job_id=batch.job_id, item_indexes=indexes)
+    return {item.item_index: recorded_params(item.params or {}) for item in items}
+
+
 def _line_of(
     ctx: BatchContext,
     batch: db_batches.BatchRecord,
     line: db_batches.LineRecord,
     result: store.ResultRecord | None,
+    params: GenerationParams | None,
     outcome: str,
 ) -> tuple[bool, dict[str, Any]]:
     """The line's row, and whether it goes to the output file (else the error file)."""
     if line.error is not None:
         return False, _error_line(line, "invalid_request", line.error)
     if result is not None and result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-        return True, _output_line(ctx, batch, line, result)
+        return True, _output_line(ctx, batch, line, result, params)
     if outcome == "expired" and (
         result is None or result.finish_reason in (FinishReason.DEADLINE, FinishReason.ABORT)
     ):
@@ -94,6 +113,7 @@ def _output_line(
     batch: db_batches.BatchRecord,
     line: db_batches.LineRecord,
     result: store.ResultRecord,
+    params: GenerationParams | None,
 ) -> dict[str, Any]:
     usage = {
         "prompt_tokens": result.num_prompt_tokens,
@@ -106,7 +126,11 @@ def _output_line(
     created = int(result.created_at.timestamp())
     body: dict[str, Any]
     if batch.endpoint == "/v1/chat/completions":
-        message = {"role": "assistant", "content": text}
+        content, tool_calls = (text, None) if params is None else reply_of(params, text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls is not None:
+            message["tool_calls"] = [call.model_dump() for call in tool_calls]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         body = {"id": f"chatcmpl-{result.request_id}", "object": "chat.completion"}
     else:

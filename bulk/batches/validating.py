@@ -17,6 +17,7 @@ from tgq.api.ids import new_job_id, request_id_of
 from tgq.api.openai_validation import chat_params, completion_params
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.submit import job_params
+from tgq.api.tools import prompt_tools
 from tgq.api.validated import ValidatedRequest
 from tgq.api.validation import validate_tokens
 from tgq.batcher.request import Priority
@@ -141,8 +142,10 @@ async def _validate(ctx: BatchContext, endpoint: str, body: dict[str, Any]) -> V
     settings, tokenizer = ctx.settings, ctx.tokenizer
     if endpoint == "/v1/chat/completions":
         chat = ChatCompletionRequest.model_validate(body)
-        params = chat_params(chat, settings)
-        prompt = await render_chat(tokenizer, chat.messages)
+        params = chat_params(chat, settings, tokenizer.chat_template)
+        prompt = await render_chat(
+            tokenizer, chat.messages, tools=prompt_tools(chat), tool_prompt=chat.tool_prompt
+        )
     else:
         completion = CompletionRequest.model_validate(body)
         params = completion_params(completion, settings)

@@ -33,9 +33,15 @@ async def get_job(
     return None if row is None else JobRecord(*row)
 
 
-async def get_items(conn: AsyncConnection, *, job_id: str) -> list[ItemRecord]:
-    query = select(*ITEM_COLUMNS).where(db.job_items.c.job_id == job_id)
-    return as_records(ItemRecord, await conn.execute(query.order_by(db.job_items.c.item_index)))
+async def get_items(
+    conn: AsyncConnection, *, job_id: str, item_indexes: Sequence[int] | None = None
+) -> list[ItemRecord]:
+    """The job's items in order; with `item_indexes`, only those."""
+    items = db.job_items.c
+    query = select(*ITEM_COLUMNS).where(items.job_id == job_id)
+    if item_indexes is not None:
+        query = query.where(items.item_index.in_(item_indexes))
+    return as_records(ItemRecord, await conn.execute(query.order_by(items.item_index)))
 
 
 async def get_results(
