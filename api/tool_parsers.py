@@ -10,7 +10,9 @@ in its own format. One parser per format, chosen by `--tool-call-parser`:
   content. `[TOOL_CALLS]` is a special token, which the decoded output leaves out: an output that
   is only such a JSON array reads as calls too.
 - `auto` (the setting): the format the chat template writes (`<tool_call>` → hermes,
-  `[TOOL_CALLS]` → mistral, `<|python_tag|>` or `ipython` → llama3_json), else hermes.
+  `[TOOL_CALLS]` → mistral, `<|python_tag|>` or `ipython` → llama3_json), else hermes; a
+  template that does not read `tools` gets TGI's prompt, which asks for llama3_json's format
+  (`api.tools.resolve_parser`).
 
 All or nothing: when one block is not a call (bad JSON, no `name`, arguments that are not an
 object), the output has no calls and all of it is content; a parser never raises. Calls are
