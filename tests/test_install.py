@@ -153,11 +153,12 @@ def _assert_kernels_is_hugging_faces(venv: Path, cwd: Path) -> dict[str, object]
 
 
 @contextlib.contextmanager
-def _serving(venv: Path, model_dir: Path, workdir: Path) -> Iterator[str]:
+def _serving(venv: Path, model_dir: Path, workdir: Path, **extra_env: str) -> Iterator[str]:
     """`tgq serve` of `venv`, run in `workdir` on a fresh database and a Redis prefix of its own;
     stopped (and its database dropped, its Redis keys deleted) whatever happens."""
     database_url, prefix, port = create_database(), f"test-install-{uuid.uuid4().hex}", free_port()
     env = _env(
+        **extra_env,
         DATABASE_URL=database_url, REDIS_URL=REDIS_URL, REDIS_PREFIX=prefix, PORT=str(port),
         HOSTNAME="127.0.0.1", MODEL_DIR=str(model_dir), MAX_TOTAL_TOKENS="1024",
         NUM_BLOCKS="512", DRAIN_TIMEOUT_S="5",
@@ -227,7 +228,11 @@ def test_the_installed_wheel_serves_beside_hugging_faces_kernels(
 ) -> None:
     found = _assert_kernels_is_hugging_faces(venv, tmp_path)
     assert not Path(str(found["tgq"])).resolve().is_relative_to(ROOT), found
-    with _serving(venv, model_dir, tmp_path) as url:
+    # The wheel's kernel sources live in the venv: they build in a cache of their own, which
+    # leaves the session's (built from the repository's paths, and reused by the editable
+    # install below) as it was, instead of rebuilding it twice.
+    own_cache = str(tmp_path / "kernel-cache")
+    with _serving(venv, model_dir, tmp_path, TGQ_KERNEL_CACHE=own_cache) as url:
         _complete_requests(url)
     _assert_kernels_is_hugging_faces(venv, tmp_path)
 
