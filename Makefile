@@ -12,8 +12,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first, from the local CPU build: any other torch would download gigabytes
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench,otel]'
-	# TGI's own client pins an old huggingface_hub: it goes in without its dependencies
-	$(PY) -m pip install --quiet --no-deps text-generation==0.7.0
+	# TGI's own client pins an old huggingface_hub, instructor an old jiter and rich: they go in
+	# without their dependencies (the tests use them against the pinned ones)
+	$(PY) -m pip install --quiet --no-deps text-generation==0.7.0 instructor==1.17.0 \
+		docstring-parser==0.17.0
 	touch $(STAMP)
 
 # The service, embedded (SQLite, batcher in-process) unless DATABASE_URL / REDIS_URL are set;

@@ -105,3 +105,35 @@ def test_a_job_with_a_grammar_records_it_and_every_result_follows_it(stack: Stac
     for result in job["results"]:
         assert result["finish_reason"] == "stop"
         Verdict.model_validate(json.loads(result["text"]))
+
+
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
+def test_instructor_returns_the_pydantic_model(stack: Stack, mode: str) -> None:
+    import instructor
+
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused"), mode=instructor.Mode[mode]
+    )
+    verdict = client.chat.completions.create(
+        model="tgq-test",
+        messages=[{"role": "user", "content": PROMPT}],
+        response_model=Verdict,
+        max_tokens=60,
+        temperature=1.0,
+        max_retries=0,  # the first answer must validate
+    )
+    assert isinstance(verdict, Verdict)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(stack: Stack, method: str) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        base_url=f"{stack.url}/v1",
+        api_key="unused",
+        model="tgq-test",
+        max_tokens=60,
+    )
+    structured = chat.with_structured_output(Verdict, method=method)  # type: ignore[arg-type]
+    assert isinstance(structured.invoke(PROMPT), Verdict)
