@@ -130,13 +130,13 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]) -> SamplerOutput | None:
         """The next token of each row (None on a rank that does not sample). Rows that only need
         the argmax (greedy, no penalties, no logprobs) take it from the model's greedy head where
-        it has one, without computing their logits; a row under a grammar mask never does."""
+        it has one, without computing their logits (under a grammar, when the grammar allows
+        the token it picks)."""
         model = self.loaded.model
         argmax_rows = [
             row
             for row, request_id in enumerate(request_ids)
             if self.sequences[request_id].sampling.needs_only_argmax
-            and request_id not in self._token_masks
         ]
         every_row = len(argmax_rows) == len(request_ids)
         greedy = (
@@ -144,7 +144,10 @@ class ModelRunner:
             if argmax_rows
             else None
         )
-        if greedy is None:
+        if greedy is not None and self._token_masks:
+            argmax_rows, greedy = self._allowed(request_ids, argmax_rows, greedy)
+            every_row = len(argmax_rows) == len(request_ids)
+        if greedy is None or not argmax_rows:
             logits = model.compute_logits(hidden)
             return (
                 None if logits is None else self.sampler(logits, self._sampling_inputs(request_ids))
@@ -157,6 +160,20 @@ class ModelRunner:
         assert logits is not None  # a model with a greedy head samples on this rank
         sampled = self.sampler(logits, self._sampling_inputs([request_ids[row] for row in rest]))
         return _merge_rows(len(request_ids), argmax_rows, greedy, rest, sampled)
+
+    def _allowed(
+        self, request_ids: list[str], rows: list[int], greedy: torch.Tensor
+    ) -> tuple[list[int], torch.Tensor]:
+        """The greedy rows whose token their grammar allows (or that have none), and those
+        tokens: the largest logit of all is then the largest allowed one, so the masked argmax
+        is the same token. The other rows are computed in full."""
+        tokens = greedy.tolist()
+        masks = [self._token_masks.get(request_ids[row]) for row in rows]
+        kept = [i for i, (mask, token) in enumerate(zip(masks, tokens, strict=True))
+                if mask is None or _is_allowed(mask, token)]  # fmt: skip
+        if len(kept) == len(rows):
+            return rows, greedy
+        return [rows[i] for i in kept], greedy[kept]
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name
@@ -259,6 +276,11 @@ class ModelRunner:
                 top = [TokenLogprob(t, lp) for t, lp in pairs]
             sampled.append(SampledToken(request_id, token_ids[row], logprob, top))
         return StepResult(sampled)
+
+
+def _is_allowed(mask: bytes, token_id: int) -> bool:
+    """Bit `token_id % 8` of byte `token_id // 8` (the little-endian words' bit order)."""
+    return token_id // 8 < len(mask) and bool(mask[token_id // 8] >> (token_id % 8) & 1)
 
 
 def _merge_rows(

@@ -39,6 +39,7 @@ from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.loader import LoadedModel, load_model
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.kernels import cpu_ops
 
 pytestmark = pytest.mark.timeout(600)
 BLOCK_SIZE = 8
@@ -59,12 +60,14 @@ def _loaded(model_dir: Path) -> LoadedModel:
     return load_model(str(model_dir), device=torch.device("cpu"))
 
 
-def make_engine(model_dir: Path, num_blocks: int = 256, **limits: Any) -> LLMEngine:
+def make_engine(
+    model_dir: Path, num_blocks: int = 256, loaded: LoadedModel | None = None, **limits: Any
+) -> LLMEngine:
     tokenizer = model_dir / "tokenizer.json"
     eos = model_eos_token_ids(str(model_dir))
     config = RunnerConfig(str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE)
     return LLMEngine(
-        ModelRunner(config, _loaded(model_dir)),
+        ModelRunner(config, loaded or _loaded(model_dir)),
         SchedulerConfig(**limits),
         HFTokenDecoder.from_file(str(tokenizer)),
         eos,
@@ -329,3 +332,26 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_at_once(model_dir: Pa
     (output,) = engine.step()
     assert (output.request_id, output.finish_reason) == (request_id, FinishReason.ABORT)
     assert not engine.has_unfinished
+
+
+@pytest.mark.skipif(
+    not (cpu_ops.is_available() and cpu_ops.has_avx512_vnni_bf16()),
+    reason="the greedy head needs AVX512_BF16 and AVX512_VNNI",
+)
+def test_the_greedy_head_serves_a_grammar_only_with_the_tokens_it_allows(model_dir: Path) -> None:
+    """bf16 weights: a masked greedy row takes the greedy head's token when its grammar allows
+    it, else its logits are computed in full; the tokens are those without the greedy head."""
+    spec = GrammarSpec.json_schema(
+        {"type": "object", "properties": {"s": {"type": "string", "maxLength": 30}}}
+    )
+    prompts = shared_prefix_prompts(model_dir)
+    outputs = []
+    for greedy_head in (True, False):
+        loaded = load_model(
+            str(model_dir), device=torch.device("cpu"), dtype="bfloat16", greedy_head=greedy_head
+        )
+        assert (loaded.model.greedy_head is not None) == greedy_head
+        engine = make_engine(model_dir, loaded=loaded)
+        results = engine.generate(prompts, SamplingParams(), StoppingParams(48), grammar=spec)
+        outputs.append([r.token_ids for r in results])
+    assert outputs[0] == outputs[1]
