@@ -61,7 +61,7 @@ def _loaded(model_dir: Path) -> LoadedModel:
 
 
 def make_engine(
-    model_dir: Path, num_blocks: int = 256, loaded: LoadedModel | None = None, **limits: Any
+    model_dir: Path, num_blocks: int = 256, *, loaded: LoadedModel | None = None, **limits: Any
 ) -> LLMEngine:
     tokenizer = model_dir / "tokenizer.json"
     eos = model_eos_token_ids(str(model_dir))
