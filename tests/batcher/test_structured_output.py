@@ -46,7 +46,7 @@ BLOCK_SIZE = 8
 MAX_NEW = 96
 HOT = SamplingParams(temperature=1.5)
 # Tight on purpose: 6 prompts of 64 tokens need 48 blocks; the pool has 24 (block 0 reserved).
-TIGHT = {"max_batch_prefill_tokens": 24, "max_batch_size": 6}
+PREFILL_BUDGET = 24
 NUM_BLOCKS = 25
 
 
@@ -86,7 +86,9 @@ def shared_prefix_prompts(model_dir: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tight_engine(model_dir: Path) -> LLMEngine:
-    return make_engine(model_dir, num_blocks=NUM_BLOCKS, **TIGHT)
+    return make_engine(
+        model_dir, num_blocks=NUM_BLOCKS, max_batch_prefill_tokens=PREFILL_BUDGET, max_batch_size=6
+    )
 
 
 # --- generated schemas and regexes -------------------------------------------------------------
@@ -219,7 +221,7 @@ def test_the_tight_engine_preempted_chunked_and_hit_the_prefix_cache(
     _run(tight_engine, model_dir, GrammarSpec(GrammarKind.REGEX, "[a-z]{20}"))
     assert tight_engine.scheduler.num_preemptions > 0
     assert tight_engine.scheduler.kv.num_prefix_hit_tokens > 0
-    assert tight_engine.scheduler.step_stats.max_tokens <= TIGHT["max_batch_prefill_tokens"]
+    assert tight_engine.scheduler.step_stats.max_tokens <= PREFILL_BUDGET
 
 
 # --- greedy parity with transformers -----------------------------------------------------------
