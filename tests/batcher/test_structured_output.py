@@ -44,7 +44,6 @@ from tgq.kernels import cpu_ops
 pytestmark = pytest.mark.timeout(600)
 BLOCK_SIZE = 8
 MAX_NEW = 96
-HOT = SamplingParams(temperature=1.5)
 # Tight on purpose: 6 prompts of 64 tokens need 48 blocks; the pool has 24 (block 0 reserved).
 PREFILL_BUDGET = 24
 NUM_BLOCKS = 25
