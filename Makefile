@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-serve bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-serve bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,9 @@ bench-transport: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(PY) -m bench.bench_cpu_ops
+
+bench-structured: $(STAMP)
+	$(PY) -m bench.bench_structured
 
 gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check
