@@ -159,3 +159,41 @@ def test_bad_inputs_are_refused_with_exact_messages() -> None:
         call(weight=weight.t())
     with pytest.raises(RuntimeError, match="screen must be a contiguous int8"):
         call(screen=s.screen.float())
+
+
+@pytest.mark.parametrize("num_columns,k", [(1000, 64), (517, 768)])
+def test_the_argmax_among_allowed_columns_is_the_masked_full_argmax(
+    num_columns: int, k: int
+) -> None:
+    """Structured output: each row's own ascending columns, ties included (columns 7 and 300
+    are the same vector), give the argmax of the full logits with the others at -inf."""
+    gen = torch.Generator().manual_seed(num_columns + k)
+    weight = (torch.randn(num_columns, k, generator=gen) * 0.05).to(BF16)
+    weight[300] = weight[7]
+    head = head_of(weight)
+    x = torch.randn(5, k, generator=gen).to(BF16)
+    columns = [
+        torch.tensor([7, 300], dtype=torch.int32),
+        torch.tensor([300, 301], dtype=torch.int32),
+        torch.tensor([num_columns - 1], dtype=torch.int32),
+        torch.randperm(num_columns, generator=gen)[:50].sort().values.to(torch.int32),
+        torch.arange(0, num_columns, 3, dtype=torch.int32),
+    ]
+    logits = cpu_ops.linear_bf16_packed(x, head.packed, num_columns, out_fp32=True)
+    masked = torch.full_like(logits, float("-inf"))
+    for row, allowed in enumerate(columns):
+        masked[row, allowed.long()] = logits[row, allowed.long()]
+    assert torch.equal(head.argmax_among(x, columns), masked.argmax(-1))
+
+
+def test_the_argmax_among_refuses_columns_out_of_order() -> None:
+    weight = torch.randn(40, 64).to(BF16)
+    x = torch.randn(1, 64).to(BF16)
+    with pytest.raises(RuntimeError, match="a row's columns must ascend within"):
+        cpu_ops.greedy_head_argmax_among(
+            x, weight, torch.tensor([5, 3], dtype=torch.int32), torch.tensor([0, 2])
+        )
+    with pytest.raises(RuntimeError, match="bad offsets"):
+        cpu_ops.greedy_head_argmax_among(
+            x, weight, torch.tensor([5], dtype=torch.int32), torch.tensor([0, 2])
+        )
