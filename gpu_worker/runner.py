@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy
 import torch
 
 from tgq.gpu_worker.host_memory import keep_freed_memory
@@ -146,7 +145,7 @@ class ModelRunner:
             else None
         )
         if greedy is not None and self._token_masks:
-            argmax_rows, greedy = self._allowed(request_ids, argmax_rows, greedy, hidden)
+            argmax_rows, greedy = self._allowed(request_ids, argmax_rows, greedy)
             every_row = len(argmax_rows) == len(request_ids)
         if greedy is None or not argmax_rows:
             logits = model.compute_logits(hidden)
@@ -163,33 +162,18 @@ class ModelRunner:
         return _merge_rows(len(request_ids), argmax_rows, greedy, rest, sampled)
 
     def _allowed(
-        self, request_ids: list[str], rows: list[int], greedy: torch.Tensor, hidden: torch.Tensor
+        self, request_ids: list[str], rows: list[int], greedy: torch.Tensor
     ) -> tuple[list[int], torch.Tensor]:
-        """The greedy rows that keep a token under their grammar, and those tokens. The greedy
-        head's token stands when the grammar allows it: the largest logit of all is then the
-        largest allowed one. Else, while the allowed tokens add up to at most a quarter of the
-        vocabulary, a row takes the argmax among its allowed tokens, reading only their rows of
-        the head. The rest are computed in full."""
-        vocab_size = self.loaded.model.config.vocab_size
-        kept: list[tuple[int, int]] = []
-        few: list[tuple[int, torch.Tensor]] = []
-        budget = vocab_size // 4
-        for row, token in zip(rows, greedy.tolist(), strict=True):
-            mask = self._token_masks.get(request_ids[row])
-            if mask is None or _is_allowed(mask, token):
-                kept.append((row, token))
-                continue
-            allowed = _allowed_tokens(mask, vocab_size)
-            if 0 < len(allowed) <= budget:
-                budget -= len(allowed)
-                few.append((row, allowed))
-        if few:
-            among = [allowed for _, allowed in few]
-            chosen = self.loaded.model.greedy_tokens_among(hidden[[row for row, _ in few]], among)
-            assert chosen is not None  # a model with a greedy head has both
-            kept += zip([row for row, _ in few], chosen.tolist(), strict=True)
-        kept.sort()  # rows in order: every row's tokens may be the step's answer as they are
-        return [row for row, _ in kept], torch.tensor([token for _, token in kept])
+        """The greedy rows whose token their grammar allows (or that have none), and those
+        tokens: the largest logit of all is then the largest allowed one, so the masked argmax
+        is the same token. The other rows are computed in full."""
+        tokens = greedy.tolist()
+        masks = [self._token_masks.get(request_ids[row]) for row in rows]
+        kept = [i for i, (mask, token) in enumerate(zip(masks, tokens, strict=True))
+                if mask is None or _is_allowed(mask, token)]  # fmt: skip
+        if len(kept) == len(rows):
+            return rows, greedy
+        return [rows[i] for i in kept], greedy[kept]
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name
@@ -297,12 +281,6 @@ class ModelRunner:
 def _is_allowed(mask: bytes, token_id: int) -> bool:
     """Bit `token_id % 8` of byte `token_id // 8` (the little-endian words' bit order)."""
     return token_id // 8 < len(mask) and bool(mask[token_id // 8] >> (token_id % 8) & 1)
-
-
-def _allowed_tokens(mask: bytes, vocab_size: int) -> torch.Tensor:
-    """The tokens a bitmask allows, ascending, as int32."""
-    bits = numpy.unpackbits(numpy.frombuffer(mask, dtype=numpy.uint8), bitorder="little")
-    return torch.from_numpy(numpy.flatnonzero(bits[:vocab_size]).astype(numpy.int32))
 
 
 def _merge_rows(

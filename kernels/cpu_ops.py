@@ -25,7 +25,6 @@ __all__ = [
     "argmax",
     "avx512_attention_serves",
     "greedy_head_argmax",
-    "greedy_head_argmax_among",
     "hardware_unsupported_reason",
     "has_avx512_bf16",
     "has_avx512_vnni_bf16",
@@ -230,19 +229,6 @@ def greedy_head_argmax(
     out: torch.Tensor = _ops().greedy_head_argmax(
         x, weight, screen, scale, q_sum, bound_x, bound_ex, max_candidates
     )
-    return out
-
-
-def greedy_head_argmax_among(
-    x: torch.Tensor,  # [M, K] bf16, the final norm's output
-    weight: torch.Tensor,  # [N, K] bf16, contiguous
-    cols: torch.Tensor,  # int32: each row's columns (ascending), the rows one after another
-    offsets: torch.Tensor,  # [M + 1] int64: row m's columns are cols[offsets[m]:offsets[m + 1]]
-) -> torch.Tensor:  # [M] int64: the argmax among the row's columns; -1 for a row with none
-    """argmax over the given columns of linear_bf16_packed(x, pack_weight_bf16(weight), N,
-    out_fp32=True), ties to the earlier column: a grammar's masked argmax, reading only the
-    allowed rows of `weight`."""
-    out: torch.Tensor = _ops().greedy_head_argmax_among(x, weight, cols, offsets)
     return out
 
 

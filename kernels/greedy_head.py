@@ -18,7 +18,6 @@ bytes more, 49 MB for the medium model, 1 GiB for Llama 3's 128k x 4096 head).
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -139,13 +138,6 @@ class GreedyHead:
             return None
         weight = weight.contiguous()
         return cls(packed, weight, _quantize(weight), max_candidates)
-
-    def argmax_among(self, x: torch.Tensor, columns: list[torch.Tensor]) -> torch.Tensor:
-        """[M, K] bf16 rows, each with its allowed columns (int32, ascending, non-empty) -> [M]
-        the argmax among them: what the full logits' argmax picks once the others are masked
-        (a grammar's), reading only those columns' rows of the head."""
-        offsets = torch.tensor([0, *itertools.accumulate(len(c) for c in columns)])
-        return cpu_ops.greedy_head_argmax_among(x, self.weight, torch.cat(columns), offsets)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M] int64
         s = self.screen

@@ -338,15 +338,6 @@ class DecoderForCausalLM(nn.Module):
             return None
         return self.greedy_head.argmax(self.model.norm(hidden))
 
-    def greedy_tokens_among(
-        self, hidden: torch.Tensor, columns: list[torch.Tensor]
-    ) -> torch.Tensor | None:
-        """[N, hidden] rows, each with the tokens it may take (int32, ascending) -> [N] the argmax
-        of their logits among those tokens; None without a greedy head."""
-        if self.greedy_head is None:
-            return None
-        return self.greedy_head.argmax_among(self.model.norm(hidden), columns)
-
     def checkpoint_sources(self) -> dict[str, list[Source]]:
         """Our parameter name -> the checkpoint tensors (this rank's slices) that fill it."""
         return decoder_sources(self, self.config, self.tp)

@@ -56,40 +56,6 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-at::Tensor greedy_head_argmax_among(const at::Tensor& x, const at::Tensor& weight,
-                                    const at::Tensor& cols, const at::Tensor& offsets) {
-  TORCH_CHECK(cpu_has_avx512_vnni_bf16(),
-              "greedy_head_argmax_among: needs a CPU with AVX512_BF16 and AVX512_VNNI");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
-              "greedy_head_argmax_among: x must be a [M, K] bf16 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 &&
-                  weight.is_contiguous() && weight.dim() == 2 && weight.size(1) == K,
-              "greedy_head_argmax_among: weight must be a contiguous [N, ", K, "] bf16 tensor");
-  TORCH_CHECK(K % 2 == 0, "greedy_head_argmax_among: K must be even, got ", K);
-  const int64_t N = weight.size(0);
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
-                  offsets.size(0) == M + 1 && offsets.is_contiguous(),
-              "greedy_head_argmax_among: offsets must be int64 [M + 1]");
-  TORCH_CHECK(cols.scalar_type() == at::kInt && cols.dim() == 1 && cols.is_contiguous(),
-              "greedy_head_argmax_among: cols must be a contiguous int32 vector");
-  const int64_t* op = offsets.const_data_ptr<int64_t>();
-  const int32_t* cp = cols.const_data_ptr<int32_t>();
-  TORCH_CHECK(op[0] == 0 && op[M] == cols.size(0), "greedy_head_argmax_among: bad offsets");
-  for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(op[m] <= op[m + 1], "greedy_head_argmax_among: offsets must not decrease");
-    for (int64_t i = op[m]; i < op[m + 1]; ++i) {
-      TORCH_CHECK(0 <= cp[i] && cp[i] < N && (i == op[m] || cp[i - 1] < cp[i]),
-                  "greedy_head_argmax_among: a row's columns must ascend within [0, ", N, ")");
-    }
-  }
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
-  greedy_among_avx512(data_as<bf16_bits>(xc), data_as<bf16_bits>(weight), M, N, K, cp, op,
-                      out.mutable_data_ptr<int64_t>());
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
@@ -97,6 +63,4 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
       "greedy_head_argmax(Tensor x, Tensor weight, Tensor screen, Tensor scale, Tensor q_sum, "
       "Tensor bound_x, Tensor bound_ex, int max_candidates) -> Tensor",
       &greedy_head_argmax);
-  m.def("greedy_head_argmax_among(Tensor x, Tensor weight, Tensor cols, Tensor offsets) -> Tensor",
-        &greedy_head_argmax_among);
 }

@@ -31,9 +31,4 @@ bool cpu_has_avx512_vnni_bf16();
 // Requires cpu_has_avx512_vnni_bf16().
 void greedy_head_avx512(const GreedyHeadArgs& args);
 
-// Each row's argmax among its own ascending columns of w (exact logits, as greedy_head_avx512
-// computes its candidates'); -1 for a row with none. Requires cpu_has_avx512_vnni_bf16().
-void greedy_among_avx512(const bf16_bits* x, const bf16_bits* w, int64_t M, int64_t N, int64_t K,
-                         const int32_t* cols, const int64_t* offsets, int64_t* out);
-
 }  // namespace tgq_cpu

@@ -263,23 +263,4 @@ void greedy_head_avx512(const GreedyHeadArgs& a) {
   });
 }
 
-// Structured output: row m's argmax among the columns cols[offsets[m] .. offsets[m + 1])
-// (ascending), with the same exact logits: the masked argmax of the packed kernel's logits, ties
-// to the earlier column; -1 for a row with no column.
-void greedy_among_avx512(const bf16_bits* x, const bf16_bits* w, int64_t M, int64_t N, int64_t K,
-                         const int32_t* cols, const int64_t* offsets, int64_t* out) {
-  GreedyHeadArgs a{};
-  a.x = x;
-  a.w = w;
-  a.M = M;
-  a.N = N;
-  a.K = K;
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const std::vector<int32_t> among(cols + offsets[m], cols + offsets[m + 1]);
-      out[m] = among.empty() ? -1 : best_candidate(a, x + m * K, among);
-    }
-  });
-}
-
 }  // namespace tgq_cpu
