@@ -130,8 +130,8 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]) -> SamplerOutput | None:
         """The next token of each row (None on a rank that does not sample). Rows that only need
         the argmax (greedy, no penalties, no logprobs) take it from the model's greedy head where
-        it has one, without computing their logits (under a grammar, when the grammar allows
-        the token it picks)."""
+        it has one, without computing their logits (under a grammar, the argmax of the tokens
+        it allows)."""
         model = self.loaded.model
         argmax_rows = [
             row
@@ -140,14 +140,14 @@ class ModelRunner:
         ]
         every_row = len(argmax_rows) == len(request_ids)
         greedy = (
-            model.greedy_tokens(hidden if every_row else hidden[argmax_rows])
+            model.greedy_tokens(
+                hidden if every_row else hidden[argmax_rows],
+                self._greedy_masks([request_ids[row] for row in argmax_rows]),
+            )
             if argmax_rows
             else None
         )
-        if greedy is not None and self._token_masks:
-            argmax_rows, greedy = self._allowed(request_ids, argmax_rows, greedy)
-            every_row = len(argmax_rows) == len(request_ids)
-        if greedy is None or not argmax_rows:
+        if greedy is None:
             logits = model.compute_logits(hidden)
             return (
                 None if logits is None else self.sampler(logits, self._sampling_inputs(request_ids))
@@ -161,19 +161,18 @@ class ModelRunner:
         sampled = self.sampler(logits, self._sampling_inputs([request_ids[row] for row in rest]))
         return _merge_rows(len(request_ids), argmax_rows, greedy, rest, sampled)
 
-    def _allowed(
-        self, request_ids: list[str], rows: list[int], greedy: torch.Tensor
-    ) -> tuple[list[int], torch.Tensor]:
-        """The greedy rows whose token their grammar allows (or that have none), and those
-        tokens: the largest logit of all is then the largest allowed one, so the masked argmax
-        is the same token. The other rows are computed in full."""
-        tokens = greedy.tolist()
-        masks = [self._token_masks.get(request_ids[row]) for row in rows]
-        kept = [i for i, (mask, token) in enumerate(zip(masks, tokens, strict=True))
-                if mask is None or _is_allowed(mask, token)]  # fmt: skip
-        if len(kept) == len(rows):
-            return rows, greedy
-        return [rows[i] for i in kept], greedy[kept]
+    def _greedy_masks(self, request_ids: list[str]) -> torch.Tensor | None:
+        """[N, W] int32 bitmasks of these rows for the greedy head (all ones for a row without
+        a grammar, zeros past a mask's end); None when none of them has a grammar."""
+        masks = [self._token_masks.get(request_id) for request_id in request_ids]
+        if all(mask is None for mask in masks):
+            return None
+        vocab_bytes = (self.loaded.model.config.vocab_size + 31) // 32 * 4
+        width = max(vocab_bytes, *(len(mask) for mask in masks if mask is not None))
+        packed = b"".join(
+            b"\xff" * width if mask is None else mask.ljust(width, b"\0") for mask in masks
+        )
+        return torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(masks), -1)
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name
@@ -276,11 +275,6 @@ class ModelRunner:
                 top = [TokenLogprob(t, lp) for t, lp in pairs]
             sampled.append(SampledToken(request_id, token_ids[row], logprob, top))
         return StepResult(sampled)
-
-
-def _is_allowed(mask: bytes, token_id: int) -> bool:
-    """Bit `token_id % 8` of byte `token_id // 8` (the little-endian words' bit order)."""
-    return token_id // 8 < len(mask) and bool(mask[token_id // 8] >> (token_id % 8) & 1)
 
 
 def _merge_rows(

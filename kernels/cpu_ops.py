@@ -222,12 +222,14 @@ def greedy_head_argmax(
     bound_x: torch.Tensor,  # [N] fp32
     bound_ex: torch.Tensor,  # [N] fp32
     max_candidates: int,
+    masks: torch.Tensor | None = None,  # [M, W] int32: row m may take column n when bit n % 32
+    # of word n // 32 is set (structured output)
 ) -> torch.Tensor:  # [M] int64: the argmax, or -1 where the row must be computed in full
-    """argmax(linear_bf16_packed(x, pack_weight_bf16(weight), N, out_fp32=True), -1) per row,
-    reading the int8 screen and then only the rows of `weight` that could win; build its inputs
-    with `kernels.greedy_head`."""
+    """argmax(linear_bf16_packed(x, pack_weight_bf16(weight), N, out_fp32=True), -1) per row
+    (over the allowed columns only, with `masks`), reading the int8 screen and then only the
+    rows of `weight` that could win; build its inputs with `kernels.greedy_head`."""
     out: torch.Tensor = _ops().greedy_head_argmax(
-        x, weight, screen, scale, q_sum, bound_x, bound_ex, max_candidates
+        x, weight, screen, scale, q_sum, bound_x, bound_ex, max_candidates, masks
     )
     return out
 

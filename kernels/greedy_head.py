@@ -139,15 +139,24 @@ class GreedyHead:
         weight = weight.contiguous()
         return cls(packed, weight, _quantize(weight), max_candidates)
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M] int64
+    def argmax(
+        self,
+        x: torch.Tensor,  # [M, K] bf16
+        masks: torch.Tensor | None = None,  # [M, W] int32: a grammar's allowed tokens per row
+    ) -> torch.Tensor:  # [M] int64
+        """Each row's argmax; with `masks`, over the tokens its mask allows only (the masked
+        argmax of the full logits)."""
         s = self.screen
         tokens = cpu_ops.greedy_head_argmax(
-            x, self.weight, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, self.max_candidates
-        )
+            x, self.weight, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex,
+            self.max_candidates, masks,
+        )  # fmt: skip
         full = [row for row, token in enumerate(tokens.tolist()) if token < 0]
         if full:  # too many candidates (or non-finite x): these rows in full
             logits = cpu_ops.linear_bf16_packed(
                 x[full], self.packed, self.out_features, out_fp32=True
             )
+            if masks is not None:
+                cpu_ops.apply_token_mask_(logits, masks[full], torch.arange(len(full)))
             tokens[full] = cpu_ops.argmax(logits)
         return tokens

@@ -330,13 +330,16 @@ class DecoderForCausalLM(nn.Module):
         logits: torch.Tensor = self.lm_head(self.model.norm(hidden))
         return self.tp.gather_logits(logits.float(), self.config.vocab_size)
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def greedy_tokens(
+        self, hidden: torch.Tensor, masks: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """[N, hidden] rows -> [N] the argmax of their logits, the tokens greedy decoding picks
-        from `compute_logits`, without computing all the logits (kernels.greedy_head); None
+        from `compute_logits`, without computing all the logits (kernels.greedy_head); with
+        `masks` ([N, W] int32 bitmasks, a grammar's), the argmax over the allowed tokens. None
         where that is not available (then use compute_logits)."""
         if self.greedy_head is None:
             return None
-        return self.greedy_head.argmax(self.model.norm(hidden))
+        return self.greedy_head.argmax(self.model.norm(hidden), masks)
 
     def checkpoint_sources(self) -> dict[str, list[Source]]:
         """Our parameter name -> the checkpoint tensors (this rank's slices) that fill it."""

@@ -20,7 +20,8 @@ void check_column_vector(const at::Tensor& t, const char* name, at::ScalarType d
 at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& screen, const at::Tensor& scale,
                               const at::Tensor& q_sum, const at::Tensor& bound_x,
-                              const at::Tensor& bound_ex, int64_t max_candidates) {
+                              const at::Tensor& bound_ex, int64_t max_candidates,
+                              const std::optional<at::Tensor>& masks) {
   TORCH_CHECK(cpu_has_avx512_vnni_bf16(),
               "greedy_head_argmax: needs a CPU with AVX512_BF16 and AVX512_VNNI");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
@@ -45,14 +46,24 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
                   screen.is_contiguous() && screen.sizes() == c10::IntArrayRef(screen_shape),
               "greedy_head_argmax: screen must be a contiguous int8 ", c10::IntArrayRef(screen_shape),
               " tensor, got ", screen.scalar_type(), " ", screen.sizes());
+  if (masks.has_value()) {
+    TORCH_CHECK(masks->device().is_cpu() && masks->scalar_type() == at::kInt &&
+                    masks->dim() == 2 && masks->size(0) == M && masks->is_contiguous(),
+                "greedy_head_argmax: masks must be a contiguous [", M, ", W] int32 CPU tensor");
+  }
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   if (M == 0) return out;
-  greedy_head_avx512(GreedyHeadArgs{
+  GreedyHeadArgs args{
       data_as<bf16_bits>(xc), data_as<bf16_bits>(weight), screen.const_data_ptr<int8_t>(),
       scale.const_data_ptr<float>(), q_sum.const_data_ptr<int32_t>(),
       bound_x.const_data_ptr<float>(), bound_ex.const_data_ptr<float>(), M, N, K,
-      max_candidates, out.mutable_data_ptr<int64_t>()});
+      max_candidates, out.mutable_data_ptr<int64_t>()};
+  if (masks.has_value()) {
+    args.masks = reinterpret_cast<const uint32_t*>(masks->const_data_ptr<int32_t>());
+    args.mask_words = masks->size(1);
+  }
+  greedy_head_avx512(args);
   return out;
 }
 
@@ -61,6 +72,6 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
 TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
   m.def(
       "greedy_head_argmax(Tensor x, Tensor weight, Tensor screen, Tensor scale, Tensor q_sum, "
-      "Tensor bound_x, Tensor bound_ex, int max_candidates) -> Tensor",
+      "Tensor bound_x, Tensor bound_ex, int max_candidates, Tensor? masks=None) -> Tensor",
       &greedy_head_argmax);
 }

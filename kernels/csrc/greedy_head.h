@@ -23,6 +23,10 @@ struct GreedyHeadArgs {
   int64_t M, N, K;
   int64_t max_candidates;    // a row with more candidates than this gets -1
   int64_t* out;              // [M]: the argmax, or -1: the caller computes that row in full
+  // Structured output, or null: [M, mask_words] bitmasks, column n allowed for row m when bit
+  // n % 32 of word n / 32 is set (none past the end). The argmax is then over allowed columns.
+  const uint32_t* masks = nullptr;
+  int64_t mask_words = 0;
 };
 
 // True where greedy_head_avx512 can run: AVX512_BF16 and AVX512_VNNI; checked once.

@@ -160,14 +160,39 @@ inline __m512 as_logit(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits_rne16(v), 16));
 }
 
-// Columns whose bf16(S + B) reaches bf16(Lmax); false when there are more than the cap.
+// Row m's allowed columns among [n, n + 16) (all of them without masks); n is a multiple of 16.
+__mmask16 allowed_lanes(const GreedyHeadArgs& a, int64_t m, int64_t n) {
+  const __mmask16 lanes = tile_lanes(a.N, n);
+  if (a.masks == nullptr) return lanes;
+  const int64_t word = n / 32;
+  if (word >= a.mask_words) return 0;
+  return lanes & static_cast<__mmask16>(a.masks[m * a.mask_words + word] >> (n & 16));
+}
+
+// Under a mask, Lmax is the largest lower bound S - B over the allowed columns: the screen's
+// argument then runs over them alone (a column outside cannot win, so it cannot bound either).
+float masked_lmax(const GreedyHeadArgs& a, const RowQuant& r, const float* screen, int64_t m) {
+  const Bounds bounds(r);
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t n = 0; n < a.N; n += kLanes) {
+    const __mmask16 lanes = allowed_lanes(a, m, n);
+    if (lanes == 0) continue;
+    const __m512 s = _mm512_maskz_loadu_ps(lanes, screen + n);
+    best = _mm512_mask_max_ps(best, lanes, best, _mm512_sub_ps(s, bounds.at(a, n, lanes, s)));
+  }
+  return _mm512_reduce_max_ps(best);
+}
+
+// Row m's allowed columns whose bf16(S + B) reaches bf16(Lmax); false when there are more than
+// the cap.
 bool candidates_of(const GreedyHeadArgs& a, const RowQuant& r, const float* screen, float lmax,
-                   std::vector<int32_t>& out) {
+                   int64_t m, std::vector<int32_t>& out) {
   out.clear();
   const __m512 threshold = as_logit(_mm512_set1_ps(lmax));
   const Bounds bounds(r);
   for (int64_t n = 0; n < a.N; n += kLanes) {
-    const __mmask16 lanes = tile_lanes(a.N, n);
+    const __mmask16 lanes = allowed_lanes(a, m, n);
+    if (lanes == 0) continue;
     const __m512 s = _mm512_maskz_loadu_ps(lanes, screen + n);
     const __m512 upper = _mm512_add_ps(s, bounds.at(a, n, lanes, s));
     const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, as_logit(upper), threshold, _CMP_GE_OQ);
@@ -254,9 +279,10 @@ void greedy_head_avx512(const GreedyHeadArgs& a) {
     std::vector<int32_t> cols;
     for (int64_t m = m0; m < m1; ++m) {
       const float* maxima = tile_max.data() + m * tiles;
-      const float lmax = *std::max_element(maxima, maxima + tiles);
-      const bool ok = rows[m].usable &&
-                      candidates_of(a, rows[m], screen.data() + m * N, lmax, cols) &&
+      const float* row_screen = screen.data() + m * N;
+      const float lmax = a.masks == nullptr ? *std::max_element(maxima, maxima + tiles)
+                                            : masked_lmax(a, rows[m], row_screen, m);
+      const bool ok = rows[m].usable && candidates_of(a, rows[m], row_screen, lmax, m, cols) &&
                       !cols.empty();
       a.out[m] = ok ? best_candidate(a, a.x + m * K, cols) : -1;
     }

@@ -343,7 +343,15 @@ def test_the_greedy_head_serves_a_grammar_only_with_the_tokens_it_allows(model_d
     """bf16 weights: a masked greedy row takes the greedy head's token when its grammar allows
     it, else its logits are computed in full; the tokens are those without the greedy head."""
     spec = GrammarSpec.json_schema(
-        {"type": "object", "properties": {"s": {"type": "string", "maxLength": 30}}}
+        {
+            "type": "object",
+            "properties": {
+                "s": {"type": "string", "maxLength": 30},
+                "n": {"type": "integer", "minimum": 0, "maximum": 99999},
+                "e": {"enum": ["red", "green", "blue"]},
+            },
+            "required": ["s", "n", "e"],
+        }
     )
     prompts = shared_prefix_prompts(model_dir)
     outputs = []

@@ -237,9 +237,9 @@ def test_greedy_rows_through_the_greedy_head_are_unchanged(
     screened_rows: list[int] = []
     argmax = GreedyHead.argmax
 
-    def counted(head: GreedyHead, x: torch.Tensor) -> torch.Tensor:
+    def counted(head: GreedyHead, x: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
         screened_rows.append(x.shape[0])
-        return argmax(head, x)
+        return argmax(head, x, masks)
 
     monkeypatch.setattr(GreedyHead, "argmax", counted)
 

@@ -159,3 +159,39 @@ def test_bad_inputs_are_refused_with_exact_messages() -> None:
         call(weight=weight.t())
     with pytest.raises(RuntimeError, match="screen must be a contiguous int8"):
         call(screen=s.screen.float())
+
+
+def _bitmasks(allowed: list[torch.Tensor], num_columns: int) -> torch.Tensor:
+    bits = torch.zeros(len(allowed), -(-num_columns // 32) * 32, dtype=torch.bool)
+    for row, columns in enumerate(allowed):
+        bits[row, columns] = True
+    weights = 1 << torch.arange(32, dtype=torch.int64)
+    words = (bits.view(len(allowed), -1, 32).long() * weights).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("num_columns,k", [(1000, 64), (517, 768), (4099, 256)])
+def test_under_a_mask_it_picks_the_masked_full_argmax(num_columns: int, k: int) -> None:
+    """Structured output: each row's allowed columns (one, a tie between columns 7 and 300, a
+    few, every third, all but the favourite) give the argmax of the full logits with the others
+    at -inf; with a cap of 1 candidate the rows computed in full are masked too."""
+    gen = torch.Generator().manual_seed(num_columns + k)
+    weight = (torch.randn(num_columns, k, generator=gen) * 0.05).to(BF16)
+    weight[300] = weight[7]
+    x = torch.randn(5, k, generator=gen).to(BF16)
+    head = head_of(weight)
+    logits = cpu_ops.linear_bf16_packed(x, head.packed, num_columns, out_fp32=True)
+    favourite = int(logits[4].argmax())
+    allowed = [
+        torch.tensor([num_columns - 1]),
+        torch.tensor([7, 300]),
+        torch.randperm(num_columns, generator=gen)[:50],
+        torch.arange(0, num_columns, 3),
+        torch.tensor([c for c in range(num_columns) if c != favourite]),
+    ]
+    masked = torch.full_like(logits, float("-inf"))
+    for row, columns in enumerate(allowed):
+        masked[row, columns] = logits[row, columns]
+    masks = _bitmasks(allowed, num_columns)
+    assert torch.equal(head.argmax(x, masks), masked.argmax(-1))
+    assert torch.equal(head_of(weight, max_candidates=1).argmax(x, masks), masked.argmax(-1))
