@@ -100,8 +100,19 @@ __mmask16 tile_lanes(int64_t N, int64_t n) {
   return static_cast<__mmask16>((1u << count) - 1);
 }
 
+// Row m's allowed columns among [n, n + 16) (all of them without masks); n is a multiple of 16.
+__mmask16 allowed_lanes(const GreedyHeadArgs& a, int64_t m, int64_t n) {
+  const __mmask16 lanes = tile_lanes(a.N, n);
+  if (a.masks == nullptr) return lanes;
+  const int64_t word = n / 32;
+  if (word >= a.mask_words) return 0;
+  return lanes & static_cast<__mmask16>(a.masks[m * a.mask_words + word] >> (n & 16));
+}
+
 // Screen values of rows [m0, m0 + MT) against tile t; stores them and each row's largest lower
-// bound over the tile.
+// bound over the tile's columns it may take. Under a mask, Lmax is thus the largest lower bound
+// S - B over the allowed columns: the screen's argument runs over them alone (a column outside
+// cannot win, so it cannot bound either).
 template <int MT>
 void screen_tile(const GreedyHeadArgs& a, const int32_t* xu8, const RowQuant* rows, int64_t t,
                  int64_t m0, float* screen, float* tile_max) {
@@ -135,7 +146,8 @@ void screen_tile(const GreedyHeadArgs& a, const int32_t* xu8, const RowQuant* ro
                                    _mm512_mul_ps(_mm512_set1_ps(r.sx), scale));
     _mm512_mask_storeu_ps(screen + (m0 + m) * a.N + n, lanes, s);
     const __m512 lower = _mm512_sub_ps(s, Bounds(r).at(a, n, lanes, s));
-    tile_max[(m0 + m) * tiles + t] = _mm512_mask_reduce_max_ps(lanes, lower);
+    tile_max[(m0 + m) * tiles + t] =
+        _mm512_mask_reduce_max_ps(allowed_lanes(a, m0 + m, n), lower);
   }
 }
 
@@ -158,29 +170,6 @@ ScreenTileFn screen_tile_for(int64_t rows) {
 // v rounded to bf16 as the packed kernel's fp32 output (its bf16 result, widened).
 inline __m512 as_logit(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits_rne16(v), 16));
-}
-
-// Row m's allowed columns among [n, n + 16) (all of them without masks); n is a multiple of 16.
-__mmask16 allowed_lanes(const GreedyHeadArgs& a, int64_t m, int64_t n) {
-  const __mmask16 lanes = tile_lanes(a.N, n);
-  if (a.masks == nullptr) return lanes;
-  const int64_t word = n / 32;
-  if (word >= a.mask_words) return 0;
-  return lanes & static_cast<__mmask16>(a.masks[m * a.mask_words + word] >> (n & 16));
-}
-
-// Under a mask, Lmax is the largest lower bound S - B over the allowed columns: the screen's
-// argument then runs over them alone (a column outside cannot win, so it cannot bound either).
-float masked_lmax(const GreedyHeadArgs& a, const RowQuant& r, const float* screen, int64_t m) {
-  const Bounds bounds(r);
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t n = 0; n < a.N; n += kLanes) {
-    const __mmask16 lanes = allowed_lanes(a, m, n);
-    if (lanes == 0) continue;
-    const __m512 s = _mm512_maskz_loadu_ps(lanes, screen + n);
-    best = _mm512_mask_max_ps(best, lanes, best, _mm512_sub_ps(s, bounds.at(a, n, lanes, s)));
-  }
-  return _mm512_reduce_max_ps(best);
 }
 
 // Row m's allowed columns whose bf16(S + B) reaches bf16(Lmax); false when there are more than
@@ -280,8 +269,7 @@ void greedy_head_avx512(const GreedyHeadArgs& a) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* maxima = tile_max.data() + m * tiles;
       const float* row_screen = screen.data() + m * N;
-      const float lmax = a.masks == nullptr ? *std::max_element(maxima, maxima + tiles)
-                                            : masked_lmax(a, rows[m], row_screen, m);
+      const float lmax = *std::max_element(maxima, maxima + tiles);
       const bool ok = rows[m].usable && candidates_of(a, rows[m], row_screen, lmax, m, cols) &&
                       !cols.empty();
       a.out[m] = ok ? best_candidate(a, a.x + m * K, cols) : -1;
