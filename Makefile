@@ -28,8 +28,10 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(PY) -m tgq.cli.generate --demo --prompt "The Python language" --max-new-tokens 24
 
+# Two workers, a test file each at a time (its module fixtures stay on one worker): most tests
+# wait on the processes they start, so two cores run two files at once.
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The opt-in reliability rounds (pytest's `slow` marker): long fault-injection runs.
 test-slow: $(STAMP)

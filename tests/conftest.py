@@ -45,6 +45,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# The longest file (two venvs, two installs, a kernel build: ~2.5 min) goes first, so that with
+# `-n 2` (`make test`) it runs beside the others instead of after them.
+FIRST = ("tests/test_install.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built() -> None:
     """Compiles the CPU kernels (once per cache, ~30 s on 2 cores) before any test starts a
