@@ -72,6 +72,12 @@ def reply_of(params: GenerationParams, text: str) -> tuple[str | None, list[Tool
     return content or None, [calls[index] for index in sorted(calls)]
 
 
+def with_tool_calls(reason: str, *, has_calls: bool) -> str:
+    """A choice's `finish_reason`: `tool_calls` where it has calls and its output ended by
+    itself (`stop`); otherwise `reason` as it is (`length` stays)."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
 def _first_delta(index: int, name: str) -> Delta:
     function = DeltaFunction(name=name, arguments="")
     call = DeltaToolCall(index=index, id=new_call_id(), type="function", function=function)

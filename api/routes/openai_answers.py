@@ -19,7 +19,7 @@ from tgq.api.schemas.openai import (
     TopLogprob,
     Usage,
 )
-from tgq.api.tool_calls import reply_of
+from tgq.api.tool_calls import reply_of, with_tool_calls
 from tgq.batcher.messages import FinalResult, TokenEvent
 from tgq.batcher.request import FinishReason
 
@@ -31,8 +31,7 @@ def finish_reason(final: FinalResult) -> str:
 
 def chat_finish_reason(final: FinalResult, *, has_calls: bool) -> str:
     """With tool calls, `tool_calls` where the output ended by itself."""
-    reason = finish_reason(final)
-    return "tool_calls" if has_calls and reason == "stop" else reason
+    return with_tool_calls(finish_reason(final), has_calls=has_calls)
 
 
 def chat_choice(state: AppState, run: Run, index: int) -> ChatCompletionChoice:

@@ -15,7 +15,7 @@ from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.db import store
 from tgq.api.submit import recorded_params
-from tgq.api.tool_calls import reply_of
+from tgq.api.tool_calls import reply_of, with_tool_calls
 from tgq.api.validated import GenerationParams
 from tgq.batcher.request import FinishReason
 from tgq.bulk.batches.context import BatchContext, get_batch
@@ -130,7 +130,7 @@ def _output_line(
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls is not None:
             message["tool_calls"] = [call.model_dump() for call in tool_calls]
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        finish_reason = with_tool_calls(finish_reason, has_calls=tool_calls is not None)
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         body = {"id": f"chatcmpl-{result.request_id}", "object": "chat.completion"}
     else:
