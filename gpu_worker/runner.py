@@ -27,7 +27,7 @@ from tgq.gpu_worker.plan import (
     StepResult,
     TokenLogprob,
 )
-from tgq.gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs
+from tgq.gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs, token_mask_words
 from tgq.kernels import AttentionBackend, AttentionStep, SeqSpan, block_size_rule, get_backend
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -169,10 +169,7 @@ class ModelRunner:
             return None
         vocab_bytes = (self.loaded.model.config.vocab_size + 31) // 32 * 4
         width = max(vocab_bytes, *(len(mask) for mask in masks if mask is not None))
-        packed = b"".join(
-            b"\xff" * width if mask is None else mask.ljust(width, b"\0") for mask in masks
-        )
-        return torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(masks), -1)
+        return token_mask_words(masks, width)
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name

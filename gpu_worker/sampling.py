@@ -120,6 +120,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
+def token_mask_words(masks: list[bytes | None], num_bytes: int) -> torch.Tensor:
+    """[N, num_bytes / 4] int32: the bitmasks as words, each padded with zeros (tokens not
+    allowed) to `num_bytes`, a multiple of 4; a None row allows every token."""
+    packed = b"".join(
+        b"\xff" * num_bytes if mask is None else mask.ljust(num_bytes, b"\0") for mask in masks
+    )
+    return torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(masks), -1)
+
+
 def apply_token_masks(
     logits: torch.Tensor, masks: list[bytes | None], *, in_place: bool = False
 ) -> torch.Tensor:
@@ -131,8 +140,7 @@ def apply_token_masks(
     if not rows:
         return logits
     width = max(len(masks[i] or b"") for i in rows)  # one tokenizer: all alike, but be sure
-    packed = b"".join((masks[i] or b"").ljust(width, b"\0") for i in rows)
-    words = torch.frombuffer(bytearray(packed), dtype=torch.int32).view(len(rows), -1)
+    words = token_mask_words([masks[i] for i in rows], width)
     masked = logits if in_place else logits.clone()
     is_cpu_fp32 = logits.device.type == "cpu" and logits.dtype == torch.float32
     if is_cpu_fp32 and masked.is_contiguous() and cpu_ops.is_available():
