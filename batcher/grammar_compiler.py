@@ -36,12 +36,6 @@ class Constraint:
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
 
-    def mask(self) -> bytes:
-        """The allowed next tokens: bit `t % 32` of little-endian 32-bit word `t // 32`."""
-        if (error := self.error) is not None:
-            raise GrammarError(error)
-        return bytes(self._matcher.compute_bitmask())
-
     @property
     def error(self) -> str | None:
         """Why the grammar state broke (a token it did not allow, a parser limit), or None."""
@@ -51,7 +45,7 @@ class Constraint:
 
     def consume(self, token_id: int) -> None:
         """Advance past an accepted token. A token the mask did not allow leaves the matcher in
-        its error state, which the next `mask` reports."""
+        its error state, which `error` reports."""
         self._matcher.consume_token(token_id)
 
     @property
@@ -140,8 +134,8 @@ class GrammarCompiler:
 
     def masks(self, constraints: Sequence[Constraint]) -> list[bytes]:
         """The next-token masks of several constraints (none broken: see `Constraint.error`),
-        computed on llguidance's own threads at once: `Constraint.mask`'s bits, in words enough
-        for the vocabulary (that one adds a word of zeros when the size is a multiple of 32)."""
+        computed on llguidance's own threads at once: token t is allowed when bit `t % 32` of
+        little-endian 32-bit word `t // 32` is set, in words enough for the vocabulary."""
         size = (self._tokenizer.result().vocab_size + 31) // 32 * 4
         out = numpy.empty(len(constraints) * size, dtype=numpy.uint8)
         matchers = [(constraint._matcher, row) for row, constraint in enumerate(constraints)]
