@@ -169,6 +169,14 @@ def _is_bounded(schema: Any) -> bool:
     return '"number"' not in json.dumps(schema)
 
 
+# The same examples every run (a CI failure can be replayed); the engine fixture outlives them.
+REPRODUCIBLE = settings(
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
 def _run(engine: LLMEngine, model_dir: Path, spec: GrammarSpec) -> list[Any]:
     prompts = shared_prefix_prompts(model_dir)
     sampling = [SamplingParams(temperature=1.5, seed=seed) for seed in range(len(prompts))]
@@ -177,12 +185,7 @@ def _run(engine: LLMEngine, model_dir: Path, spec: GrammarSpec) -> list[Any]:
     return results
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(REPRODUCIBLE, max_examples=60)
 @given(schema=SCHEMAS)
 def test_every_sampled_output_validates_against_its_schema(
     schema: dict[str, Any], tight_engine: LLMEngine, model_dir: Path
@@ -196,12 +199,7 @@ def test_every_sampled_output_validates_against_its_schema(
             assert validator.is_valid(json.loads(result.text or "")), (schema, result.text)
 
 
-@settings(
-    max_examples=30,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(REPRODUCIBLE, max_examples=30)
 @given(regex=REGEXES)
 def test_every_sampled_output_fullmatches_its_regex(
     regex: str, tight_engine: LLMEngine, model_dir: Path
