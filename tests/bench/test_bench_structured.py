@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_structured as structured
+from bench.structured_schemas import LONG_TEXT_SCHEMA, SCHEMAS, WORKLOAD_SCHEMA
 from tgq.batcher.grammar import GrammarSpec, check
 
 PROMPT = list(range(5, 21))
@@ -20,16 +21,16 @@ def bench(text_model_dir: Path) -> structured.Bench:
 
 
 def test_the_twenty_schemas_are_ones_the_api_accepts() -> None:
-    assert len(structured.SCHEMAS) == 20
-    schemas = [*structured.SCHEMAS.values(), structured.WORKLOAD_SCHEMA]
-    for schema in [*schemas, structured.LONG_TEXT_SCHEMA]:
+    assert len(SCHEMAS) == 20
+    schemas = [*SCHEMAS.values(), WORKLOAD_SCHEMA]
+    for schema in [*schemas, LONG_TEXT_SCHEMA]:
         check(GrammarSpec.json_schema(schema))
-    assert "$defs" in structured.SCHEMAS["org_chart"]
+    assert "$defs" in SCHEMAS["org_chart"]
 
 
 def test_a_constrained_run_counts_its_tokens_and_its_masks(bench: structured.Bench) -> None:
     compiler, build_s = bench.compiler()
-    spec = GrammarSpec.json_schema(structured.WORKLOAD_SCHEMA)  # six items: longer than 8 tokens
+    spec = GrammarSpec.json_schema(WORKLOAD_SCHEMA)  # six items: longer than 8 tokens
     workload = [(PROMPT, 8)] * 3
     free = structured.run_mixed(bench, compiler, workload, None)
     constrained = structured.run_mixed(bench, compiler, workload, spec)
@@ -42,7 +43,7 @@ def test_a_constrained_run_counts_its_tokens_and_its_masks(bench: structured.Ben
 
 def test_the_profile_finds_the_mask_work_only_under_a_grammar(bench: structured.Bench) -> None:
     compiler, _ = bench.compiler()
-    spec = GrammarSpec.json_schema(structured.LONG_TEXT_SCHEMA)
+    spec = GrammarSpec.json_schema(LONG_TEXT_SCHEMA)
     free = structured.profile(lambda: structured.decode_steps(bench, compiler, PROMPT, 6, None))
     constrained = structured.profile(
         lambda: structured.decode_steps(bench, compiler, PROMPT, 6, spec)
@@ -54,7 +55,7 @@ def test_the_profile_finds_the_mask_work_only_under_a_grammar(bench: structured.
 
 
 def test_a_burst_of_new_schemas_is_answered_while_others_decode(bench: structured.Bench) -> None:
-    specs = [GrammarSpec.json_schema(schema) for schema in list(structured.SCHEMAS.values())[:4]]
+    specs = [GrammarSpec.json_schema(schema) for schema in list(SCHEMAS.values())[:4]]
     served = structured.serve_burst(
         bench, [PROMPT] * 2, structured.ARRIVE_AFTER + 8, [(PROMPT, spec) for spec in specs]
     )
