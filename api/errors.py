@@ -78,6 +78,12 @@ class ValidationError(ApiError):
     tgi_prefix = "Input validation error: "
 
 
+def require(condition: bool, message: str, param: str | None = None) -> None:
+    """A ValidationError with `message`, naming `param`, unless `condition` holds."""
+    if not condition:
+        raise ValidationError(message, param=param)
+
+
 class RouteValidationError(ApiError):
     """A 422 that TGI renders with its own `error_type` and no prefix, e.g. `/v1/completions`
     with `suffix` (`"suffix not supported"`) or too many prompts (`"batch size exceeded"`)."""

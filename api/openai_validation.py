@@ -5,7 +5,7 @@ check after tokenization are in `api.validation`."""
 from __future__ import annotations
 
 from tgq.api.chat_template import ChatTemplate
-from tgq.api.errors import RouteValidationError
+from tgq.api.errors import RouteValidationError, require
 from tgq.api.request_fields import check_openai_fields
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest, ImagePart
 from tgq.api.settings import Settings
@@ -23,7 +23,6 @@ from tgq.api.validation import (
     check_top_n,
     default,
     non_empty,
-    require,
 )
 from tgq.batcher.grammar import GrammarSpec
 from tgq.gpu_worker.plan import SamplingParams

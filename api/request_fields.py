@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tgq.api.errors import ValidationError
+from tgq.api.errors import ValidationError, require
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.schemas.tgi import GenerateParameters, GenerateRequest
 
@@ -55,11 +55,11 @@ def check_openai_fields(body: ChatCompletionRequest | CompletionRequest) -> None
         plural = "s" if len(unknown) > 1 else ""
         message = f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}"
         raise ValidationError(message, param=unknown[0])
-    _require(not body.logit_bias, LOGIT_BIAS_MESSAGE, "logit_bias")
+    require(not body.logit_bias, LOGIT_BIAS_MESSAGE, "logit_bias")
     if isinstance(body, ChatCompletionRequest):
         for name, (accepted, message) in _CHAT_UNSUPPORTED.items():
             value = getattr(body, name)
-            _require(value is None or value in accepted, message, name)
+            require(value is None or value in accepted, message, name)
 
 
 def check_tgi_fields(body: GenerateRequest) -> None:
@@ -75,7 +75,7 @@ def check_parameter_fields(parameters: GenerateParameters | None) -> None:
 
 def check_adapter_id(adapter_id: str | None, model_id: str) -> None:
     """tgq serves no LoRA adapters: only the base model (null or its id)."""
-    _require(
+    require(
         adapter_id is None or adapter_id == model_id,
         f"`adapter_id` must be null or the base model's id ({model_id!r}): tgq serves no "
         f"LoRA adapters. Given: {adapter_id!r}",
@@ -88,8 +88,3 @@ def _check_tgi_unknown(body: BaseModel, *, prefix: str) -> None:
     if unknown:
         name = prefix + unknown[0]
         raise ValidationError(f"unknown field `{name}`", param=name)
-
-
-def _require(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise ValidationError(message, param=param)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tgq.api.errors import ValidationError
+from tgq.api.errors import ValidationError, require
 from tgq.batcher.grammar import GrammarError, GrammarKind, GrammarSpec, check
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -39,15 +39,15 @@ def tgi_grammar(grammar: dict[str, Any] | None, param: str = "grammar") -> Gramm
         return None
     kind, value = grammar.get("type"), grammar.get("value")  # value: Any
     extra = sorted(set(grammar) - {"type", "value"})
-    _require(not extra, f"grammar is not valid: unknown field `{', '.join(extra)}`", param)
-    _require(value is not None, "grammar is not valid: missing field `value`", param)
+    require(not extra, f"grammar is not valid: unknown field `{', '.join(extra)}`", param)
+    require(value is not None, "grammar is not valid: missing field `value`", param)
     if kind in ("json", "json_object"):
         spec = GrammarSpec.json_schema(_schema(value, param, "grammar is not valid: "))
     elif kind == "regex":
-        _require(isinstance(value, str), "grammar is not valid: a regex is a string", param)
+        require(isinstance(value, str), "grammar is not valid: a regex is a string", param)
         spec = GrammarSpec(GrammarKind.REGEX, str(value))
     elif kind == "json_schema":
-        _require(
+        require(
             isinstance(value, dict) and "schema" in value,
             "grammar is not valid: `json_schema` takes {name?, schema}",
             param,
@@ -90,7 +90,7 @@ def _response_format(response_format: dict[str, Any]) -> GrammarSpec:
         return checked(GrammarSpec.json_schema(_ANY_OBJECT), param)
     if kind == "json_schema":
         config = response_format.get("json_schema")
-        _require(
+        require(
             isinstance(config, dict),
             "`response_format` of type `json_schema` needs a `json_schema` object",
             param,
@@ -119,21 +119,21 @@ def _guided(name: str, value: Any) -> GrammarSpec:
     if name == "guided_json":
         return checked(GrammarSpec.json_schema(_schema(value, name)), name)
     if name == "guided_regex":
-        _require(isinstance(value, str), "`guided_regex` is a string", name)
+        require(isinstance(value, str), "`guided_regex` is a string", name)
         return checked(GrammarSpec(GrammarKind.REGEX, value), name)
     if name == "guided_grammar":
-        _require(isinstance(value, str), "`guided_grammar` is a string", name)
+        require(isinstance(value, str), "`guided_grammar` is a string", name)
         return checked(_lark_or_gbnf(value, name), name)
     return checked(_choice(value, name), name)
 
 
 def _structured_outputs(value: Any) -> GrammarSpec:
     param = "structured_outputs"
-    _require(isinstance(value, dict), "`structured_outputs` is an object", param)
+    require(isinstance(value, dict), "`structured_outputs` is an object", param)
     unknown = sorted(set(value) - {*_STRUCTURED_OUTPUTS_KINDS, *_STRUCTURED_OUTPUTS_IGNORED})
-    _require(not unknown, f"`structured_outputs` does not support `{'`, `'.join(unknown)}`", param)
+    require(not unknown, f"`structured_outputs` does not support `{'`, `'.join(unknown)}`", param)
     kinds = [kind for kind in _STRUCTURED_OUTPUTS_KINDS if value.get(kind) not in (None, False)]
-    _require(
+    require(
         len(kinds) == 1,
         f"`structured_outputs` takes exactly one of {', '.join(_STRUCTURED_OUTPUTS_KINDS)}",
         param,
@@ -148,7 +148,7 @@ def _structured_outputs(value: Any) -> GrammarSpec:
 def _choice(value: Any, param: str) -> GrammarSpec:
     """One of the strings, exactly: a Lark grammar of string literals (no regex escaping)."""
     is_strings = isinstance(value, list) and all(isinstance(c, str) and c for c in value)
-    _require(
+    require(
         is_strings and bool(value), f"`{param}` is a non-empty list of non-empty strings", param
     )
     literals = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in value)
@@ -170,7 +170,7 @@ def _schema(value: Any, param: str, prefix: str | None = None) -> dict[str, Any]
             value = json.loads(value)
         except json.JSONDecodeError as error:
             raise ValidationError(f"{prefix}not valid JSON: {error}", param=param) from None
-    _require(isinstance(value, dict | bool), f"{prefix}a JSON schema is an object", param)
+    require(isinstance(value, dict | bool), f"{prefix}a JSON schema is an object", param)
     schema: dict[str, Any] | bool = value
     return schema
 
@@ -183,8 +183,3 @@ def checked(spec: GrammarSpec, param: str, prefix: str | None = None) -> Grammar
         prefix = prefix if prefix is not None else f"`{param}` is not valid: "
         raise ValidationError(f"{prefix}{error}", param=param) from None
     return spec
-
-
-def _require(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise ValidationError(message, param=param)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from tgq.api.chat_template import ChatTemplate, ChatTemplateError
-from tgq.api.errors import ValidationError
+from tgq.api.errors import ValidationError, require
 from tgq.api.schemas.openai import ChatCompletionRequest, Tool
 from tgq.api.structured import checked
 from tgq.api.tool_parsers import FORCED, ParserName, guess_parser
@@ -189,7 +189,7 @@ def _choice(value: str | dict[str, Any] | None, *, has_tools: bool) -> tuple[str
     if value in ("none", "auto"):
         return str(value), None
     if value == "required":
-        _require(has_tools, REQUIRED_NEEDS_TOOLS_MESSAGE, "tool_choice")
+        require(has_tools, REQUIRED_NEEDS_TOOLS_MESSAGE, "tool_choice")
         return "required", None
     if isinstance(value, str) and value:
         return "named", value  # TGI takes a function's name as it is
@@ -200,7 +200,7 @@ def _choice(value: str | dict[str, Any] | None, *, has_tools: bool) -> tuple[str
         and isinstance(function, dict)
         and isinstance(function.get("name"), str)
     )
-    _require(is_named, TOOL_CHOICE_MESSAGE, "tool_choice")
+    require(is_named, TOOL_CHOICE_MESSAGE, "tool_choice")
     assert isinstance(function, dict)
     return "named", str(function["name"])
 
@@ -222,18 +222,13 @@ def _check_not_structured(request: ChatCompletionRequest) -> None:
 def _check_tool_prompt(tool_prompt: Any, *, has_tools: bool) -> None:
     if tool_prompt is None:
         return
-    _require(has_tools, TOOL_PROMPT_MESSAGE, "tool_prompt")
-    _require(isinstance(tool_prompt, str), "`tool_prompt` must be a string", "tool_prompt")
+    require(has_tools, TOOL_PROMPT_MESSAGE, "tool_prompt")
+    require(isinstance(tool_prompt, str), "`tool_prompt` must be a string", "tool_prompt")
 
 
 def _check_unique_names(tools: list[Tool]) -> None:
     seen: set[str] = set()
     for tool in tools:
         name = tool.function.name
-        _require(name not in seen, f"`tools` has more than one function named `{name}`", "tools")
+        require(name not in seen, f"`tools` has more than one function named `{name}`", "tools")
         seen.add(name)
-
-
-def _require(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise ValidationError(message, param=param)

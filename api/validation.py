@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-from tgq.api.errors import ValidationError
+from tgq.api.errors import require
 from tgq.api.request_fields import check_adapter_id, check_parameter_fields
 from tgq.api.schemas.tgi import GenerateParameters, default_parameters
 from tgq.api.settings import Settings
@@ -307,8 +307,3 @@ def non_empty(stop_strings: list[str]) -> tuple[str, ...]:
 
 def default(value: T | None, default: T) -> T:
     return default if value is None else value
-
-
-def require(condition: bool, message: str, param: str | None = None) -> None:
-    if not condition:
-        raise ValidationError(message, param=param)
