@@ -18,7 +18,7 @@ from tgq.api.db import store
 from tgq.api.ids import request_id_of
 from tgq.api.settings import Settings
 from tgq.api.validated import GenerationParams, ValidatedRequest
-from tgq.batcher.grammar import spec_from_wire, spec_to_wire
+from tgq.batcher.grammar import spec_from_wire
 from tgq.batcher.messages import SubmitRequest
 from tgq.batcher.request import Priority, StoppingParams
 from tgq.gpu_worker.plan import SamplingParams
@@ -91,7 +91,6 @@ def job_params(params: GenerationParams) -> dict[str, Any]:
     """The parameters as recorded in the job row (JSON); `recorded_params` reads them back."""
     values = dataclasses.asdict(params)
     values["stop_strings"] = list(params.stop_strings)
-    values["grammar"] = spec_to_wire(params.grammar)
     return values
 
 

@@ -139,12 +139,9 @@ def tidy(problem: str, kind: GrammarKind) -> str:
     return text if kind is GrammarKind.LARK else _POSITION.sub("", text)
 
 
-def spec_to_wire(spec: GrammarSpec | None) -> dict[str, str] | None:
-    return None if spec is None else {"kind": str(spec.kind), "value": spec.value}
-
-
 def spec_from_wire(data: Any) -> GrammarSpec | None:
-    """From a message or a job row; ValueError (or TypeError) when it is not a spec."""
+    """From a message or a job row (a spec there is its fields, as `dataclasses.asdict` and the
+    messages' encoder write it); ValueError (or TypeError) when it is not a spec."""
     if data is None:
         return None
     if not isinstance(data, dict) or set(data) != {"kind", "value"}:
