@@ -213,8 +213,8 @@ class LLMEngine:
         self._take_compiled()
         scheduled = self.scheduler.schedule()
         plan = scheduled.to_plan()
-        if plan.chunks:
-            plan = dataclasses.replace(plan, token_masks=self._token_masks(scheduled))
+        if masks := self._token_masks(scheduled):
+            plan = dataclasses.replace(plan, token_masks=masks)
         outputs, self._pending = self._pending, []  # after the masks: a broken grammar ends here
         if not scheduled.is_empty:
             result = self.runner.execute(plan)

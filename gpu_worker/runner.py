@@ -164,6 +164,8 @@ class ModelRunner:
     def _greedy_masks(self, request_ids: list[str]) -> torch.Tensor | None:
         """[N, W] int32 bitmasks of these rows for the greedy head (all ones for a row without
         a grammar, zeros past a mask's end); None when none of them has a grammar."""
+        if not self._token_masks:
+            return None
         masks = [self._token_masks.get(request_id) for request_id in request_ids]
         if all(mask is None for mask in masks):
             return None
@@ -251,7 +253,9 @@ class ModelRunner:
             params=[s.sampling for s in seqs],
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
             output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in seqs],
-            token_masks=[self._token_masks.get(request_id) for request_id in request_ids],
+            token_masks=[self._token_masks.get(request_id) for request_id in request_ids]
+            if self._token_masks
+            else None,
         )
 
     def _record(self, request_ids: list[str], output: SamplerOutput) -> StepResult:
