@@ -26,6 +26,7 @@ __all__ = [
     "avx512_attention_serves",
     "greedy_head_argmax",
     "hardware_unsupported_reason",
+    "has_amx_bf16",
     "has_avx512_bf16",
     "has_avx512_vnni_bf16",
     "is_available",
@@ -196,16 +197,25 @@ def linear_bf16_packed(
     bias: torch.Tensor | None = None,
     *,
     out_fp32: bool = False,
+    kernel: str = "avx512",
 ) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
-    """`linear_bf16(x, weight, bias, "avx512", out_fp32=...)` over weights packed once: the
-    AVX-512 kernel, for any M (needs AVX512_BF16)."""
-    out: torch.Tensor = _ops().linear_bf16_packed(x, packed, out_features, bias, out_fp32)
+    """`linear_bf16(x, weight, bias, "avx512", out_fp32=...)` over weights packed once, for any
+    M: `kernel` "avx512" (needs AVX512_BF16) or "amx" (AMX tiles over the same packed weights;
+    needs `has_amx_bf16()` and K % 32 == 0)."""
+    out: torch.Tensor = _ops().linear_bf16_packed(x, packed, out_features, bias, out_fp32, kernel)
     return out
 
 
 def has_avx512_bf16() -> bool:
     """Whether this CPU has AVX512_BF16, i.e. the "avx512" and "native" linear paths are fast."""
     return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags()
+
+
+def has_amx_bf16() -> bool:
+    """Whether `linear_bf16_packed(..., kernel="amx")` runs here: AVX512_BF16, AMX-TILE and
+    AMX-BF16, and Linux lets this process use the tile registers (asked once). Builds the
+    kernels; False where they are unavailable."""
+    return is_available() and bool(_ops().has_amx_bf16())
 
 
 def has_avx512_vnni_bf16() -> bool:

@@ -16,6 +16,10 @@
 // each 3 weight rows (measured in turns on a Zen 4 EPYC, weights from DRAM); at M = 1-8 0.96-1.0x.
 #include "linear_kernels.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 namespace tgq_cpu {
 
 // Before the target pragma: this runs on every CPU.
@@ -23,6 +27,19 @@ bool cpu_has_avx512_bf16() {
   static const bool supported =
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
+
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), and the kernel's permission for this
+// process to use the tile registers (Linux asks for it once, with arch_prctl).
+bool cpu_has_amx_bf16() {
+  static const bool supported = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (((edx >> 24) & 1) == 0 || ((edx >> 22) & 1) == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
   return supported;
 }
 
@@ -196,3 +213,144 @@ void linear_bf16_packed_avx512(const PackedLinear& a) {
 }
 
 }  // namespace tgq_cpu
+
+// ----------------------------------------------------------------------------------------------
+// The same packed weights through AMX tiles (runs only where cpu_has_amx_bf16()). A packed tile's
+// 16 pairs x 16 columns x 2 values are one 1 KiB B tile of TDPBF16PS as they lie (64-byte rows,
+// one per pair of K), so the layout needs no change: A tiles are 16 rows of x x 32 values, C tiles
+// 16 x 16 fp32. Each block of 32 rows x 32 columns keeps its four C tiles in the tile registers
+// for all of K. Needs K % 32 == 0 (whole A tiles); rows past M read a zero-padded copy of x.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+namespace tgq_cpu {
+namespace {
+
+constexpr int kTileRows = 16;
+constexpr int64_t kTilePairs = 16;  // pairs of K per A/B tile (64 bytes per row)
+// Pairs of K per chunk: a block's two A tiles for a chunk take 2 * 128 * 64 B = 16 KiB of L1.
+constexpr int64_t kChunkPairs = 128;
+// Packed tiles per group of output columns: 16 tiles' weights take 16 * K * 32 B (768 KiB at
+// K = 1,536) of L2.
+constexpr int64_t kGroupTiles = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (row block r, column block c at 2 * r + c); 4-5: A (row blocks); 6-7: B.
+void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Rows [m, m + 16 * MB) of x (at x) against packed tiles [t, t + NB), pairs [p0, p1) of K: the
+// sums go on from those in acc (fp32 rows of acc_stride values; C tile (r, c) at rows 16r..,
+// columns 16c..), or from zero when `first`, and go back there.
+template <int MB, int NB>
+void amx_block(const PackedLinear& a, const bf16_bits* x, int64_t t, int64_t p0, int64_t p1,
+               float* acc, int64_t acc_stride, bool first) {
+  const int64_t pairs = a.x_stride / 2;
+  const int64_t x_bytes = a.x_stride * static_cast<int64_t>(sizeof(bf16_bits));
+  const bf16_bits* w = a.w + t * pairs * kLine;
+  const int64_t stride = acc_stride * static_cast<int64_t>(sizeof(float));
+  float* lower = acc + kTileRows * acc_stride;
+  if (first) {
+    _tile_zero(0);
+    if constexpr (NB > 1) _tile_zero(1);
+    if constexpr (MB > 1) _tile_zero(2);
+    if constexpr (MB > 1 && NB > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, stride);
+    if constexpr (NB > 1) _tile_loadd(1, acc + kLanes, stride);
+    if constexpr (MB > 1) _tile_loadd(2, lower, stride);
+    if constexpr (MB > 1 && NB > 1) _tile_loadd(3, lower + kLanes, stride);
+  }
+  for (int64_t p = p0; p < p1; p += kTilePairs) {
+    _tile_loadd(4, x + 2 * p, x_bytes);
+    if constexpr (MB > 1) _tile_loadd(5, x + kTileRows * a.x_stride + 2 * p, x_bytes);
+    _tile_loadd(6, w + p * kLine, 64);
+    if constexpr (NB > 1) _tile_loadd(7, w + (pairs + p) * kLine, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MB > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, stride);
+  if constexpr (NB > 1) _tile_stored(1, acc + kLanes, stride);
+  if constexpr (MB > 1) _tile_stored(2, lower, stride);
+  if constexpr (MB > 1 && NB > 1) _tile_stored(3, lower + kLanes, stride);
+}
+
+using AmxBlockFn = void (*)(const PackedLinear&, const bf16_bits*, int64_t, int64_t, int64_t,
+                            float*, int64_t, bool);
+
+AmxBlockFn amx_block_for(int64_t rows, int64_t tiles) {
+  if (rows > kTileRows) return tiles > 1 ? amx_block<2, 2> : amx_block<2, 1>;
+  return tiles > 1 ? amx_block<1, 2> : amx_block<1, 1>;
+}
+
+}  // namespace
+
+// The output columns are cut into one or more groups per thread, each at most kGroupTiles packed
+// tiles wide (their weights stay in L2). For each group, each block of 32 rows, and each chunk of
+// K (kChunkPairs: the block's A tiles for it stay in L1), the group's tiles two by two; the sums
+// wait in `acc` between chunks, and each block of rows is stored once its sums are complete, row
+// by row along the output (stores that went down a column block touched a page per row).
+void linear_bf16_packed_amx(const PackedLinear& a) {
+  const int64_t pairs = a.x_stride / 2;
+  TORCH_CHECK(pairs % kTilePairs == 0, "linear_bf16_packed (amx): K must be a multiple of 32");
+  // x with its rows padded to a multiple of 16 (zeros), so that every A tile lies in it.
+  const int64_t padded_rows = (a.M + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<bf16_bits> padded;
+  const bf16_bits* x = a.x;
+  if (padded_rows != a.M) {
+    padded.assign(padded_rows * a.x_stride, 0);
+    std::memcpy(padded.data(), a.x, a.M * a.x_stride * sizeof(bf16_bits));
+    x = padded.data();
+  }
+  const int64_t tiles = (a.N + kLanes - 1) / kLanes;
+  const int64_t threads = at::get_num_threads();
+  const int64_t groups = threads * ((tiles + threads * kGroupTiles - 1) / (threads * kGroupTiles));
+  const int64_t group_tiles = ((tiles + groups - 1) / groups + 1) / 2 * 2;
+  constexpr int64_t kBlockRows = 2 * kTileRows;
+  at::parallel_for(0, (tiles + group_tiles - 1) / group_tiles, 1, [&](int64_t g0, int64_t g1) {
+    load_tile_config();
+    std::vector<float> acc_rows(static_cast<size_t>(kBlockRows * group_tiles * kLanes));
+    float* acc = acc_rows.data();
+    const int64_t acc_stride = group_tiles * kLanes;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t t0 = g * group_tiles, t1 = std::min(tiles, t0 + group_tiles);
+      for (int64_t m = 0; m < a.M; m += kBlockRows) {
+        const int64_t rows = std::min(kBlockRows, a.M - m);
+        for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
+          const int64_t p1 = std::min(pairs, p0 + kChunkPairs);
+          for (int64_t t = t0; t < t1; t += 2) {
+            amx_block_for(rows, t1 - t)(a, x + m * a.x_stride, t, p0, p1,
+                                        acc + (t - t0) * kLanes, acc_stride, p0 == 0);
+          }
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          const TileOut out(a, t);
+          for (int64_t r = 0; r < rows; ++r) {
+            out.store(m + r, _mm512_loadu_ps(acc + r * acc_stride + (t - t0) * kLanes));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace tgq_cpu
+
+#pragma GCC pop_options
+

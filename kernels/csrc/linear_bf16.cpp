@@ -262,14 +262,22 @@ at::Tensor pack_weight_bf16(const at::Tensor& weight) {
 }
 
 // out_fp32: the bf16 result widened to fp32 (= linear(...).float()), stored in the same pass.
+// kernel: "avx512" or "amx" (AMX tiles; K a multiple of 32), both over the same packed weights.
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                         const std::optional<at::Tensor>& bias, bool out_fp32) {
+                         const std::optional<at::Tensor>& bias, bool out_fp32,
+                         c10::string_view kernel) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "linear_bf16_packed: needs a CPU with AVX512_BF16");
+  const bool amx = kernel == "amx";
+  TORCH_CHECK(amx || kernel == "avx512", "linear_bf16_packed: unknown kernel '",
+              std::string_view(kernel.data(), kernel.size()), "' (avx512, amx)");
+  TORCH_CHECK(!amx || cpu_has_amx_bf16(),
+              "linear_bf16_packed: kernel 'amx' needs a CPU with AMX-BF16 that Linux lets us use");
   TORCH_CHECK(x.dim() == 2, "linear_bf16_packed: x must be [M, K], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16_packed: x must be bf16, got ",
               x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), pairs = ceil_div(K, 2);
   TORCH_CHECK(K > 0, "linear_bf16_packed: K must be positive");
+  TORCH_CHECK(!amx || K % 32 == 0, "linear_bf16_packed: kernel 'amx' needs K % 32 == 0, got ", K);
   TORCH_CHECK(N > 0, "linear_bf16_packed: N must be positive");
   const std::vector<int64_t> expected{ceil_div(N, kPackColumns), pairs, kPackColumns, 2};
   TORCH_CHECK(packed.sizes() == c10::IntArrayRef(expected), "linear_bf16_packed: packed weight ",
@@ -289,10 +297,15 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   at::Tensor xc = K % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1});
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  linear_bf16_packed_avx512(PackedLinear{
+  const PackedLinear args{
       data_as<bf16_bits>(xc), data_as<bf16_bits>(packed),
       b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, 2 * pairs,
-      out_fp32 ? nullptr : mutable_data_as<bf16_bits>(out), out_fp32 ? out.data_ptr<float>() : nullptr});
+      out_fp32 ? nullptr : mutable_data_as<bf16_bits>(out), out_fp32 ? out.data_ptr<float>() : nullptr};
+  if (amx) {
+    linear_bf16_packed_amx(args);
+  } else {
+    linear_bf16_packed_avx512(args);
+  }
   return out;
 }
 
@@ -331,7 +344,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   if (path == "avx512") {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16: path 'avx512' needs bf16 x");
     TORCH_CHECK(cpu_has_avx512_bf16(), "linear_bf16: path 'avx512' needs a CPU with AVX512_BF16");
-    return linear_packed(x, pack_weight_bf16(weight), weight.size(0), bias, out_fp32);
+    return linear_packed(x, pack_weight_bf16(weight), weight.size(0), bias, out_fp32, "avx512");
   }
   // out_fp32: the result as x's dtype would round it, widened to fp32 (= linear(...).float()).
   at::Tensor out;
@@ -357,6 +370,7 @@ TORCH_LIBRARY(tgq_cpu_ops, m) {
   m.def("pack_weight_bf16(Tensor weight) -> Tensor", &pack_weight_bf16);
   m.def(
       "linear_bf16_packed(Tensor x, Tensor packed, int out_features, Tensor? bias,"
-      " bool out_fp32=False) -> Tensor",
+      " bool out_fp32=False, str kernel='avx512') -> Tensor",
       &linear_packed);
+  m.def("has_amx_bf16() -> bool", [] { return cpu_has_amx_bf16(); });
 }

@@ -27,4 +27,11 @@ bool cpu_has_avx512_bf16();
 // Requires cpu_has_avx512_bf16(); any M (decode steps and prefill chunks).
 void linear_bf16_packed_avx512(const PackedLinear& args);
 
+// True where cpu_has_avx512_bf16() and the CPU has AMX-TILE and AMX-BF16 that this process may
+// use (asked of Linux on the first call); checked once.
+bool cpu_has_amx_bf16();
+
+// The same on AMX tiles: requires cpu_has_amx_bf16() and K % 32 == 0; any M.
+void linear_bf16_packed_amx(const PackedLinear& args);
+
 }  // namespace tgq_cpu

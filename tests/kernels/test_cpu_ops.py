@@ -246,6 +246,64 @@ def test_packed_linear_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(cpu_ops.linear_bf16_packed(x[:m], packed, 100), alone[:m]), m
 
 
+_AMX = pytest.mark.skipif(
+    not cpu_ops.has_amx_bf16(), reason="this CPU lacks AMX-BF16 (or Linux refuses it)"
+)
+
+
+@requires_kernels
+@_AMX
+@pytest.mark.parametrize("k", [32, 768, 2080])
+@pytest.mark.parametrize("n", [1, 16, 17, 48, 301])
+def test_amx_linear_matches_the_reference_at_every_row_tail(n: int, k: int) -> None:
+    """The AMX kernel over the same packed weights: rows past a multiple of 16 and 32 (padded),
+    one or two tiles per column block, K over several chunks (2080 = 8 chunks + 8 pairs); the
+    fp32 output is the bf16 one widened."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    packed = cpu_ops.pack_weight_bf16(weight)
+    for m in [1, 15, 16, 17, 31, 32, 33, 100, 600]:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        ref = F.linear(x.float(), weight.float(), bias.float())
+        out = cpu_ops.linear_bf16_packed(x, packed, n, bias, kernel="amx")
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        assert rel_err(out, ref) < 1e-2, m
+        wide = cpu_ops.linear_bf16_packed(x, packed, n, bias, out_fp32=True, kernel="amx")
+        assert torch.equal(wide, out.float())
+
+
+@requires_kernels
+@_AMX
+def test_amx_linear_rounds_as_torch_and_rows_do_not_depend_on_the_batch() -> None:
+    """Exact small-integer sums equal torch's; each row's outputs are the same alone and in
+    batches of every size (its sums run in K order whatever the other rows)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (40, 64), generator=gen).bfloat16()
+    weight = torch.randint(-4, 5, (40, 64), generator=gen).bfloat16()
+    packed = cpu_ops.pack_weight_bf16(weight)
+    assert torch.equal(cpu_ops.linear_bf16_packed(x, packed, 40, kernel="amx"), F.linear(x, weight))
+    x = torch.randn(70, 768, generator=gen).bfloat16()
+    packed = cpu_ops.pack_weight_bf16(torch.randn(100, 768, generator=gen).bfloat16())
+    alone = torch.cat(
+        [cpu_ops.linear_bf16_packed(x[i : i + 1], packed, 100, kernel="amx") for i in range(70)]
+    )
+    for m in [2, 16, 17, 32, 33, 70]:
+        assert torch.equal(cpu_ops.linear_bf16_packed(x[:m], packed, 100, kernel="amx"), alone[:m])
+
+
+@requires_kernels
+@_PACKED
+def test_packed_linear_refuses_an_unknown_kernel_and_amx_where_it_cannot_run() -> None:
+    packed = cpu_ops.pack_weight_bf16(torch.randn(4, 40).bfloat16())
+    x = torch.randn(2, 40).bfloat16()
+    with pytest.raises(RuntimeError, match="unknown kernel 'avx2' \\(avx512, amx\\)"):
+        cpu_ops.linear_bf16_packed(x, packed, 4, kernel="avx2")
+    message = "needs K % 32 == 0, got 40" if cpu_ops.has_amx_bf16() else "needs a CPU with AMX"
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops.linear_bf16_packed(x, packed, 4, kernel="amx")
+
+
 @requires_kernels
 @_PACKED
 @pytest.mark.parametrize(
