@@ -1,48 +1,141 @@
-"""Linear layer whose matmul goes to the fastest kernel for its device and dtype."""
+"""Linear layer whose matmul goes to the kernel measured fastest for its call size."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tgq.kernels import cpu_ops
+from tgq.kernels.choice import Measured, measure
 
 MatmulFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+# What a CPU bf16 linear can run on: the own kernels over the packed weights
+# (`cpu_ops.linear_bf16_packed`), or torch's F.linear (oneDNN) over the [N, K] weights.
+PACKED_KERNELS = ("avx512", "amx")
+TORCH = "torch"
+# torch's F.linear must be this much faster than the packed kernels to be picked beside them.
+TORCH_HANDICAP = 1.1
 
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool) -> None:
         super().__init__()
+        self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [N, K]
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.matmul: MatmulFn = F.linear
+        self.weight_rows: torch.Tensor | None  # [N, K] kept beside packed weights
+        self.register_buffer("weight_rows", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         return self.matmul(x, self.weight, self.bias)
 
-    def pack_for_cpu(self, *, out_fp32: bool = False) -> None:
-        """Replaces `weight` by its packed layout (`cpu_ops.pack_weight_bf16`, bf16 on a CPU with
-        AVX512_BF16) and runs the AVX-512 kernel on it; `out_fp32`: fp32 results (logits). The
-        [N, K] tensor is released unless something else holds it (tied embeddings, the greedy
-        head)."""
-        packed = cpu_ops.pack_weight_bf16(self.weight.detach())
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.matmul = functools.partial(
-            _packed_matmul, out_features=self.out_features, out_fp32=out_fp32
+    def use_kernels(self, thresholds: Sequence[tuple[int, str]], *, out_fp32: bool) -> None:
+        """Runs a call of M rows on the kernel of the first `(largest rows, kernel)` entry with
+        M <= largest rows (the last entry past them all; `kernels.choice.Choices.thresholds`).
+        Where a packed kernel is among them, `weight` becomes the packed layout
+        (`cpu_ops.pack_weight_bf16`); where torch is too, the [N, K] tensor stays as the buffer
+        `weight_rows` (both layouts in memory: the price of a choice that measured faster). The
+        [N, K] parameter is otherwise released unless something else holds it (tied embeddings,
+        the greedy head). `out_fp32`: fp32 results (logits)."""
+        kernels = {kernel for _, kernel in thresholds}
+        if kernels - {TORCH, *PACKED_KERNELS}:
+            raise ValueError(f"unknown linear kernels {sorted(kernels)}")
+        rows = self.weight.detach()
+        if kernels == {TORCH}:
+            self.matmul = _torch_fp32 if out_fp32 else F.linear
+            return
+        self.weight = nn.Parameter(cpu_ops.pack_weight_bf16(rows), requires_grad=False)
+        if TORCH in kernels:
+            self.weight_rows = rows
+        self.matmul = _ChosenMatmul(self, list(thresholds), out_fp32=out_fp32)
+
+
+class _ChosenMatmul:
+    """`Linear.matmul` over packed weights: the kernel for the call's row count."""
+
+    def __init__(
+        self, linear: Linear, thresholds: list[tuple[int, str]], *, out_fp32: bool
+    ) -> None:
+        self.linear = linear
+        self.thresholds = thresholds
+        self.out_fp32 = out_fp32
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        kernel = self.thresholds[-1][1]
+        for largest, name in self.thresholds:
+            if rows <= largest:
+                kernel = name
+                break
+        if kernel == TORCH:
+            assert self.linear.weight_rows is not None
+            out = F.linear(x, self.linear.weight_rows, bias)
+            return out.float() if self.out_fp32 else out
+        return cpu_ops.linear_bf16_packed(
+            x, packed, self.linear.out_features, bias, out_fp32=self.out_fp32, kernel=kernel
         )
 
 
-def _packed_matmul(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    out_features: int,
-    out_fp32: bool,
-) -> torch.Tensor:
-    return cpu_ops.linear_bf16_packed(x, packed, out_features, bias, out_fp32=out_fp32)
+def _torch_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias).float()
+
+
+def linear_candidates(in_features: int) -> list[str]:
+    """The kernels a bf16 linear with K = `in_features` can run on this CPU."""
+    names = [TORCH]
+    if cpu_ops.has_avx512_bf16():
+        names.append("avx512")
+        if cpu_ops.has_amx_bf16() and in_features % 32 == 0:
+            names.append("amx")
+    return names
+
+
+def measure_linears(
+    op: str, linears: Sequence[Linear], rows: Sequence[int], *, out_fp32: bool = False
+) -> list[Measured]:
+    """Times `linears` ([N, K] bf16 weights, before `use_kernels`) called one after another, as
+    a layer runs them, on each candidate kernel they all can run, at each row count. A
+    candidate over 5x slower than the fastest at one row count is not timed at larger ones.
+    Where the packed kernels are candidates, torch is picked only where it is more than 10%
+    faster than them (it needs a second copy of the weights beside the packed one)."""
+    names = set.intersection(*(set(linear_candidates(m.in_features)) for m in linears))
+    weights = [m.weight.detach() for m in linears]
+    packed = [cpu_ops.pack_weight_bf16(w) for w in weights] if names != {TORCH} else []
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(count: int) -> list[torch.Tensor]:
+        return [torch.randn(count, w.shape[1], generator=gen).bfloat16() for w in weights]
+
+    def torch_call(count: int) -> Callable[[], object]:
+        xs = inputs(count)
+        return lambda: [
+            F.linear(x, w).float() if out_fp32 else F.linear(x, w)
+            for x, w in zip(xs, weights, strict=True)
+        ]
+
+    def packed_call(kernel: str) -> Callable[[int], Callable[[], object]]:
+        def make(count: int) -> Callable[[], object]:
+            xs = inputs(count)
+            return lambda: [
+                cpu_ops.linear_bf16_packed(x, p, w.shape[0], out_fp32=out_fp32, kernel=kernel)
+                for x, p, w in zip(xs, packed, weights, strict=True)
+            ]
+
+        return make
+
+    makers = {name: torch_call if name == TORCH else packed_call(name) for name in sorted(names)}
+    out: list[Measured] = []
+    for count in rows:
+        [entry] = measure(op, makers, [count], {TORCH: TORCH_HANDICAP} if packed else None)
+        out.append(entry)
+        best = min(entry.timings_ms.values())
+        makers = {n: m for n, m in makers.items() if entry.timings_ms[n] <= 5 * best}
+    return out

@@ -25,12 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgq.gpu_worker.config import ModelConfig
-from tgq.gpu_worker.layers.linear import Linear
+from tgq.gpu_worker.layers.linear import Linear, measure_linears
 from tgq.gpu_worker.layers.norm import RMSNorm
 from tgq.gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
 from tgq.gpu_worker.models.sources import Source, decoder_sources
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.kernels import AttentionBackend, AttentionMetadata, cpu_ops
+from tgq.kernels.choice import ROW_BUCKETS, Choices, choose
 from tgq.kernels.greedy_head import GreedyHead
 from tgq.kernels.replay import OpReplay, tensors_of
 
@@ -231,6 +232,7 @@ class DecoderForCausalLM(nn.Module):
         )
         self.greedy_head: GreedyHead | None = None  # set by use_cpu_kernels where it can run
         self.replay: OpReplay | None = None  # likewise
+        self.kernel_choices: Choices | None = None  # set by linear_kernels
 
     @classmethod
     def attention_biases(cls, config: ModelConfig) -> tuple[bool, bool]:
@@ -252,14 +254,16 @@ class DecoderForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, *, greedy_head: bool = True) -> int:
         """bf16 on a CPU with the kernels: run matmuls, norms, rotary embeddings and the MLP's
-        activation there. With AVX512_BF16 every linear's weights are packed once for the
-        AVX-512 kernel (a tied lm_head gets its own packed copy; the embedding keeps its rows);
-        otherwise kernels/cpu_ops.py picks per call. With AVX512_VNNI too, one rank and
-        `greedy_head`, argmax-only rows get their tokens from `self.greedy_head`
-        (kernels.greedy_head), which keeps the head's [N, K] rows and an int8 copy. On one rank,
-        the layers of a step the attention backend can key (`replay_key`: decode-only steps on
-        the CPU kernels) run as the ops recorded from their first such step
-        (`self.replay`, kernels.replay): bit-identical, without the Python between the ops.
+        activation there. With AVX512_BF16 the decoder layers' linears run, per call size, on
+        the kernel measured fastest on this CPU (`linear_kernels`: the AVX-512 or AMX kernel
+        over weights packed once, or torch's oneDNN), and the lm_head on the AVX-512 kernel (a
+        tied lm_head gets its own packed copy; the embedding keeps its rows; the greedy head's
+        exact logits are those of that kernel); otherwise kernels/cpu_ops.py picks per call.
+        With AVX512_VNNI too, one rank and `greedy_head`, argmax-only rows get their tokens from
+        `self.greedy_head` (kernels.greedy_head), which keeps the head's [N, K] rows and an int8
+        copy. On one rank, the layers of a step the attention backend can key (`replay_key`:
+        decode-only steps on the CPU kernels) run as the ops recorded from their first such
+        step (`self.replay`, kernels.replay): bit-identical, without the Python between the ops.
         Returns the modules switched."""
         weight = self.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
@@ -269,16 +273,19 @@ class DecoderForCausalLM(nn.Module):
         pack = cpu_ops.has_avx512_bf16()
         # The [N, K] head, which packing releases: the greedy head's screen is built from it.
         head = weight.detach()
+        layer_kernels = self.linear_kernels().thresholds("linear") if pack else []
         switched = 0
         for module in self.modules():
             if isinstance(module, Linear):
                 # Logits straight to fp32 (same values as .float() of the bf16 result, one pass
                 # less).
                 out_fp32 = module is self.lm_head
-                if pack:
-                    module.pack_for_cpu(out_fp32=out_fp32)
-                else:
+                if not pack:
                     module.matmul = functools.partial(cpu_ops.linear_bf16, out_fp32=out_fp32)
+                elif out_fp32:
+                    module.use_kernels([(1, "avx512")], out_fp32=True)
+                else:
+                    module.use_kernels(layer_kernels, out_fp32=False)
             elif isinstance(module, RMSNorm | MLP):
                 module.use_cpu_kernel = True
             elif isinstance(module, Attention):
@@ -294,6 +301,25 @@ class DecoderForCausalLM(nn.Module):
         if greedy_head and pack and single:
             self.greedy_head = GreedyHead.build(self.lm_head.weight.detach(), head)
         return switched
+
+    def linear_kernels(self, *, cache: bool = True) -> Choices:
+        """Which kernel runs the decoder layers' linears at each call size, measured on this CPU
+        with the first layer's four linears (kernels.choice; cached per CPU and shapes). Call
+        before the linears switch (`use_cpu_kernels`): it times their [N, K] weights."""
+        layer = self.model.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        linears = [
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ]
+        shapes = {"linear": [[m.out_features, m.in_features] for m in linears]}
+        choices = choose(
+            shapes, lambda: measure_linears("linear", linears, ROW_BUCKETS), cache=cache
+        )
+        self.kernel_choices = choices
+        return choices
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
