@@ -32,7 +32,9 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 @pytest.fixture
 def deployment(text_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
-    """Leases of 2 s, beat reconciling every 0.5 s; batches of 8 sequences, windows of 16."""
+    """Batch leases of 2 s, beat reconciling every 0.5 s; batches of 8 sequences, windows of 16;
+    a dead batcher's requests are rerun once its heartbeat has lapsed (4 s), not after the
+    default 30 s request lease."""
     url = create_database()
     upgrade(url)
     env = {
@@ -42,8 +44,9 @@ def deployment(text_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
         "RECONCILE_GRACE_S": "1",
     }
     stack = Stack(
-        text_model_dir, url, tmp_path, api_env=env, batcher_options=("--max-batch-size", "8")
-    )
+        text_model_dir, url, tmp_path, api_env=env,
+        batcher_options=("--max-batch-size", "8", "--lease-s", "4"),
+    )  # fmt: skip
     try:
         stack.start_batcher()
         stack.start_worker()
