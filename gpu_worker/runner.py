@@ -29,6 +29,7 @@ from tgq.gpu_worker.plan import (
 )
 from tgq.gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs, token_mask_words
 from tgq.kernels import AttentionBackend, AttentionStep, SeqSpan, block_size_rule, get_backend
+from tgq.kernels.cpu_paged import CpuPagedAttention
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -80,6 +81,10 @@ class ModelRunner:
         self.tp = self.loaded.tp
         self.backend, self.block_size = pick_attention(config, self.device)
         local = self.loaded.local_config  # this rank's KV heads
+        if isinstance(self.backend, CpuPagedAttention):  # its prefill kernel, by measurement
+            self.backend.choose_kernels(
+                local.num_heads, local.num_kv_heads, local.head_dim, self.loaded.dtype
+            )
         self.num_blocks = config.num_blocks or num_blocks_for_budget(
             local, self.block_size, self.loaded.dtype, kv_budget(config, self.device)
         )

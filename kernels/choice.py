@@ -32,9 +32,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
-# Timing per candidate and bucket: a first call (warm-up), then the fastest of REPEATS calls
-# (other work on the machine only ever adds time, so the minimum is the steadiest estimate).
-REPEATS = 5
+# Timing per candidate and bucket: ROUNDS turns among the candidates, each a first call
+# (warm-up) then REPEATS timed calls; a candidate's time is its fastest call (other work on the
+# machine only ever adds time, so the minimum is the steadiest estimate).
+ROUNDS = 3
+REPEATS = 3
 # Flags that decide which kernels can run (and so belong in the cache key).
 _KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
@@ -119,11 +121,13 @@ def cpu_key() -> dict[str, Any]:
     }
 
 
-def time_ms(fn: Callable[[], object], repeats: int = REPEATS) -> float:
-    """Fastest wall time of `fn` over `repeats` calls, after one call to warm caches."""
+def time_ms(fn: Callable[[], object], repeats: int = REPEATS, budget_s: float = 0.25) -> float:
+    """Fastest wall time of `fn` over `repeats` calls, after one call to warm caches; past
+    `budget_s` of calls, two are enough (a 4,096-token prefill can take half a second)."""
     fn()
-    samples = []
-    for _ in range(repeats):
+    samples: list[float] = []
+    begin = time.perf_counter()
+    while len(samples) < repeats and (len(samples) < 2 or time.perf_counter() - begin < budget_s):
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
@@ -135,14 +139,30 @@ def measure(
     candidates: Mapping[str, Callable[[int], Callable[[], object]]],
     rows: Sequence[int],
     handicap: Mapping[str, float] | None = None,
+    *,
+    prune: float = 5.0,
 ) -> list[Measured]:
-    """Times each candidate at each bucket: `candidates[name](rows)` returns the call to time
-    (inputs made beforehand, outside the timing)."""
+    """Times each candidate at each bucket, in increasing order: `candidates[name](rows)` returns
+    the call to time (inputs made beforehand, outside the timing). A candidate over `prune`
+    times slower than the fastest at one bucket is not timed at the larger ones."""
     out = []
-    for count in rows:
-        calls = {name: make(count) for name, make in candidates.items()}
-        timings = {name: time_ms(call) for name, call in calls.items()}
+    remaining = dict(candidates)
+    for count in sorted(rows):
+        calls = {name: make(count) for name, make in remaining.items()}
+        # In turns, up to ROUNDS times: a burst of other work on the machine slows one round of
+        # one candidate, not all of its rounds. Rounds stop once the fastest leads by 25%.
+        timings = {name: float("inf") for name in calls}
+        for _ in range(ROUNDS):
+            for name, call in calls.items():
+                timings[name] = min(timings[name], time_ms(call))
+            ranked = sorted(timings.values())
+            if len(ranked) < 2 or ranked[1] > 1.25 * ranked[0]:
+                break
         out.append(Measured(op, count, timings, dict(handicap or {})))
+        best = min(timings.values())
+        remaining = {
+            name: make for name, make in remaining.items() if timings[name] <= prune * best
+        }
     return out
 
 

@@ -132,10 +132,4 @@ def measure_linears(
         return make
 
     makers = {name: torch_call if name == TORCH else packed_call(name) for name in sorted(names)}
-    out: list[Measured] = []
-    for count in rows:
-        [entry] = measure(op, makers, [count], {TORCH: TORCH_HANDICAP} if packed else None)
-        out.append(entry)
-        best = min(entry.timings_ms.values())
-        makers = {n: m for n, m in makers.items() if entry.timings_ms[n] <= 5 * best}
-    return out
+    return measure(op, makers, rows, {TORCH: TORCH_HANDICAP} if packed else None)

@@ -1,5 +1,6 @@
-"""Kernel choice by measurement (kernels.choice): the table's rules, its cache, and a selection run
-on this machine whose every pick, timed again, is within 10% of the fastest candidate."""
+"""Kernel choice by measurement (kernels.choice): the table's rules, its cache, the linears and the
+prefill attention running their picks, and a selection run on this machine whose every pick,
+timed again, is within 10% of the fastest candidate."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from tests.kernels.markers import requires_kernels
 from tgq.gpu_worker.layers.linear import TORCH, Linear, linear_candidates, measure_linears
 from tgq.kernels import cpu_ops
 from tgq.kernels.choice import Choices, Measured, choose, cpu_key
+from tgq.kernels.cpu_paged import PREFILL_BUCKETS, CpuPagedAttention
+from tgq.kernels.torch_paged import MultiQuery, attend_multi
 
 
 def _choices(
@@ -141,3 +144,40 @@ def test_every_choice_on_this_machine_is_within_10_percent_of_the_fastest() -> N
             assert cost[entry.picked] <= 1.10 * min(cost.values()), (entry, again)
     finally:
         torch.set_num_threads(threads)
+
+
+@requires_kernels
+def test_prefill_attention_runs_the_kernel_measured_for_the_chunk_length(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`choose_kernels` times both prefill kernels at each bucket and keeps the choices; a chunk
+    then runs the pick for its length, bit for bit that kernel's result."""
+    if not cpu_ops.avx512_attention_serves(torch.bfloat16, 64):
+        pytest.skip("this CPU lacks the AVX-512 prefill kernel")
+    monkeypatch.setenv("TGQ_KERNEL_CACHE", str(tmp_path))
+    backend = CpuPagedAttention()
+    choices = backend.choose_kernels(4, 2, 64, torch.bfloat16)
+    assert choices is not None and backend.prefill_choices is choices
+    assert [m.rows for m in choices.measured] == list(PREFILL_BUCKETS)
+    assert backend.choose_kernels(4, 2, 48, torch.bfloat16) is None  # not a multiple of 32
+    backend.prefill_choices = Choices(
+        {},
+        [
+            Measured("prefill_attention", 64, {"avx512": 1.0, "torch": 2.0}),
+            Measured("prefill_attention", 4096, {"avx512": 2.0, "torch": 1.0}),
+        ],
+    )
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(16, 16, 2, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(16, 16, 2, 64, generator=gen).bfloat16()
+    block_ids = torch.randperm(16, generator=gen)
+    for tokens, own in [(40, True), (200, False)]:
+        query = torch.randn(tokens, 4, 64, generator=gen).bfloat16()
+        seq = MultiQuery(0, tokens, tokens, block_ids)
+        got = backend._attend_multi(query, k_cache, v_cache, seq, 0.125, None)
+        want = (
+            cpu_ops.paged_prefill_attention(query, k_cache, v_cache, block_ids, tokens, 0.125, 0)
+            if own
+            else attend_multi(query, k_cache, v_cache, seq, 0.125, None)
+        )
+        assert torch.equal(got, want), tokens
