@@ -91,10 +91,10 @@ class HFEngine:
 
 class TgqEngine:
     def __init__(self, model_dir: Path, backend: str) -> None:
-        runner = ModelRunner(
+        self.runner = ModelRunner(
             RunnerConfig(str(model_dir), num_blocks=2200, block_size=16, attention_backend=backend)
         )
-        self.engine = OfflineEngine(runner)
+        self.engine = OfflineEngine(self.runner)
 
     def generate(self, batch: list[list[int]], num_new: int) -> None:
         self.engine.generate(batch, max_new_tokens=num_new)
@@ -176,11 +176,15 @@ def main() -> None:
         "transformers": HFEngine(model_dir),
         "tgq": TgqEngine(model_dir, args.backend),
     }
-    report(measure(engines, args), args)
+    tgq = engines["tgq"]
+    assert isinstance(tgq, TgqEngine)
+    report(measure(engines, args), args, tgq.runner)
 
 
-def report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
-    write_results("engine", args, results)
+def report(
+    results: dict[str, dict[str, float]], args: argparse.Namespace, runner: ModelRunner
+) -> None:
+    write_results("engine", args, results, runner)
     plot(results, RESULTS / "engine.png")
     base, ours = results["transformers"], results["tgq"]
     print(f"{'metric':<22}{'transformers':>14}{'tgq':>12}{'tgq/hf':>9}")

@@ -38,6 +38,7 @@ from bench.harness import (
     save_figure,
     write_results,
 )
+from tgq.gpu_worker.runner import ModelRunner
 
 
 class HF:
@@ -153,11 +154,11 @@ def main() -> None:
     results["prefix_replay"] = prefix_replay(tgq, args.prefix_len, args.suffix_len)
     cost_workload = random_workload(args.cost_requests, (32, 512), (16, 64), seed=4)
     results["prefix_cache_cost"] = prefix_cache_cost(tgq, cost_workload, args.cost_repeats)
-    report(results, args)
+    report(results, args, tgq.runner)
 
 
-def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    write_results("scheduler", args, results)
+def report(results: dict[str, Any], args: argparse.Namespace, runner: ModelRunner) -> None:
+    write_results("scheduler", args, results, runner)
     throughput = results["throughput"]
     print(f"{'metric':<44}{'value':>12}")
     print(f"{'tgq 64 mixed requests, tok/s':<44}{throughput['tgq']:>12.1f}")

@@ -36,6 +36,7 @@ from tgq.devtools.random_model import make_config, write_model
 from tgq.devtools.tokenizer import train_tokenizer
 from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.kernels.choice import cpu_key
 
 RESULTS = Path(__file__).parent / "results"
 VOCAB = 32000  # the medium shape's
@@ -43,11 +44,37 @@ NUM_BLOCKS = 4096  # KV blocks of the benchmarks' runners and batchers
 BLOCK_SIZE = 16
 
 
-def write_results(name: str, args: argparse.Namespace, results: dict[str, Any]) -> None:
-    """`bench/results/<name>.json`: the run's arguments and its results."""
+def machine(runner: ModelRunner | None = None) -> dict[str, Any]:
+    """The CPU the figures come from (model, the flags that decide the kernels, threads, torch)
+    and, with `runner`, the kernels picked on it per call size (kernels.choice): figures from
+    different machines are never compared by accident."""
+    info: dict[str, Any] = cpu_key()
+    if runner is not None:
+        picks = {}
+        if (linears := runner.loaded.model.kernel_choices) is not None:
+            picks["linear"] = linears.summary("linear")
+        if (prefill := getattr(runner.backend, "prefill_choices", None)) is not None:
+            picks["prefill_attention"] = prefill.summary("prefill_attention")
+        info["kernels"] = picks
+    return info
+
+
+def print_machine(info: dict[str, Any]) -> None:
+    print(f"CPU: {info['cpu']} ({' '.join(info['flags'])}), {info['threads']} threads")
+    for op, summary in info.get("kernels", {}).items():
+        print(f"kernels for {op}: {summary}")
+
+
+def write_results(
+    name: str, args: argparse.Namespace, results: dict[str, Any], runner: ModelRunner | None = None
+) -> None:
+    """`bench/results/<name>.json`: the run's arguments, the machine (`machine`) and its results;
+    the machine is printed too."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"args": vars(args) | {"cache": str(args.cache)}, "results": results}
+    info = machine(runner)
+    record = {"args": vars(args) | {"cache": str(args.cache)}, "machine": info, "results": results}
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
+    print_machine(info)
 
 
 def pyplot() -> Any:
