@@ -2,10 +2,11 @@
 (AVX-512 bf16 where the CPU has it, else AVX2) that read K/V straight through the block table
 instead of gathering a padded copy, and the KV write done by one op. The query the kernels get
 may be a view of the fused qkv: no copy. On AVX512_BF16 CPUs bf16 prefill chunks go to the
-AVX-512 prefill kernel or to the torch backend's gather + SDPA, whichever `choose_kernels`
-measured faster for the chunk's length on this CPU (the AVX-512 kernel was 3-6x SDPA on a Zen 4
-EPYC at 512-2,048 tokens; on an AMX Xeon SDPA was ~2x it); other dtypes, CPUs and head sizes
-take the torch backend's path."""
+AVX-512 prefill kernel too. Where `choose_kernels` measured the torch backend's gather + SDPA
+faster on this CPU, for a prefill chunk's length or a decode step's batch size, that runs
+instead (the AVX-512 prefill kernel was 3-6x SDPA on a Zen 4 EPYC at 512-2,048 tokens; on an
+AMX Xeon SDPA was ~2x it from 256 tokens). Other dtypes, CPUs and head sizes take the torch
+backend's path."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from tgq.kernels import cpu_ops
 from tgq.kernels.choice import Choices, choose, measure
 from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention, attend_multi
 
-# Prompt chunk lengths the prefill kernels are timed at (kernels.choice).
+# Prompt chunk lengths the prefill kernels are timed at, and decode batch sizes (at a context of
+# DECODE_CONTEXT tokens) the decode kernels are (kernels.choice).
 PREFILL_BUCKETS = (16, 64, 256, 1024, 4096)
+DECODE_BUCKETS = (1, 16, 64, 256)
+DECODE_CONTEXT = 512
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -29,50 +33,96 @@ class CpuPagedAttention(TorchPagedAttention):
             raise RuntimeError(
                 f"attention backend 'cpu' is unavailable: {cpu_ops.unavailable_reason()}"
             )
-        self.prefill_choices: Choices | None = None  # None: the AVX-512 kernel where it serves
+        # Set by choose_kernels; None: the own kernels wherever they serve.
+        self.prefill_choices: Choices | None = None
+        self.decode_choices: Choices | None = None
 
     def choose_kernels(
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> Choices | None:
-        """Times the prefill kernels for this model's heads at each of `PREFILL_BUCKETS` (a
-        whole prompt of that length, causal) and keeps the choices; None where the AVX-512
-        kernel cannot serve the shape (torch's path is then the only one)."""
-        if not cpu_ops.avx512_attention_serves(dtype, head_dim):
-            return None
+    ) -> None:
+        """Times the own kernels against the torch backend's gather + SDPA for this model's
+        heads and keeps the choices: decode at each of `DECODE_BUCKETS` (sequences of
+        `DECODE_CONTEXT` tokens), prefill at each of `PREFILL_BUCKETS` (a whole prompt of that
+        length, causal) where the AVX-512 prefill kernel serves the shape."""
         block_size = 16
         gen = torch.Generator().manual_seed(0)
+        scale = head_dim**-0.5
 
-        def case(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MultiQuery]:
+        def cache(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (blocks, block_size, num_kv_heads, head_dim)
+            return torch.randn(shape, generator=gen).to(dtype), torch.randn(
+                shape, generator=gen
+            ).to(dtype)
+
+        def prefill_case(
+            tokens: int,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MultiQuery]:
             blocks = -(-tokens // block_size)
-            cache_shape = (blocks, block_size, num_kv_heads, head_dim)
-            k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-            v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+            k_cache, v_cache = cache(blocks)
             query = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
             return query, k_cache, v_cache, MultiQuery(0, tokens, tokens, torch.randperm(blocks))
 
-        scale = head_dim**-0.5
-
-        def own(tokens: int) -> Callable[[], object]:
-            q, k, v, seq = case(tokens)
+        def own_prefill(tokens: int) -> Callable[[], object]:
+            q, k, v, seq = prefill_case(tokens)
             return lambda: cpu_ops.paged_prefill_attention(
                 q, k, v, seq.block_ids, seq.kv_len, scale, 0
             )
 
-        def sdpa(tokens: int) -> Callable[[], object]:
-            q, k, v, seq = case(tokens)
+        def sdpa_prefill(tokens: int) -> Callable[[], object]:
+            q, k, v, seq = prefill_case(tokens)
             return lambda: attend_multi(q, k, v, seq, scale, None)
 
-        shapes = {"prefill_attention": [num_heads, num_kv_heads, head_dim, str(dtype)]}
-        self.prefill_choices = choose(
-            shapes,
-            lambda: measure("prefill_attention", {"avx512": own, "torch": sdpa}, PREFILL_BUCKETS),
+        def decode_case(
+            batch: int,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TorchMetadata]:
+            per_seq = -(-DECODE_CONTEXT // block_size)
+            k_cache, v_cache = cache(batch * per_seq)
+            query = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+            meta = TorchMetadata(
+                slot_mapping=torch.zeros(batch, dtype=torch.int64),
+                num_single=batch,
+                single_block_tables=torch.randperm(batch * per_seq).view(batch, per_seq),
+                single_kv_lens=torch.full((batch,), DECODE_CONTEXT),
+                multi=[],
+            )
+            return query, k_cache, v_cache, meta
+
+        def own_decode(batch: int) -> Callable[[], object]:
+            q, k, v, meta = decode_case(batch)
+            return lambda: self._own_single(q, k, v, meta, scale, None)
+
+        def sdpa_decode(batch: int) -> Callable[[], object]:
+            q, k, v, meta = decode_case(batch)
+            return lambda: TorchPagedAttention._attend_single(self, q, k, v, meta, scale, None)
+
+        heads = [num_heads, num_kv_heads, head_dim, str(dtype)]
+        self.decode_choices = choose(
+            {"decode_attention": heads},
+            lambda: measure(
+                "decode_attention", {"own": own_decode, "torch": sdpa_decode}, DECODE_BUCKETS
+            ),
         )
-        return self.prefill_choices
+        if cpu_ops.avx512_attention_serves(dtype, head_dim):
+            self.prefill_choices = choose(
+                {"prefill_attention": heads},
+                lambda: measure(
+                    "prefill_attention",
+                    {"avx512": own_prefill, "torch": sdpa_prefill},
+                    PREFILL_BUCKETS,
+                ),
+            )
+
+    def _torch_decode(self, batch: int) -> bool:
+        choices = self.decode_choices
+        return choices is not None and choices.pick("decode_attention", batch) == "torch"
 
     def replay_key(self, meta: TorchMetadata) -> Hashable | None:
         """A decode-only step's ops depend on its row count only: the kernels read the block
-        tables and lengths whatever their width (kernels.replay)."""
-        return ("decode", meta.num_single) if meta.num_single and not meta.multi else None
+        tables and lengths whatever their width (kernels.replay). Not where torch's gather +
+        SDPA runs it: its ops' shapes follow the widest block table."""
+        if not meta.num_single or meta.multi or self._torch_decode(meta.num_single):
+            return None
+        return ("decode", meta.num_single)
 
     def write_kv(
         self,
@@ -85,6 +135,19 @@ class CpuPagedAttention(TorchPagedAttention):
         cpu_ops.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)
 
     def _attend_single(
+        self,
+        query: torch.Tensor,  # [B, H, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TorchMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        if self._torch_decode(query.shape[0]):
+            return super()._attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
+        return self._own_single(query, k_cache, v_cache, meta, scale, sliding_window)
+
+    def _own_single(
         self,
         query: torch.Tensor,  # [B, H, D]
         k_cache: torch.Tensor,

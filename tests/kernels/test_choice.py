@@ -14,8 +14,8 @@ from tests.kernels.markers import requires_kernels
 from tgq.gpu_worker.layers.linear import TORCH, Linear, linear_candidates, measure_linears
 from tgq.kernels import cpu_ops
 from tgq.kernels.choice import Choices, Measured, choose, cpu_key
-from tgq.kernels.cpu_paged import PREFILL_BUCKETS, CpuPagedAttention
-from tgq.kernels.torch_paged import MultiQuery, attend_multi
+from tgq.kernels.cpu_paged import DECODE_BUCKETS, PREFILL_BUCKETS, CpuPagedAttention
+from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention, attend_multi
 
 
 def _choices(
@@ -156,10 +156,13 @@ def test_prefill_attention_runs_the_kernel_measured_for_the_chunk_length(
         pytest.skip("this CPU lacks the AVX-512 prefill kernel")
     monkeypatch.setenv("TGQ_KERNEL_CACHE", str(tmp_path))
     backend = CpuPagedAttention()
-    choices = backend.choose_kernels(4, 2, 64, torch.bfloat16)
-    assert choices is not None and backend.prefill_choices is choices
-    assert [m.rows for m in choices.measured] == list(PREFILL_BUCKETS)
-    assert backend.choose_kernels(4, 2, 48, torch.bfloat16) is None  # not a multiple of 32
+    backend.choose_kernels(4, 2, 64, torch.bfloat16)
+    assert backend.prefill_choices is not None and backend.decode_choices is not None
+    assert [m.rows for m in backend.prefill_choices.measured] == list(PREFILL_BUCKETS)
+    assert [m.rows for m in backend.decode_choices.measured] == list(DECODE_BUCKETS)
+    odd = CpuPagedAttention()
+    odd.choose_kernels(4, 2, 48, torch.bfloat16)  # not a multiple of 32: no AVX-512 prefill
+    assert odd.prefill_choices is None and odd.decode_choices is not None
     backend.prefill_choices = Choices(
         {},
         [
@@ -181,3 +184,36 @@ def test_prefill_attention_runs_the_kernel_measured_for_the_chunk_length(
             else attend_multi(query, k_cache, v_cache, seq, 0.125, None)
         )
         assert torch.equal(got, want), tokens
+
+
+@requires_kernels
+def test_decode_attention_runs_the_kernel_measured_for_the_batch_size() -> None:
+    """Batches the choices give to torch run its gather + SDPA, and are not replayed (the ops'
+    shapes follow the block table's width); the others run the own kernel, replayable."""
+    backend = CpuPagedAttention()
+    backend.decode_choices = Choices(
+        {},
+        [
+            Measured("decode_attention", 1, {"own": 1.0, "torch": 2.0}),
+            Measured("decode_attention", 16, {"own": 2.0, "torch": 1.0}),
+        ],
+    )
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(64, 16, 2, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(64, 16, 2, 64, generator=gen).bfloat16()
+    for batch, own in [(1, True), (8, False)]:
+        meta = TorchMetadata(
+            slot_mapping=torch.zeros(batch, dtype=torch.int64),
+            num_single=batch,
+            single_block_tables=torch.randperm(64, generator=gen)[: batch * 4].view(batch, 4),
+            single_kv_lens=torch.full((batch,), 60),
+            multi=[],
+        )
+        query = torch.randn(batch, 4, 64, generator=gen).bfloat16()
+        got = backend._attend_single(query, k_cache, v_cache, meta, 0.125, None)
+        base = TorchPagedAttention._attend_single(
+            backend, query, k_cache, v_cache, meta, 0.125, None
+        )
+        want = backend._own_single(query, k_cache, v_cache, meta, 0.125, None) if own else base
+        assert torch.equal(got, want), batch
+        assert (backend.replay_key(meta) is not None) == own
