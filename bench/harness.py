@@ -53,8 +53,9 @@ def machine(runner: ModelRunner | None = None) -> dict[str, Any]:
         picks = {}
         if (linears := runner.loaded.model.kernel_choices) is not None:
             picks["linear"] = linears.summary("linear")
-        if (prefill := getattr(runner.backend, "prefill_choices", None)) is not None:
-            picks["prefill_attention"] = prefill.summary("prefill_attention")
+        for op in ("decode_attention", "prefill_attention"):
+            if choices := getattr(runner.backend, op.replace("_attention", "_choices"), None):
+                picks[op] = choices.summary(op)
         info["kernels"] = picks
     return info
 
