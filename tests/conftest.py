@@ -45,9 +45,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-# The longest file (two venvs, two installs, a kernel build: ~2.5 min) goes first, so that with
-# `-n 2` (`make test`) it runs beside the others instead of after them.
-FIRST = ("tests/test_install.py",)
+# The two longest files (a venv, an install and a kernel build each: ~2.5 min) go first, one to
+# each worker of `-n 2 --dist loadfile` (`make test`), so that they run beside the others instead
+# of after them.
+FIRST = ("tests/install/",)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

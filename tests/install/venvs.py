@@ -1,11 +1,8 @@
-"""tgq installed as a new user installs it: the wheel, built from the repository's files, holds
-nothing outside `tgq/` (so Hugging Face's `kernels`, which the latest transformers pulls in,
-stays Hugging Face's); installed into a fresh venv beside the latest transformers, `tgq serve`
-with Postgres and Redis, started from a directory outside the repository, answers `/generate`
-and `/v1/chat/completions`. Then the same with an editable install of the repository.
-
-The venv is built once per module (torch from the local wheel first; the rest from pip's cache
-or the index): about two minutes on two cores."""
+"""tgq installed as a new user installs it, in a fresh venv beside the latest transformers (and
+so Hugging Face's `kernels`): the venv, `tgq serve` with Postgres and Redis started from a
+directory outside the repository, the requests it must answer. `test_wheel.py` installs the wheel
+and `test_editable.py` the repository, editable: two files, so that `-n 2 --dist loadfile` runs
+them side by side (each about two minutes on two cores, most of it pip and a kernel build)."""
 
 from __future__ import annotations
 
@@ -17,12 +14,10 @@ import signal
 import subprocess
 import sys
 import uuid
-import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
-import pytest
 import redis
 
 from tests.api.stack import (
@@ -31,10 +26,9 @@ from tests.api.stack import (
     drop_database,
     free_port,
     wait_healthy,
-    write_text_model,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"  # the local CPU build: any other torch downloads gigabytes
 INSTALL_TIMEOUT_S = 600
 HEALTHY_TIMEOUT_S = 180
@@ -54,24 +48,30 @@ print(json.dumps({
     "tgq": tgq.__file__,
 }))
 """
+BUILD_KERNELS = """
+from tgq.kernels import cpu_ops
+assert cpu_ops.is_available() or cpu_ops.hardware_unsupported_reason(), cpu_ops.unavailable_reason()
+"""
 
 
-def _run(command: list[str | Path], *, cwd: Path, timeout: float = INSTALL_TIMEOUT_S) -> str:
+def run(
+    command: list[str | Path], *, cwd: Path, timeout: float = INSTALL_TIMEOUT_S, **extra_env: str
+) -> str:
     done = subprocess.run(
-        [str(part) for part in command], cwd=cwd, env=_env(), capture_output=True, text=True,
-        timeout=timeout, check=False,
+        [str(part) for part in command], cwd=cwd, env=child_env(**extra_env), capture_output=True,
+        text=True, timeout=timeout, check=False,
     )  # fmt: skip
     output = f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     assert done.returncode == 0, f"{command} failed ({done.returncode}):\n{output}"
     return done.stdout
 
 
-def _env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
-def _source_copy(destination: Path) -> Path:
+def source_copy(destination: Path) -> Path:
     """The repository's files (tracked, and untracked ones git does not ignore), copied with their
     symlinks: a build from it sees no stale `build/` or egg-info of the checkout."""
     listed = subprocess.run(
@@ -91,59 +91,43 @@ def _source_copy(destination: Path) -> Path:
     return destination
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    source = _source_copy(tmp_path_factory.mktemp("source"))
-    out = tmp_path_factory.mktemp("wheel")
-    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    _run([*pip_wheel, "-w", out, source], cwd=out)
-    (built,) = out.glob("tgq-*.whl")
-    return built
-
-
-@pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
-    """A fresh venv with torch, the wheel (the repository's pins, transformers apart) and the
-    latest transformers."""
-    home = tmp_path_factory.mktemp("venv")
-    _run([sys.executable, "-m", "venv", home / "venv"], cwd=home)
+def new_venv(home: Path, *packages: str | Path, editable: Path | None = None) -> Path:
+    """A fresh venv in `home` with torch, then `packages` (and `editable`, installed `-e`) under
+    the repository's pins, transformers apart; the latest `kernels` must have come with them."""
+    run([sys.executable, "-m", "venv", home / "venv"], cwd=home)
     pip: list[str | Path] = [home / "venv" / "bin" / "python", "-m", "pip"]
     install: list[str | Path] = [*pip, "install", "-q", "--no-compile"]  # imports compile
-    _run([*install, TORCH], cwd=home)
+    run([*install, TORCH], cwd=home)
     pins = (ROOT / "constraints.txt").read_text().splitlines()
     constraints = home / "constraints.txt"
     constraints.write_text("\n".join(p for p in pins if not p.startswith("transformers==")) + "\n")
-    _run([*install, "-c", constraints, wheel, "transformers>=5.25"], cwd=home)
-    listed = json.loads(_run([*pip, "list", "--format", "json"], cwd=home))
+    # The editable build uses the venv's setuptools, as the wheel's build uses the tests' own.
+    repository: Sequence[str | Path] = (
+        () if editable is None else ("--no-build-isolation", "-e", editable)
+    )
+    run([*install, "-c", constraints, *packages, *repository], cwd=home)
+    listed = json.loads(run([*pip, "list", "--format", "json"], cwd=home))
     installed = {package["name"].lower(): package["version"] for package in listed}
     assert "kernels" in installed, f"the latest transformers did not pull `kernels`: {installed}"
     return home / "venv"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_text_model(tmp_path_factory.mktemp("model"))
-
-
-def test_the_wheel_holds_only_tgq(wheel: Path) -> None:
-    names = zipfile.ZipFile(wheel).namelist()
-    tops = {name.split("/")[0] for name in names}
-    assert tops == {"tgq", wheel.name.split("-py3")[0] + ".dist-info"}, sorted(tops)
-    sources = {Path(name).name for name in names if name.startswith("tgq/kernels/csrc/")}
-    assert sources == {p.name for p in (ROOT / "kernels" / "csrc").iterdir()}
-    migrations = {name for name in names if name.startswith("tgq/migrations/")}
-    expected = {f"tgq/{p.relative_to(ROOT)}" for p in (ROOT / "migrations").rglob("*.*")}
-    assert migrations == {m for m in expected if "__pycache__" not in m}
+def build_kernels(venv: Path, cache: Path, cwd: Path) -> None:
+    """Builds the installed tgq's C++ kernels into `cache` with the venv's torch and loads them
+    (on a CPU that can run them, a failed build fails the test). Done before `tgq serve` starts,
+    whose batcher then loads them from `cache`: a build there would race the health deadline
+    (minutes on a loaded machine), and a failed one would only be logged."""
+    run([venv / "bin" / "python", "-c", BUILD_KERNELS], cwd=cwd, TGQ_KERNEL_CACHE=str(cache))
 
 
 def _which_kernels(venv: Path, cwd: Path) -> dict[str, object]:
     found: dict[str, object] = json.loads(
-        _run([venv / "bin" / "python", "-c", WHICH_KERNELS], cwd=cwd)
+        run([venv / "bin" / "python", "-c", WHICH_KERNELS], cwd=cwd)
     )
     return found
 
 
-def _assert_kernels_is_hugging_faces(venv: Path, cwd: Path) -> dict[str, object]:
+def assert_kernels_is_hugging_faces(venv: Path, cwd: Path) -> dict[str, object]:
     found = _which_kernels(venv, cwd)
     site_packages = next((venv / "lib").glob("python3*/site-packages"))
     assert Path(str(found["kernels"])).is_relative_to(site_packages / "kernels"), found
@@ -153,11 +137,11 @@ def _assert_kernels_is_hugging_faces(venv: Path, cwd: Path) -> dict[str, object]
 
 
 @contextlib.contextmanager
-def _serving(venv: Path, model_dir: Path, workdir: Path, **extra_env: str) -> Iterator[str]:
+def serving(venv: Path, model_dir: Path, workdir: Path, **extra_env: str) -> Iterator[str]:
     """`tgq serve` of `venv`, run in `workdir` on a fresh database and a Redis prefix of its own;
     stopped (and its database dropped, its Redis keys deleted) whatever happens."""
     database_url, prefix, port = create_database(), f"test-install-{uuid.uuid4().hex}", free_port()
-    env = _env(
+    env = child_env(
         **extra_env,
         DATABASE_URL=database_url, REDIS_URL=REDIS_URL, REDIS_PREFIX=prefix, PORT=str(port),
         HOSTNAME="127.0.0.1", MODEL_DIR=str(model_dir), MAX_TOTAL_TOKENS="1024",
@@ -206,7 +190,7 @@ def _forget(database_url: str, prefix: str) -> None:
         drop_database(database_url)
 
 
-def _complete_requests(url: str) -> None:
+def complete_requests(url: str) -> None:
     generated = httpx.post(
         f"{url}/generate",
         json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "details": True}},
@@ -221,34 +205,3 @@ def _complete_requests(url: str) -> None:
     )
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["completion_tokens"] == 3
-
-
-def test_the_installed_wheel_serves_beside_hugging_faces_kernels(
-    venv: Path, model_dir: Path, tmp_path: Path
-) -> None:
-    found = _assert_kernels_is_hugging_faces(venv, tmp_path)
-    assert not Path(str(found["tgq"])).resolve().is_relative_to(ROOT), found
-    # The kernels build from the wheel's sources with the venv's torch: in a cache of their own,
-    # so the session's cache (the repository's sources, this venv's torch) is never rebuilt
-    # under the tests running beside this one.
-    own_cache = str(tmp_path / "kernel-cache")
-    with _serving(venv, model_dir, tmp_path, TGQ_KERNEL_CACHE=own_cache) as url:
-        _complete_requests(url)
-    _assert_kernels_is_hugging_faces(venv, tmp_path)
-
-
-def test_an_editable_install_serves_beside_hugging_faces_kernels(
-    venv: Path, model_dir: Path, tmp_path: Path
-) -> None:
-    pip: list[str | Path] = [venv / "bin" / "python", "-m", "pip"]
-    _run([*pip, "uninstall", "-q", "-y", "tgq"], cwd=tmp_path)
-    _run([*pip, "install", "-q", "--no-deps", "--no-build-isolation", "-e", ROOT], cwd=tmp_path)
-    found = _assert_kernels_is_hugging_faces(venv, tmp_path)
-    assert Path(str(found["tgq"])).resolve().is_relative_to(ROOT), found
-    # The kernels' build from an install is the wheel's test; this one serves without them (a
-    # second 45 s build, which would also rewrite the session's kernel cache for the venv's torch).
-    with _serving(
-        venv, model_dir, tmp_path, TGQ_KERNEL_CACHE=str(tmp_path / "kernel-cache"),
-        DISABLE_CUSTOM_KERNELS="true",
-    ) as url:  # fmt: skip
-        _complete_requests(url)
