@@ -47,7 +47,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 # The two longest files (a venv, an install and a kernel build each: ~2.5 min) go first, one to
 # each worker of `-n 2 --dist loadfile` (`make test`), so that they run beside the others instead
-# of after them.
+# of after them. It takes `--no-loadscope-reorder` (in pyproject's addopts): by default xdist
+# hands out the files with the most tests first, and these have the fewest.
 FIRST = ("tests/install/",)
 
 
