@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-serve bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-serve bench-serving bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,9 @@ bench: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(PY) -m bench.bench_serve
+
+bench-serving: $(STAMP)
+	$(PY) -m bench.bench_serving
 
 bench-http: $(STAMP)
 	$(PY) -m bench.bench_http
