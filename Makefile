@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-serve bench-serving bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,9 @@ bench-serve: $(STAMP)
 
 bench-serving: $(STAMP)
 	$(PY) -m bench.bench_serving
+
+bench-peers: $(STAMP)
+	$(PY) -m bench.bench_peers
 
 bench-http: $(STAMP)
 	$(PY) -m bench.bench_http
