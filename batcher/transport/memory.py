@@ -10,6 +10,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
@@ -48,6 +49,7 @@ class MemoryTransport:
         self._heartbeats: dict[str, tuple[Heartbeat, float]] = {}  # beat, monotonic expiry
         self._entry_ids = itertools.count(1)
         self._unpersisted: deque[StoredFinal] = deque()  # finals no persister has taken yet
+        self._watchers: dict[str, list[Callable[[], object]]] = {}  # see watch()
         self._persisting: dict[str, tuple[str, float, StoredFinal]] = {}  # consumer, since
         self._started: list[str] = []  # request ids, in the order of their first event
         self._known: set[str] = set()  # every request id ever submitted (nothing is lost here)
@@ -76,6 +78,30 @@ class MemoryTransport:
                 timeout_s,
             )
             return self._events.get(request_id, [])[from_seq:]
+
+    def watch(self, request_id: str, from_seq: int, wake: Callable[[], object]) -> bool:
+        """For a reader on an event loop: False when `read_tokens(request_id, from_seq, 0)`
+        has something now (events past `from_seq`, or the final result); else `wake` is called
+        once, from the publishing thread, when it does, and True is returned. `wake` must not
+        block (e.g. `loop.call_soon_threadsafe(...)`); `unwatch` drops it unused."""
+        with self._changed:
+            if len(self._events.get(request_id, ())) > from_seq or request_id in self._finals:
+                return False
+            self._watchers.setdefault(request_id, []).append(wake)
+            return True
+
+    def unwatch(self, request_id: str, wake: Callable[[], object]) -> None:
+        with self._changed:
+            waiting = self._watchers.get(request_id, [])
+            if wake in waiting:
+                waiting.remove(wake)
+            if not waiting:
+                self._watchers.pop(request_id, None)
+
+    def _wake(self, request_id: str) -> None:
+        """Under the lock: the watchers of `request_id`, once each."""
+        for wake in self._watchers.pop(request_id, ()):
+            wake()
 
     def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
         with self._changed:
@@ -158,6 +184,7 @@ class MemoryTransport:
                 # First event per seq index wins; nothing after the final result.
                 if event.seq_index == len(published) and event.request_id not in self._finals:
                     published.append(event)
+                    self._wake(event.request_id)
                 if event.seq_index == 0:
                     self._started.append(event.request_id)
             if len(self._started) > MAX_STARTED_LOG:  # the oldest half goes, as Redis caps it
@@ -176,6 +203,7 @@ class MemoryTransport:
 
     def _store_final(self, result: FinalResult) -> None:
         self._finals[result.request_id] = result
+        self._wake(result.request_id)
         self._unpersisted.append(StoredFinal(str(next(self._entry_ids)), result))
 
     def ack(self, batcher_id: str, delivery: Delivery) -> None:

@@ -1,6 +1,9 @@
-"""The in-process transport (`tgq serve`'s `memory.MemoryTransport`) for the api's event loop:
-its blocking reads run on a thread pool of their own, one thread per waiting reader; the other
-calls take a lock and return at once, so they run on the loop."""
+"""The in-process transport (`tgq serve`'s `memory.MemoryTransport`) for the api's event loop.
+A stream's token reads wait on the loop itself: the transport calls back (`watch`) when the
+batcher publishes, and one `call_soon_threadsafe` per stream wakes the loop, which then reads
+under the lock. (A thread per waiting reader, as before, cost each token a thread wake-up and
+two GIL hand-offs against the engine's thread.) The other blocking reads run on a thread pool of
+their own; the remaining calls take a lock and return at once, so they run on the loop."""
 
 from __future__ import annotations
 
@@ -13,15 +16,16 @@ from typing import Any, TypeVar
 
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.transport.aio import Epoch
-from tgq.batcher.transport.base import ApiTransport, StoredFinal
+from tgq.batcher.transport.base import StoredFinal
+from tgq.batcher.transport.memory import MemoryTransport
 
 _T = TypeVar("_T")
 
 
 class ThreadedApiTransport:
-    """A synchronous transport behind a thread pool: one thread per waiting reader."""
+    """The in-process transport for the event loop (see the module docstring)."""
 
-    def __init__(self, transport: ApiTransport, max_workers: int) -> None:
+    def __init__(self, transport: MemoryTransport, max_workers: int) -> None:
         self.transport = transport
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="transport")
         self._epoch = Epoch.start()  # in process: its data lives as long as this object
@@ -40,7 +44,21 @@ class ThreadedApiTransport:
     async def read_tokens(
         self, request_id: str, from_seq: int, timeout_s: float
     ) -> list[TokenEvent]:
-        return await self._run(self.transport.read_tokens, request_id, from_seq, timeout_s)
+        if timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            woken = asyncio.Event()
+
+            def wake() -> None:
+                loop.call_soon_threadsafe(woken.set)
+
+            if self.transport.watch(request_id, from_seq, wake):
+                try:
+                    await asyncio.wait_for(woken.wait(), timeout_s)
+                except TimeoutError:
+                    pass
+                finally:
+                    self.transport.unwatch(request_id, wake)
+        return self.transport.read_tokens(request_id, from_seq, 0)
 
     async def read_final(self, request_id: str, timeout_s: float = 0.0) -> FinalResult | None:
         return await self._run(self.transport.read_final, request_id, timeout_s)

@@ -231,3 +231,37 @@ def test_warm_up_opens_the_connections_ahead(pair: Pair) -> None:
         await api.submit([submit_request("r-warm")])  # and the transport works as before
 
     run(pair, body)
+
+
+def test_in_process_readers_wait_on_the_loop_not_on_threads() -> None:
+    """Many streams waiting at once, with one pool thread: each is woken by its own publish (or
+    its final result), none waits for another's timeout, none for a free thread; a watcher left
+    by a reader that timed out is gone."""
+    memory = MemoryTransport(CONFIG)
+
+    async def main() -> None:
+        api = ThreadedApiTransport(memory, max_workers=1)
+        ids = [f"r{i}" for i in range(20)]
+        readers = [asyncio.create_task(api.read_tokens(i, 0, 15.0)) for i in ids]
+        await asyncio.sleep(0)  # one turn of the loop: every reader starts and waits
+        assert len(memory._watchers) == 20
+
+        def publish() -> None:
+            memory.publish_tokens(
+                [
+                    TokenEvent(request_id=i, seq_index=0, token_ids=[1], logprobs=[None])
+                    for i in ids[:-1]
+                ]
+            )
+            memory.publish_final(final_result(ids[-1], []))
+
+        started = time.monotonic()
+        await asyncio.to_thread(publish)
+        results = await asyncio.gather(*readers)
+        assert time.monotonic() - started < 5.0  # far below the readers' 15 s timeout
+        assert [len(events) for events in results] == [1] * 19 + [0]
+        assert await api.read_tokens("r0", 1, 0.01) == []  # times out: nothing new
+        assert not memory._watchers
+        await api.close()
+
+    asyncio.run(main())
