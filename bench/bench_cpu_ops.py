@@ -208,6 +208,22 @@ def bench_greedy_head(rows: list[int], budget_s: float) -> None:
         )
 
 
+def bench_layer_linears(rows: list[int]) -> None:
+    """The medium model's decoder layer: its four linears in the model's own packed layout, on
+    every kernel this CPU can run (what `kernels.choice` times at load), and the pick."""
+    from tgq.gpu_worker.layers.linear import Linear, measure_linears
+
+    gen = torch.Generator().manual_seed(0)
+    linears = []
+    for n, k in [(2304, 768), (768, 768), (4096, 768), (768, 2048)]:
+        linear = Linear(k, n, bias=False).bfloat16()
+        linear.weight.data.copy_(torch.randn(n, k, generator=gen).bfloat16())
+        linears.append(linear)
+    for entry in measure_linears("linear", linears, rows, prune=float("inf")):
+        times = " | ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(entry.timings_ms.items()))
+        print(f"layer linears M={entry.rows:>4} | {times} | picked {entry.picked}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="M in {1, 16} only, short budgets")
@@ -222,6 +238,7 @@ def main() -> None:
     bench_decode(budget_s)
     bench_prefill(budget_s)
     bench_greedy_head([1, 16] if args.quick else [1, 4, 16, 64], budget_s)
+    bench_layer_linears([1, 16, 64] if args.quick else [1, 16, 64, 512, 2048])
 
 
 if __name__ == "__main__":

@@ -99,7 +99,12 @@ def linear_candidates(in_features: int) -> list[str]:
 
 
 def measure_linears(
-    op: str, linears: Sequence[Linear], rows: Sequence[int], *, out_fp32: bool = False
+    op: str,
+    linears: Sequence[Linear],
+    rows: Sequence[int],
+    *,
+    out_fp32: bool = False,
+    prune: float = 5.0,
 ) -> list[Measured]:
     """Times `linears` ([N, K] bf16 weights, before `use_kernels`) called one after another, as
     a layer runs them, on each candidate kernel they all can run, at each row count. A
@@ -132,4 +137,4 @@ def measure_linears(
         return make
 
     makers = {name: torch_call if name == TORCH else packed_call(name) for name in sorted(names)}
-    return measure(op, makers, rows, {TORCH: TORCH_HANDICAP} if packed else None)
+    return measure(op, makers, rows, {TORCH: TORCH_HANDICAP} if packed else None, prune=prune)
