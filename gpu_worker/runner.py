@@ -91,7 +91,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             local, self.num_blocks, self.block_size, self.loaded.dtype, self.device
         )
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, custom_kernels=config.custom_kernels)
         self.sequences: dict[str, _Sequence] = {}
         self._token_masks: dict[str, bytes] = {}  # this step's (structured output)
 

@@ -130,12 +130,17 @@ def token_mask_words(masks: list[bytes | None], num_bytes: int) -> torch.Tensor:
 
 
 def apply_token_masks(
-    logits: torch.Tensor, masks: list[bytes | None], *, in_place: bool = False
+    logits: torch.Tensor,
+    masks: list[bytes | None],
+    *,
+    in_place: bool = False,
+    custom_kernels: bool = True,
 ) -> torch.Tensor:
     """Sets every token outside row i's bitmask `masks[i]` to -inf (None: the row is free).
     Bit `t % 32` of little-endian 32-bit word `t // 32` allows token t; columns past the mask's
     end (a model vocabulary padded beyond the tokenizer's) are not allowed. `in_place` when the
-    raw logits are not needed afterwards (no row asked for logprobs)."""
+    raw logits are not needed afterwards (no row asked for logprobs); `custom_kernels=False`
+    (`--disable-custom-kernels`): torch ops only, the C++ kernels are never built."""
     rows = [i for i, mask in enumerate(masks) if mask is not None]
     if not rows:
         return logits
@@ -143,7 +148,7 @@ def apply_token_masks(
     words = token_mask_words([masks[i] for i in rows], width)
     masked = logits if in_place else logits.clone()
     is_cpu_fp32 = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if is_cpu_fp32 and masked.is_contiguous() and cpu_ops.is_available():
+    if custom_kernels and is_cpu_fp32 and masked.is_contiguous() and cpu_ops.is_available():
         cpu_ops.apply_token_mask_(masked, words, torch.tensor(rows, dtype=torch.int64))
         return masked
     bits = (words.view(len(rows), -1, 1) >> _BIT_SHIFTS) & 1
@@ -187,12 +192,15 @@ class Sampler:
     """One call per step. Owns a randomly seeded generator for unseeded rows, and one it re-seeds
     for each seeded row."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, custom_kernels: bool = True) -> None:
+        """`custom_kernels=False` (`--disable-custom-kernels`): torch ops only, the C++ kernels
+        are never built."""
         self._generator = torch.Generator(device)
         self._generator.seed()
         self._seeded_generator = torch.Generator(device)
+        self._custom_kernels = custom_kernels
         # torch's CPU argmax is scalar: ~220 us over [16, 32000] logits, the kernel's ~15 us.
-        self._cpu_argmax = device.type == "cpu" and cpu_ops.is_available()
+        self._cpu_argmax = custom_kernels and device.type == "cpu" and cpu_ops.is_available()
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
         if self._cpu_argmax and x.dtype == torch.float32:
@@ -201,7 +209,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         params = inputs.params
-        processed = _penalise(logits, inputs)
+        processed = _penalise(logits, inputs, custom_kernels=self._custom_kernels)
         token_ids = torch.empty(len(params), dtype=torch.int64, device=logits.device)
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -263,11 +271,18 @@ def _splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def _penalise(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+def _penalise(
+    logits: torch.Tensor, inputs: SamplingInputs, *, custom_kernels: bool
+) -> torch.Tensor:
     params = inputs.params
     if inputs.token_masks is not None:
         raw_needed = any(p.wants_logprobs for p in params)  # logprobs read the raw logits
-        logits = apply_token_masks(logits, inputs.token_masks, in_place=not raw_needed)
+        logits = apply_token_masks(
+            logits,
+            inputs.token_masks,
+            in_place=not raw_needed,
+            custom_kernels=custom_kernels,
+        )
     stop_ids = [
         p.min_tokens_stop_ids if p.masks_stop_ids and len(output) < p.min_tokens else ()
         for p, output in zip(params, inputs.output_token_ids, strict=True)

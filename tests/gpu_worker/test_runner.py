@@ -4,6 +4,9 @@ validation, and the wire form of a plan."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -337,6 +340,34 @@ def test_the_block_size_follows_the_attention_backend(model_dirs: dict[str, Path
         "attention backend 'torch' needs a KV block size that is a multiple of 1"
         " (its default: 16), got 0"
     )
+
+
+_NEVER_BUILT = """
+import sys, torch
+from tgq.batcher.offline import OfflineEngine
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.gpu_worker.sampling import apply_token_masks
+from tgq.kernels import cpu_ops
+config = RunnerConfig(sys.argv[1], dtype="bfloat16", num_blocks=16, custom_kernels=False)
+out = OfflineEngine(ModelRunner(config)).generate([[5, 6, 7]], max_new_tokens=3)
+masked = apply_token_masks(torch.zeros(1, 64), [b"\\x01" + bytes(7)], custom_kernels=False)
+assert len(out[0].token_ids) == 3 and int(masked.isfinite().sum()) == 1
+print(cpu_ops._library._checked)
+"""
+
+
+def test_custom_kernels_off_never_builds_them(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """With the custom kernels off, a bf16 model loads, decodes greedily and masks a grammar's
+    tokens without the C++ kernels ever being built or even looked for (in a fresh process and
+    an empty kernel cache)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _NEVER_BUILT, str(model_dirs["llama3-gqa"])],
+        env={**os.environ, "TGQ_KERNEL_CACHE": str(tmp_path / "kernels")},
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "False"
+    assert not (tmp_path / "kernels").exists()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
