@@ -40,77 +40,48 @@ class CpuPagedAttention(TorchPagedAttention):
     def choose_kernels(
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> None:
-        """Times the own kernels against the torch backend's gather + SDPA for this model's
-        heads and keeps the choices: decode at each of `DECODE_BUCKETS` (sequences of
-        `DECODE_CONTEXT` tokens), prefill at each of `PREFILL_BUCKETS` (a whole prompt of that
-        length, causal) where the AVX-512 prefill kernel serves the shape."""
-        block_size = 16
-        gen = torch.Generator().manual_seed(0)
+        """Times this backend's own path against the torch backend's gather + SDPA for this
+        model's heads, on random inputs (`_Cases`), and keeps the choices: decode at each of
+        `DECODE_BUCKETS` (sequences of `DECODE_CONTEXT` tokens), prefill at each of
+        `PREFILL_BUCKETS` (a whole prompt of that length, causal) where the AVX-512 prefill
+        kernel serves the shape. The choices are cleared first, so "own" times the own kernels."""
+        self.decode_choices = self.prefill_choices = None
+        cases = _Cases(num_heads, num_kv_heads, head_dim, dtype)
         scale = head_dim**-0.5
 
-        def cache(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-            shape = (blocks, block_size, num_kv_heads, head_dim)
-            return torch.randn(shape, generator=gen).to(dtype), torch.randn(
-                shape, generator=gen
-            ).to(dtype)
+        def decode(attend: Callable[..., torch.Tensor]) -> Callable[[int], Callable[[], object]]:
+            def make(batch: int) -> Callable[[], object]:
+                q, k, v, meta = cases.decode(batch)
+                return lambda: attend(self, q, k, v, meta, scale, None)
 
-        def prefill_case(
-            tokens: int,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MultiQuery]:
-            blocks = -(-tokens // block_size)
-            k_cache, v_cache = cache(blocks)
-            query = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
-            return query, k_cache, v_cache, MultiQuery(0, tokens, tokens, torch.randperm(blocks))
+            return make
 
-        def own_prefill(tokens: int) -> Callable[[], object]:
-            q, k, v, seq = prefill_case(tokens)
-            return lambda: cpu_ops.paged_prefill_attention(
-                q, k, v, seq.block_ids, seq.kv_len, scale, 0
-            )
+        def prefill(attend: Callable[..., torch.Tensor]) -> Callable[[int], Callable[[], object]]:
+            def make(tokens: int) -> Callable[[], object]:
+                q, k, v, seq = cases.prefill(tokens)
+                return lambda: attend(self, q, k, v, seq, scale, None)
 
-        def sdpa_prefill(tokens: int) -> Callable[[], object]:
-            q, k, v, seq = prefill_case(tokens)
-            return lambda: attend_multi(q, k, v, seq, scale, None)
-
-        def decode_case(
-            batch: int,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TorchMetadata]:
-            per_seq = -(-DECODE_CONTEXT // block_size)
-            k_cache, v_cache = cache(batch * per_seq)
-            query = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
-            meta = TorchMetadata(
-                slot_mapping=torch.zeros(batch, dtype=torch.int64),
-                num_single=batch,
-                single_block_tables=torch.randperm(batch * per_seq).view(batch, per_seq),
-                single_kv_lens=torch.full((batch,), DECODE_CONTEXT),
-                multi=[],
-            )
-            return query, k_cache, v_cache, meta
-
-        def own_decode(batch: int) -> Callable[[], object]:
-            q, k, v, meta = decode_case(batch)
-            return lambda: self._own_single(q, k, v, meta, scale, None)
-
-        def sdpa_decode(batch: int) -> Callable[[], object]:
-            q, k, v, meta = decode_case(batch)
-            return lambda: TorchPagedAttention._attend_single(self, q, k, v, meta, scale, None)
+            return make
 
         heads = [num_heads, num_kv_heads, head_dim, str(dtype)]
-        self.decode_choices = choose(
+        decode_candidates = {
+            "own": decode(CpuPagedAttention._attend_single),
+            "torch": decode(TorchPagedAttention._attend_single),
+        }
+        prefill_candidates = {
+            "avx512": prefill(CpuPagedAttention._attend_multi),
+            "torch": prefill(lambda _, *args: attend_multi(*args)),
+        }
+        decode_choices = choose(
             {"decode_attention": heads},
-            lambda: measure(
-                "decode_attention", {"own": own_decode, "torch": sdpa_decode}, DECODE_BUCKETS
-            ),
+            lambda: measure("decode_attention", decode_candidates, DECODE_BUCKETS),
         )
         if cpu_ops.avx512_attention_serves(dtype, head_dim):
             self.prefill_choices = choose(
                 {"prefill_attention": heads},
-                lambda: measure(
-                    "prefill_attention",
-                    {"avx512": own_prefill, "torch": sdpa_prefill},
-                    PREFILL_BUCKETS,
-                ),
+                lambda: measure("prefill_attention", prefill_candidates, PREFILL_BUCKETS),
             )
+        self.decode_choices = decode_choices
 
     def _torch_decode(self, batch: int) -> bool:
         choices = self.decode_choices
@@ -145,17 +116,6 @@ class CpuPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         if self._torch_decode(query.shape[0]):
             return super()._attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
-        return self._own_single(query, k_cache, v_cache, meta, scale, sliding_window)
-
-    def _own_single(
-        self,
-        query: torch.Tensor,  # [B, H, D]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TorchMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
         return cpu_ops.paged_decode_attention(
             query,
             k_cache,
@@ -188,3 +148,43 @@ class CpuPagedAttention(TorchPagedAttention):
         return cpu_ops.paged_prefill_attention(
             query, k_cache, v_cache, seq.block_ids, seq.kv_len, scale, sliding_window or 0
         )
+
+
+class _Cases:
+    """Random inputs of one model's attention shape for `choose_kernels`, in a paged cache of
+    16-token blocks in shuffled order."""
+
+    block_size = 16
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.heads = (num_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _random(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen).to(self.dtype)
+
+    def _paged(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, num_kv_heads, head_dim = self.heads
+        shape = (blocks, self.block_size, num_kv_heads, head_dim)
+        return self._random(*shape), self._random(*shape)
+
+    def decode(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TorchMetadata]:
+        num_heads, _, head_dim = self.heads
+        per_seq = -(-DECODE_CONTEXT // self.block_size)
+        k_cache, v_cache = self._paged(batch * per_seq)
+        meta = TorchMetadata(
+            slot_mapping=torch.zeros(batch, dtype=torch.int64),
+            num_single=batch,
+            single_block_tables=torch.randperm(batch * per_seq).view(batch, per_seq),
+            single_kv_lens=torch.full((batch,), DECODE_CONTEXT),
+            multi=[],
+        )
+        return self._random(batch, num_heads, head_dim), k_cache, v_cache, meta
+
+    def prefill(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MultiQuery]:
+        num_heads, _, head_dim = self.heads
+        blocks = -(-tokens // self.block_size)
+        k_cache, v_cache = self._paged(blocks)
+        seq = MultiQuery(0, tokens, tokens, torch.randperm(blocks))
+        return self._random(tokens, num_heads, head_dim), k_cache, v_cache, seq

@@ -19,9 +19,11 @@ from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttenti
 
 
 def _choices(
-    *entries: tuple[int, dict[str, float]], handicap: dict[str, float] | None = None
+    *entries: tuple[int, dict[str, float]],
+    handicap: dict[str, float] | None = None,
+    op: str = "linear",
 ) -> Choices:
-    return Choices({}, [Measured("linear", rows, t, handicap or {}) for rows, t in entries])
+    return Choices({}, [Measured(op, rows, t, handicap or {}) for rows, t in entries])
 
 
 def test_a_call_runs_the_pick_of_the_smallest_bucket_that_holds_it() -> None:
@@ -163,12 +165,10 @@ def test_prefill_attention_runs_the_kernel_measured_for_the_chunk_length(
     odd = CpuPagedAttention()
     odd.choose_kernels(4, 2, 48, torch.bfloat16)  # not a multiple of 32: no AVX-512 prefill
     assert odd.prefill_choices is None and odd.decode_choices is not None
-    backend.prefill_choices = Choices(
-        {},
-        [
-            Measured("prefill_attention", 64, {"avx512": 1.0, "torch": 2.0}),
-            Measured("prefill_attention", 4096, {"avx512": 2.0, "torch": 1.0}),
-        ],
+    backend.prefill_choices = _choices(
+        (64, {"avx512": 1.0, "torch": 2.0}),
+        (4096, {"avx512": 2.0, "torch": 1.0}),
+        op="prefill_attention",
     )
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(16, 16, 2, 64, generator=gen).bfloat16()
@@ -191,12 +191,8 @@ def test_decode_attention_runs_the_kernel_measured_for_the_batch_size() -> None:
     """Batches the choices give to torch run its gather + SDPA, and are not replayed (the ops'
     shapes follow the block table's width); the others run the own kernel, replayable."""
     backend = CpuPagedAttention()
-    backend.decode_choices = Choices(
-        {},
-        [
-            Measured("decode_attention", 1, {"own": 1.0, "torch": 2.0}),
-            Measured("decode_attention", 16, {"own": 2.0, "torch": 1.0}),
-        ],
+    backend.decode_choices = _choices(
+        (1, {"own": 1.0, "torch": 2.0}), (16, {"own": 2.0, "torch": 1.0}), op="decode_attention"
     )
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(64, 16, 2, 64, generator=gen).bfloat16()
@@ -214,6 +210,8 @@ def test_decode_attention_runs_the_kernel_measured_for_the_batch_size() -> None:
         base = TorchPagedAttention._attend_single(
             backend, query, k_cache, v_cache, meta, 0.125, None
         )
-        want = backend._own_single(query, k_cache, v_cache, meta, 0.125, None) if own else base
+        tables, lens = meta.single_block_tables, meta.single_kv_lens
+        own_out = cpu_ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, 0)
+        want = own_out if own else base
         assert torch.equal(got, want), batch
         assert (backend.replay_key(meta) is not None) == own
