@@ -75,10 +75,6 @@ class Choices:
                 return entry.picked
         return buckets[-1].picked
 
-    def picked(self, op: str) -> set[str]:
-        """Every kernel some call size of `op` runs."""
-        return {m.picked for m in self.measured if m.op == op}
-
     def thresholds(self, op: str) -> list[tuple[int, str]]:
         """[(largest rows, kernel)] in order, runs of the same kernel merged; the last entry also
         serves every larger call."""

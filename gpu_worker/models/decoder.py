@@ -302,7 +302,7 @@ class DecoderForCausalLM(nn.Module):
             self.greedy_head = GreedyHead.build(self.lm_head.weight.detach(), head)
         return switched
 
-    def linear_kernels(self, *, cache: bool = True) -> Choices:
+    def linear_kernels(self) -> Choices:
         """Which kernel runs the decoder layers' linears at each call size, measured on this CPU
         with the first layer's four linears (kernels.choice; cached per CPU and shapes). Call
         before the linears switch (`use_cpu_kernels`): it times their [N, K] weights."""
@@ -315,9 +315,7 @@ class DecoderForCausalLM(nn.Module):
             layer.mlp.down_proj,
         ]
         shapes = {"linear": [[m.out_features, m.in_features] for m in linears]}
-        choices = choose(
-            shapes, lambda: measure_linears("linear", linears, ROW_BUCKETS), cache=cache
-        )
+        choices = choose(shapes, lambda: measure_linears("linear", linears, ROW_BUCKETS))
         self.kernel_choices = choices
         return choices
 
