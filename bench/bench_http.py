@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -68,6 +67,7 @@ from bench.harness import (
     pyplot,
     run_offline,
     save_figure,
+    sse_chunks,
     tokens_per_second,
     write_results,
 )
@@ -98,14 +98,7 @@ async def stream_chat(session: aiohttp.ClientSession, case: ChatCase, trace: Tra
         "stream_options": {"include_usage": True},
     }
     async with session.post("/v1/chat/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"chat: {response.status} {await response.text()}")
-        async for line in response.content:  # one SSE line at a time
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line.removeprefix(b"data: "))
-            if "error" in chunk:
-                raise RuntimeError(f"chat stream: {chunk['error']}")
+        async for chunk in sse_chunks(response, "chat"):
             trace.job_id = chunk["id"].removeprefix("chatcmpl-")
             if any(choice["delta"].get("content") for choice in chunk["choices"]):
                 trace.content_times.append(time.perf_counter())

@@ -68,6 +68,7 @@ from bench.harness import (
     pyplot,
     random_workload,
     save_figure,
+    sse_chunks,
     write_results,
 )
 from tests.api.stack import free_port, process_env, stop_process, wait_healthy
@@ -256,11 +257,8 @@ class Client:
         }  # fmt: skip
         trace = Trace(time.perf_counter(), num_tokens=prompt.num_out)
         async with self.session.post("/v1/completions", json=body) as response:
-            if response.status != 200:
-                raise RuntimeError(f"/v1/completions: {response.status} {await response.text()}")
-            async for line in response.content:  # one SSE line at a time
-                if line.startswith(b"data: {"):
-                    self.read_chunk(json.loads(line.removeprefix(b"data: ")), prompt, trace)
+            async for chunk in sse_chunks(response, "/v1/completions"):
+                self.read_chunk(chunk, prompt, trace)
         trace.end = time.perf_counter()
         if not trace.content_times:
             raise RuntimeError(f"a completion of {prompt.num_out} tokens streamed no text")

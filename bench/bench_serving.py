@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -70,6 +69,7 @@ from bench.harness import (
     pyplot,
     run_offline,
     save_figure,
+    sse_chunks,
     tokens_per_second,
     write_results,
 )
@@ -174,14 +174,7 @@ async def stream(
     body["stream_options"] = {"include_usage": True}
     trace = Trace(time.perf_counter())
     async with session.post(path, json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{path}: {response.status} {await response.text()}")
-        async for line in response.content:  # one SSE line at a time
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line.removeprefix(b"data: "))
-            if "error" in chunk:
-                raise RuntimeError(f"{path} stream: {chunk['error']}")
+        async for chunk in sse_chunks(response, path):
             choices = chunk["choices"]
             if any(c.get("text") or c.get("delta", {}).get("content") for c in choices):
                 trace.content_times.append(time.perf_counter())
@@ -302,10 +295,8 @@ async def ask(session: aiohttp.ClientSession, body: dict[str, Any]) -> Answer:
     async def read() -> int:
         num_chunks = 0
         async with response:
-            async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                choices = json.loads(line.removeprefix(b"data: ")).get("choices", [])
+            async for chunk in sse_chunks(response, "overload"):
+                choices = chunk.get("choices", [])
                 if any(choice["text"] for choice in choices):
                     num_chunks += 1
                     answer.first_token.set()

@@ -17,7 +17,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,20 @@ def write_results(
     record = {"args": vars(args) | {"cache": str(args.cache)}, "machine": info, "results": results}
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
     print_machine(info)
+
+
+async def sse_chunks(response: Any, what: str) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an aiohttp streaming response (server-sent events, one `data:` line
+    each, `[DONE]` skipped); a non-200 answer or an error chunk raises, naming `what`."""
+    if response.status != 200:
+        raise RuntimeError(f"{what}: {response.status} {await response.text()}")
+    async for line in response.content:  # one SSE line at a time
+        if not line.startswith(b"data: {"):
+            continue
+        chunk: dict[str, Any] = json.loads(line.removeprefix(b"data: "))
+        if "error" in chunk:
+            raise RuntimeError(f"{what} stream: {chunk['error']}")
+        yield chunk
 
 
 def pyplot() -> Any:
