@@ -53,6 +53,9 @@ def machine(runner: ModelRunner | None = None) -> dict[str, Any]:
         picks = {}
         if (linears := runner.loaded.model.kernel_choices) is not None:
             picks["linear"] = linears.summary("linear")
+        head = runner.loaded.model.greedy_head
+        if head is not None and head.choices is not None:
+            picks["greedy_head"] = head.choices.summary("greedy_head")
         for op in ("decode_attention", "prefill_attention"):
             if choices := getattr(runner.backend, op.replace("_attention", "_choices"), None):
                 picks[op] = choices.summary(op)

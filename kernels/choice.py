@@ -38,7 +38,16 @@ ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
 ROUNDS = 3
 REPEATS = 3
 # Flags that decide which kernels can run (and so belong in the cache key).
-_KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+_KEY_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,6 +103,15 @@ class Choices:
             parts.append(f"{low}-{rows}: {kernel}")
             low = rows + 1
         return ", ".join(parts)
+
+
+def kernel_for(thresholds: Sequence[tuple[int, str]], rows: int) -> str:
+    """The kernel of the first `(largest rows, kernel)` entry of `Choices.thresholds` that holds
+    `rows`; the last entry's past them all."""
+    for largest, name in thresholds:
+        if rows <= largest:
+            return name
+    return thresholds[-1][1]
 
 
 def cpu_key() -> dict[str, Any]:

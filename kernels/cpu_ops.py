@@ -218,6 +218,13 @@ def has_amx_bf16() -> bool:
     return is_available() and bool(_ops().has_amx_bf16())
 
 
+def has_amx_int8() -> bool:
+    """Whether `greedy_head_argmax(..., kernel="amx")` runs here: AVX512_BF16 and VNNI,
+    AMX-TILE and AMX-INT8, and Linux lets this process use the tile registers. Builds the
+    kernels; False where they are unavailable."""
+    return has_avx512_vnni_bf16() and is_available() and bool(_ops().has_amx_int8())
+
+
 def has_avx512_vnni_bf16() -> bool:
     """Whether `greedy_head_argmax` runs here (AVX512_BF16 and AVX512_VNNI)."""
     return has_avx512_bf16() and "avx512_vnni" in _cpu_flags()
@@ -234,12 +241,16 @@ def greedy_head_argmax(
     max_candidates: int,
     masks: torch.Tensor | None = None,  # [M, W] int32: row m may take column n when bit n % 32
     # of word n // 32 is set (structured output)
+    *,
+    kernel: str = "avx512",
 ) -> torch.Tensor:  # [M] int64: the argmax, or -1 where the row must be computed in full
     """argmax(linear_bf16_packed(x, pack_weight_bf16(weight), N, out_fp32=True), -1) per row
     (over the allowed columns only, with `masks`), reading the int8 screen and then only the
-    rows of `weight` that could win; build its inputs with `kernels.greedy_head`."""
+    rows of `weight` that could win; build its inputs with `kernels.greedy_head`. `kernel`
+    screens with "avx512" (VNNI) or "amx" (AMX-INT8 tiles, `has_amx_int8()`, K % 64 == 0): the
+    same integer sums, so the same tokens."""
     out: torch.Tensor = _ops().greedy_head_argmax(
-        x, weight, screen, scale, q_sum, bound_x, bound_ex, max_candidates, masks
+        x, weight, screen, scale, q_sum, bound_x, bound_ex, max_candidates, masks, kernel
     )
     return out
 

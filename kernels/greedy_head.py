@@ -10,7 +10,10 @@ columns whose upper bound reaches the best lower bound. The token is the one
 `argmax(linear_bf16_packed(x, packed, N, out_fp32=True))` picks, ties included; a row with more
 than `max_candidates` candidates (e.g. all-equal logits) is computed in full instead.
 
-Needs AVX512_BF16 and AVX512_VNNI (`cpu_ops.has_avx512_vnni_bf16`). Memory: the int8 screen
+Needs AVX512_BF16 and AVX512_VNNI (`cpu_ops.has_avx512_vnni_bf16`). Where the CPU has AMX-INT8
+the screen can also run on tiles (the same integer sums, so the same tokens); `choose_kernels`
+times both and picks per number of rows (AMX took half the VNNI screen's time at 64 rows on an
+AMX Xeon, and lost at 4). Memory: the int8 screen
 (N x K bytes) next to the packed bf16 head, and the head's [N, K] rows, which the candidates'
 exact logits read (a tied head shares them with the embedding; an untied one keeps them: 2 N x K
 bytes more, 49 MB for the medium model, 1 GiB for Llama 3's 128k x 4096 head).
@@ -19,11 +22,13 @@ bytes more, 49 MB for the medium model, 1 GiB for Llama 3's 128k x 4096 head).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tgq.kernels import cpu_ops
+from tgq.kernels.choice import Choices, Measured, choose, kernel_for, measure
 
 # Candidates past this many per row: the row is computed in full (measured on the medium random
 # model: a few dozen per row).
@@ -34,6 +39,8 @@ MAX_WEIGHT = 2.0**16
 _COLUMNS = 16  # a packed tile's output columns
 _QUAD = 4  # K values per int8 lane (vpdpbusd)
 _ROWS_PER_CHUNK = 4096  # weight rows quantized at a time (float64 working copies)
+# Greedy rows per call the screen's kernels are timed at (kernels.choice).
+SCREEN_BUCKETS = (1, 4, 16, 64, 256)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +119,15 @@ def _quantize(weight: torch.Tensor) -> GreedyScreen:
     )
 
 
+def screen_kernels(k: int) -> list[str]:
+    """The kernels that can screen a head with K = `k` here: "avx512" (VNNI) wherever the screen
+    runs, and "amx" (AMX-INT8 tiles) where the CPU has them and K is a multiple of 64."""
+    names = ["avx512"]
+    if k % 64 == 0 and cpu_ops.has_amx_int8():
+        names.append("amx")
+    return names
+
+
 class GreedyHead:
     """argmax over `x @ weight^T` for bf16 rows x, as the packed lm_head computes the logits."""
 
@@ -127,17 +143,63 @@ class GreedyHead:
         self.out_features = weight.shape[0]
         self.screen = screen
         self.max_candidates = max_candidates
+        # [(largest rows, kernel)] (kernels.choice); set by choose_kernels where there is a
+        # choice.
+        self.thresholds: list[tuple[int, str]] = [(1, "avx512")]
+        self.choices: Choices | None = None
 
     @classmethod
     def build(
-        cls, packed: torch.Tensor, weight: torch.Tensor, max_candidates: int = MAX_CANDIDATES
+        cls,
+        packed: torch.Tensor,
+        weight: torch.Tensor,
+        max_candidates: int = MAX_CANDIDATES,
+        *,
+        pick_kernels: bool = False,
     ) -> GreedyHead | None:
         """The head over `weight` and its packed copy; None where the screen cannot serve this
-        weight here (`screen_unsupported_reason`)."""
+        weight here (`screen_unsupported_reason`). With `pick_kernels`, its screen kernels are
+        chosen by measurement (`choose_kernels`)."""
         if screen_unsupported_reason(weight) is not None:
             return None
         weight = weight.contiguous()
-        return cls(packed, weight, _quantize(weight), max_candidates)
+        head = cls(packed, weight, _quantize(weight), max_candidates)
+        if pick_kernels:
+            head.choose_kernels()
+        return head
+
+    def choose_kernels(self) -> Choices | None:
+        """Runs each call on the screen kernel measured fastest for its number of rows
+        (`measure_kernels` at `SCREEN_BUCKETS`; kernels.choice, cached per CPU and shape). None
+        where only one kernel can run here."""
+        if len(screen_kernels(self.weight.shape[1])) < 2:
+            return None
+        self.choices = choose(
+            {"greedy_head": list(self.weight.shape)}, lambda: self.measure_kernels(SCREEN_BUCKETS)
+        )
+        self.thresholds = self.choices.thresholds("greedy_head")
+        return self.choices
+
+    def measure_kernels(self, rows: Sequence[int]) -> list[Measured]:
+        """Times the screen's kernels (`screen_kernels`) at each row count, on random rows."""
+        gen = torch.Generator().manual_seed(0)
+
+        def candidate(kernel: str) -> Callable[[int], Callable[[], object]]:
+            def make(count: int) -> Callable[[], object]:
+                x = torch.randn(count, self.weight.shape[1], generator=gen).bfloat16()
+                return lambda: self._screen(x, None, kernel)
+
+            return make
+
+        names = screen_kernels(self.weight.shape[1])
+        return measure("greedy_head", {name: candidate(name) for name in names}, rows)
+
+    def _screen(self, x: torch.Tensor, masks: torch.Tensor | None, kernel: str) -> torch.Tensor:
+        s = self.screen
+        return cpu_ops.greedy_head_argmax(
+            x, self.weight, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex,
+            self.max_candidates, masks, kernel=kernel,
+        )  # fmt: skip
 
     def argmax(
         self,
@@ -146,11 +208,7 @@ class GreedyHead:
     ) -> torch.Tensor:  # [M] int64
         """Each row's argmax; with `masks`, over the tokens its mask allows only (the masked
         argmax of the full logits)."""
-        s = self.screen
-        tokens = cpu_ops.greedy_head_argmax(
-            x, self.weight, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex,
-            self.max_candidates, masks,
-        )  # fmt: skip
+        tokens = self._screen(x, masks, kernel_for(self.thresholds, x.shape[0]))
         full = [row for row, token in enumerate(tokens.tolist()) if token < 0]
         if full:  # too many candidates (or non-finite x): these rows in full
             logits = cpu_ops.linear_bf16_packed(

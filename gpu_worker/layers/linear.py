@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgq.kernels import cpu_ops
-from tgq.kernels.choice import Measured, measure
+from tgq.kernels.choice import Measured, kernel_for, measure
 
 MatmulFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -69,12 +69,7 @@ class _ChosenMatmul:
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        rows = x.shape[0]
-        kernel = self.thresholds[-1][1]
-        for largest, name in self.thresholds:
-            if rows <= largest:
-                kernel = name
-                break
+        kernel = kernel_for(self.thresholds, x.shape[0])
         if kernel == TORCH:
             assert self.linear.weight_rows is not None
             out = F.linear(x, self.linear.weight_rows, bias)

@@ -261,7 +261,8 @@ class DecoderForCausalLM(nn.Module):
         exact logits are those of that kernel); otherwise kernels/cpu_ops.py picks per call.
         With AVX512_VNNI too, one rank and `greedy_head`, argmax-only rows get their tokens from
         `self.greedy_head` (kernels.greedy_head), which keeps the head's [N, K] rows and an int8
-        copy. On one rank, the layers of a step the attention backend can key (`replay_key`:
+        copy, screened on the kernel measured fastest per row count (VNNI or AMX-INT8). On one
+        rank, the layers of a step the attention backend can key (`replay_key`:
         decode-only steps on the CPU kernels) run as the ops recorded from their first such
         step (`self.replay`, kernels.replay): bit-identical, without the Python between the ops.
         Returns the modules switched."""
@@ -299,7 +300,9 @@ class DecoderForCausalLM(nn.Module):
             self.replay = OpReplay(self)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
         if greedy_head and pack and single:
-            self.greedy_head = GreedyHead.build(self.lm_head.weight.detach(), head)
+            self.greedy_head = GreedyHead.build(
+                self.lm_head.weight.detach(), head, pick_kernels=True
+            )
         return switched
 
     def linear_kernels(self) -> Choices:

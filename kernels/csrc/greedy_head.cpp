@@ -21,15 +21,22 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& screen, const at::Tensor& scale,
                               const at::Tensor& q_sum, const at::Tensor& bound_x,
                               const at::Tensor& bound_ex, int64_t max_candidates,
-                              const std::optional<at::Tensor>& masks) {
+                              const std::optional<at::Tensor>& masks, c10::string_view kernel) {
   TORCH_CHECK(cpu_has_avx512_vnni_bf16(),
               "greedy_head_argmax: needs a CPU with AVX512_BF16 and AVX512_VNNI");
+  const bool amx = kernel == "amx";
+  TORCH_CHECK(amx || kernel == "avx512", "greedy_head_argmax: unknown kernel '",
+              std::string_view(kernel.data(), kernel.size()), "' (avx512, amx)");
+  TORCH_CHECK(!amx || cpu_has_amx_int8(),
+              "greedy_head_argmax: kernel 'amx' needs a CPU with AMX-INT8 that Linux lets us use");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
               "greedy_head_argmax: x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(),
               " ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
   TORCH_CHECK(K > 0 && K % kScreenQuad == 0 && K <= (1 << 20),
               "greedy_head_argmax: K must be a positive multiple of 4 up to 2^20, got ", K);
+  TORCH_CHECK(!amx || K % 64 == 0, "greedy_head_argmax: kernel 'amx' needs K % 64 == 0, got ",
+              K);
   TORCH_CHECK(max_candidates > 0, "greedy_head_argmax: max_candidates must be positive");
   check_column_vector(scale, "scale", at::kFloat, N);
   check_column_vector(q_sum, "q_sum", at::kInt, N);
@@ -63,6 +70,7 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
     args.masks = reinterpret_cast<const uint32_t*>(masks->const_data_ptr<int32_t>());
     args.mask_words = masks->size(1);
   }
+  args.amx = amx;
   greedy_head_avx512(args);
   return out;
 }
@@ -72,6 +80,8 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
 TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
   m.def(
       "greedy_head_argmax(Tensor x, Tensor weight, Tensor screen, Tensor scale, Tensor q_sum, "
-      "Tensor bound_x, Tensor bound_ex, int max_candidates, Tensor? masks=None) -> Tensor",
+      "Tensor bound_x, Tensor bound_ex, int max_candidates, Tensor? masks=None, "
+      "str kernel='avx512') -> Tensor",
       &greedy_head_argmax);
+  m.def("has_amx_int8() -> bool", [] { return cpu_has_amx_int8(); });
 }

@@ -27,12 +27,15 @@ struct GreedyHeadArgs {
   // n % 32 of word n / 32 is set (none past the end). The argmax is then over allowed columns.
   const uint32_t* masks = nullptr;
   int64_t mask_words = 0;
+  // The screen on AMX-INT8 tiles (cpu_has_amx_int8(), K % 64 == 0), else AVX512_VNNI; the same
+  // integer sums either way, so the same tokens.
+  bool amx = false;
 };
 
 // True where greedy_head_avx512 can run: AVX512_BF16 and AVX512_VNNI; checked once.
 bool cpu_has_avx512_vnni_bf16();
 
-// Requires cpu_has_avx512_vnni_bf16().
+// Requires cpu_has_avx512_vnni_bf16() (and cpu_has_amx_int8() for args.amx).
 void greedy_head_avx512(const GreedyHeadArgs& args);
 
 }  // namespace tgq_cpu

@@ -109,14 +109,28 @@ __mmask16 allowed_lanes(const GreedyHeadArgs& a, int64_t m, int64_t n) {
   return lanes & static_cast<__mmask16>(a.masks[m * a.mask_words + word] >> (n & 16));
 }
 
-// Screen values of rows [m0, m0 + MT) against tile t; stores them and each row's largest lower
-// bound over the tile's columns it may take. Under a mask, Lmax is thus the largest lower bound
-// S - B over the allowed columns: the screen's argument runs over them alone (a column outside
-// cannot win, so it cannot bound either).
+// Row m's screen values over tile t from its sums acc (16 lanes: xu8 . q[n], the bytes as
+// unsigned): stores them and the row's largest lower bound over the tile's columns it may take.
+// Under a mask, Lmax is thus the largest lower bound S - B over the allowed columns: the screen's
+// argument runs over them alone (a column outside cannot win, so it cannot bound either).
+inline void finish_row(const GreedyHeadArgs& a, const RowQuant& r, int64_t t, int64_t m,
+                       __m512i acc, float* screen, float* tile_max) {
+  const int64_t n = t * kLanes, tiles = (a.N + kLanes - 1) / kLanes;
+  const __mmask16 lanes = tile_lanes(a.N, n);
+  const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, a.q_sum + n), 7);
+  const __m512 scale = _mm512_maskz_loadu_ps(lanes, a.scale + n);
+  const __m512i dot = _mm512_sub_epi32(acc, offset);  // xq . q[n]
+  const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(r.sx), scale));
+  _mm512_mask_storeu_ps(screen + m * a.N + n, lanes, s);
+  const __m512 lower = _mm512_sub_ps(s, Bounds(r).at(a, n, lanes, s));
+  tile_max[m * tiles + t] = _mm512_mask_reduce_max_ps(allowed_lanes(a, m, n), lower);
+}
+
+// Screen values of rows [m0, m0 + MT) against tile t (finish_row stores them).
 template <int MT>
 void screen_tile(const GreedyHeadArgs& a, const int32_t* xu8, const RowQuant* rows, int64_t t,
                  int64_t m0, float* screen, float* tile_max) {
-  const int64_t quads = a.K / kScreenQuad, tiles = (a.N + kLanes - 1) / kLanes;
+  const int64_t quads = a.K / kScreenQuad;
   const int8_t* tile = a.q + t * quads * 64;
   const int32_t* xr[MT];  // each row's quads of bytes
   for (int m = 0; m < MT; ++m) xr[m] = xu8 + (m0 + m) * quads;
@@ -135,20 +149,7 @@ void screen_tile(const GreedyHeadArgs& a, const int32_t* xu8, const RowQuant* ro
       acc[m] = sum;
     }
   }
-  const int64_t n = t * kLanes;
-  const __mmask16 lanes = tile_lanes(a.N, n);
-  const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, a.q_sum + n), 7);
-  const __m512 scale = _mm512_maskz_loadu_ps(lanes, a.scale + n);
-  for (int m = 0; m < MT; ++m) {
-    const RowQuant& r = rows[m0 + m];
-    const __m512i dot = _mm512_sub_epi32(acc[m], offset);  // xq . q[n]
-    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
-                                   _mm512_mul_ps(_mm512_set1_ps(r.sx), scale));
-    _mm512_mask_storeu_ps(screen + (m0 + m) * a.N + n, lanes, s);
-    const __m512 lower = _mm512_sub_ps(s, Bounds(r).at(a, n, lanes, s));
-    tile_max[(m0 + m) * tiles + t] =
-        _mm512_mask_reduce_max_ps(allowed_lanes(a, m0 + m, n), lower);
-  }
+  for (int m = 0; m < MT; ++m) finish_row(a, rows[m0 + m], t, m0 + m, acc[m], screen, tile_max);
 }
 
 using ScreenTileFn = void (*)(const GreedyHeadArgs&, const int32_t*, const RowQuant*, int64_t,
@@ -244,10 +245,97 @@ constexpr int64_t kMinWorkPerTask = 1 << 16;
 
 }  // namespace
 
+}  // namespace tgq_cpu
+
+// ----------------------------------------------------------------------------------------------
+// The screen through AMX-INT8 tiles (runs only where cpu_has_amx_int8()): a screen tile's K / 4
+// lines of 16 columns x 4 bytes are TDPBUSD's B operand as they lie (16 lines, 1 KiB, per 64
+// values of K), the rows' unsigned bytes its A operand (16 rows x 64 values), and the integer
+// sums are exactly vpdpbusd's, so both paths screen alike. Blocks of 32 rows x 32 columns keep
+// four C tiles for all of K; needs K % 64 == 0.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8")
+#include "amx_common.h"
+
+namespace tgq_cpu {
+namespace {
+
+constexpr int64_t kTileValues = 64;  // K values per A/B tile
+
+// Tiles 0-3: C (row block r, column block c at 2 * r + c); 4-5: A (row blocks); 6-7: B. Rows
+// [m, m + 16 * MB) (their bytes at x, a row every K bytes) against screen tiles [t, t + NB); the
+// sums go to sums (rows of 32 int32: row block r at row 16 r, column block c at column 16 c).
+template <int MB, int NB>
+void amx_screen_block(const GreedyHeadArgs& a, const uint8_t* x, int64_t t, int32_t* sums) {
+  const int64_t quads = a.K / kScreenQuad;
+  const int8_t* w = a.q + t * quads * 64;
+  constexpr int64_t kSumsStride = 2 * kLanes * sizeof(int32_t);
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (MB > 1) _tile_zero(2);
+  if constexpr (MB > 1 && NB > 1) _tile_zero(3);
+  for (int64_t k = 0; k < a.K; k += kTileValues) {
+    _tile_loadd(4, x + k, a.K);
+    if constexpr (MB > 1) _tile_loadd(5, x + kAmxTileRows * a.K + k, a.K);
+    _tile_loadd(6, w + k / kScreenQuad * 64, 64);
+    if constexpr (NB > 1) _tile_loadd(7, w + (quads + k / kScreenQuad) * 64, 64);
+    _tile_dpbusd(0, 4, 6);
+    if constexpr (NB > 1) _tile_dpbusd(1, 4, 7);
+    if constexpr (MB > 1) _tile_dpbusd(2, 5, 6);
+    if constexpr (MB > 1 && NB > 1) _tile_dpbusd(3, 5, 7);
+  }
+  int32_t* lower = sums + kAmxTileRows * 2 * kLanes;
+  _tile_stored(0, sums, kSumsStride);
+  if constexpr (NB > 1) _tile_stored(1, sums + kLanes, kSumsStride);
+  if constexpr (MB > 1) _tile_stored(2, lower, kSumsStride);
+  if constexpr (MB > 1 && NB > 1) _tile_stored(3, lower + kLanes, kSumsStride);
+}
+
+using AmxScreenFn = void (*)(const GreedyHeadArgs&, const uint8_t*, int64_t, int32_t*);
+
+AmxScreenFn amx_screen_block_for(int64_t rows, int64_t tiles) {
+  if (rows > kAmxTileRows) return tiles > 1 ? amx_screen_block<2, 2> : amx_screen_block<2, 1>;
+  return tiles > 1 ? amx_screen_block<1, 2> : amx_screen_block<1, 1>;
+}
+
+// Every row's screen over tiles [t0, t1); xu8 has the rows' bytes padded to a multiple of 16
+// rows (A tiles read whole).
+void screen_tiles_amx(const GreedyHeadArgs& a, const int32_t* xu8, const RowQuant* rows,
+                      int64_t t0, int64_t t1, float* screen, float* tile_max) {
+  const auto* x = reinterpret_cast<const uint8_t*>(xu8);
+  alignas(64) int32_t sums[2 * kAmxTileRows * 2 * kLanes];
+  load_amx_tile_config();
+  for (int64_t t = t0; t < t1; t += 2) {
+    const int64_t columns = std::min<int64_t>(2, t1 - t);
+    for (int64_t m = 0; m < a.M; m += 2 * kAmxTileRows) {
+      const int64_t count = std::min<int64_t>(2 * kAmxTileRows, a.M - m);
+      amx_screen_block_for(count, columns)(a, x + m * a.K, t, sums);
+      for (int64_t r = 0; r < count; ++r) {
+        for (int64_t c = 0; c < columns; ++c) {
+          const __m512i acc = _mm512_load_si512(sums + r * 2 * kLanes + c * kLanes);
+          finish_row(a, rows[m + r], t + c, m + r, acc, screen, tile_max);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+}  // namespace tgq_cpu
+
+#pragma GCC pop_options
+
+namespace tgq_cpu {
+
 void greedy_head_avx512(const GreedyHeadArgs& a) {
   const int64_t M = a.M, N = a.N, K = a.K, tiles = (N + kLanes - 1) / kLanes;
-  // The rows' bytes, written as bytes (which may alias anything) and read as quads.
-  std::vector<int32_t> xu8(M * K / kScreenQuad);
+  TORCH_CHECK(!a.amx || K % kTileValues == 0, "greedy_head_argmax (amx): K must be a multiple of ",
+              kTileValues, ", got ", K);
+  // The rows' bytes, written as bytes (which may alias anything) and read as quads; AMX reads
+  // whole tiles of 16 rows (the padding is never used).
+  const int64_t padded_rows = a.amx ? (M + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows : M;
+  std::vector<int32_t> xu8(padded_rows * K / kScreenQuad);
   std::vector<RowQuant> rows(M);
   for (int64_t m = 0; m < M; ++m) {
     rows[m] = quantize_row(a.x + m * K, K,
@@ -257,6 +345,10 @@ void greedy_head_avx512(const GreedyHeadArgs& a) {
   std::vector<float> screen(M * N), tile_max(M * tiles);
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (M * K * kLanes));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    if (a.amx) {
+      screen_tiles_amx(a, xu8.data(), rows.data(), t0, t1, screen.data(), tile_max.data());
+      return;
+    }
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m = 0; m < M; m += kMaxRowsPerTile) {
         screen_tile_for(std::min<int64_t>(kMaxRowsPerTile, M - m))(

@@ -30,16 +30,28 @@ bool cpu_has_avx512_bf16() {
   return supported;
 }
 
-// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), and the kernel's permission for this
-// process to use the tile registers (Linux asks for it once, with arch_prctl).
+namespace {
+
+// AMX-TILE (CPUID leaf 7: EDX bit 24) and the data type's bit (AMX-BF16: 22, AMX-INT8: 25), on
+// an AVX512_BF16 CPU, and the kernels' permission for this process to use the tile registers
+// (Linux asks for it once per process, with arch_prctl; asking again is harmless).
+bool cpu_has_amx(int type_bit) {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (((edx >> 24) & 1) == 0 || ((edx >> type_bit) & 1) == 0) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+}  // namespace
+
 bool cpu_has_amx_bf16() {
-  static const bool supported = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    if (((edx >> 24) & 1) == 0 || ((edx >> 22) & 1) == 0) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
+  static const bool supported = cpu_has_amx(22);
+  return supported;
+}
+
+bool cpu_has_amx_int8() {
+  static const bool supported = cpu_has_amx(25);
   return supported;
 }
 
@@ -222,11 +234,12 @@ void linear_bf16_packed_avx512(const PackedLinear& a) {
 // for all of K. Needs K % 32 == 0 (whole A tiles); rows past M read a zero-padded copy of x.
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
+#include "amx_common.h"
 
 namespace tgq_cpu {
 namespace {
 
-constexpr int kTileRows = 16;
+constexpr int kTileRows = kAmxTileRows;
 constexpr int64_t kTilePairs = 16;  // pairs of K per A/B tile (64 bytes per row)
 // Pairs of K per chunk: a block's two A tiles for a chunk take 2 * 128 * 64 B = 16 KiB of L1.
 constexpr int64_t kChunkPairs = 128;
@@ -234,24 +247,7 @@ constexpr int64_t kChunkPairs = 128;
 // K = 1,536) of L2.
 constexpr int64_t kGroupTiles = 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C (row block r, column block c at 2 * r + c); 4-5: A (row blocks); 6-7: B.
-void load_tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&config);
-}
-
 // Rows [m, m + 16 * MB) of x (at x) against packed tiles [t, t + NB), pairs [p0, p1) of K: the
 // sums go on from those in acc (fp32 rows of acc_stride values; C tile (r, c) at rows 16r..,
 // columns 16c..), or from zero when `first`, and go back there.
@@ -323,7 +319,7 @@ void linear_bf16_packed_amx(const PackedLinear& a) {
   const int64_t group_tiles = ((tiles + groups - 1) / groups + 1) / 2 * 2;
   constexpr int64_t kBlockRows = 2 * kTileRows;
   at::parallel_for(0, (tiles + group_tiles - 1) / group_tiles, 1, [&](int64_t g0, int64_t g1) {
-    load_tile_config();
+    load_amx_tile_config();
     std::vector<float> acc_rows(static_cast<size_t>(kBlockRows * group_tiles * kLanes));
     float* acc = acc_rows.data();
     const int64_t acc_stride = group_tiles * kLanes;

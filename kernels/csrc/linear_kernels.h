@@ -31,6 +31,9 @@ void linear_bf16_packed_avx512(const PackedLinear& args);
 // use (asked of Linux on the first call); checked once.
 bool cpu_has_amx_bf16();
 
+// The same for AMX-INT8 (the greedy head's screen, greedy_head_avx512.cpp).
+bool cpu_has_amx_int8();
+
 // The same on AMX tiles: requires cpu_has_amx_bf16() and K % 32 == 0; any M.
 void linear_bf16_packed_amx(const PackedLinear& args);
 

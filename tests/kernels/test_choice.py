@@ -5,6 +5,7 @@ timed again, is within 10% of the fastest candidate."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from tgq.gpu_worker.layers.linear import TORCH, Linear, linear_candidates, measu
 from tgq.kernels import cpu_ops
 from tgq.kernels.choice import Choices, Measured, choose, cpu_key
 from tgq.kernels.cpu_paged import DECODE_BUCKETS, PREFILL_BUCKETS, CpuPagedAttention
+from tgq.kernels.greedy_head import GreedyHead, screen_kernels
 from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention, attend_multi
 
 
@@ -112,6 +114,23 @@ def test_a_linear_runs_the_kernel_of_its_call_size_bit_for_bit() -> None:
         Linear(64, 48, bias=False).use_kernels([(1, "avx2")], out_fp32=False)
 
 
+def _assert_picks_within_10_percent(
+    measured: list[Measured], measure_at: Callable[[int], list[Measured]]
+) -> None:
+    """Each bucket's candidates timed again, three times in turns (`measure_at(rows)`): the
+    pick must be within 10% of the fastest of them, times weighed as the selection weighs them
+    (torch's with its handicap)."""
+    for entry in measured:
+        names = sorted(entry.timings_ms)
+        again = {name: float("inf") for name in names}
+        for _ in range(3):  # one bucket at a time: every candidate is timed
+            [timed] = measure_at(entry.rows)
+            for name in names:
+                again[name] = min(again[name], timed.timings_ms[name])
+        cost = {name: again[name] * entry.handicap.get(name, 1.0) for name in names}
+        assert cost[entry.picked] <= 1.10 * min(cost.values()), (entry, again)
+
+
 @requires_kernels
 def test_every_choice_on_this_machine_is_within_10_percent_of_the_fastest() -> None:
     """The selection, run here on a decoder layer's four linears (one thread, as the other test
@@ -133,16 +152,29 @@ def test_every_choice_on_this_machine_is_within_10_percent_of_the_fastest() -> N
         assert set(measured[0].timings_ms) == set(linear_candidates(768)) & set(
             linear_candidates(2048)
         )
-        for entry in measured:
-            names = sorted(entry.timings_ms)
-            again = {name: float("inf") for name in names}
-            for _ in range(3):  # one bucket at a time: every candidate is timed
-                [timed] = measure_linears("linear", linears, [entry.rows])
-                for name in names:
-                    again[name] = min(again[name], timed.timings_ms[name])
-            # As the selection weighs them: torch's time times its handicap.
-            cost = {name: again[name] * entry.handicap.get(name, 1.0) for name in names}
-            assert cost[entry.picked] <= 1.10 * min(cost.values()), (entry, again)
+        _assert_picks_within_10_percent(
+            measured, lambda rows: measure_linears("linear", linears, [rows])
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+@requires_kernels
+def test_the_greedy_heads_screen_choice_is_within_10_percent_of_the_fastest() -> None:
+    """The same for the greedy head's screen kernels (VNNI, AMX-INT8) over the medium model's
+    32000 x 768 head, one thread."""
+    if len(screen_kernels(768)) < 2:
+        pytest.skip("this CPU has one screen kernel (no AMX-INT8): nothing to choose")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(2)
+        weight = (torch.randn(32000, 768, generator=gen) * 0.02).bfloat16()
+        head = GreedyHead.build(cpu_ops.pack_weight_bf16(weight), weight)
+        assert head is not None
+        measured = head.measure_kernels([1, 16, 64])
+        assert {m.rows for m in measured} == {1, 16, 64}
+        _assert_picks_within_10_percent(measured, lambda rows: head.measure_kernels([rows]))
     finally:
         torch.set_num_threads(threads)
 

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from tgq.kernels import cpu_ops
-from tgq.kernels.greedy_head import GreedyHead, build_screen, screen_unsupported_reason
+from tgq.kernels.greedy_head import (
+    GreedyHead,
+    build_screen,
+    screen_kernels,
+    screen_unsupported_reason,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.has_avx512_vnni_bf16(), reason="this CPU lacks AVX512_BF16 + AVX512_VNNI"
@@ -195,3 +200,60 @@ def test_under_a_mask_it_picks_the_masked_full_argmax(num_columns: int, k: int) 
     masks = _bitmasks(allowed, num_columns)
     assert torch.equal(head.argmax(x, masks), masked.argmax(-1))
     assert torch.equal(head_of(weight, max_candidates=1).argmax(x, masks), masked.argmax(-1))
+
+
+requires_amx_int8 = pytest.mark.skipif(
+    not cpu_ops.has_amx_int8(), reason="this CPU lacks AMX-INT8 (or Linux refuses its tiles)"
+)
+
+
+@requires_amx_int8
+@pytest.mark.parametrize("num_columns,k", [(1000, 64), (517, 768), (4099, 256)])
+def test_the_amx_screen_picks_what_the_vnni_screen_picks(num_columns: int, k: int) -> None:
+    """AMX-INT8 tiles compute the same integer sums as vpdpbusd, so every row gets the same
+    token, masked or not, at row counts around the tiles' 16 and 32 rows, and the rows the
+    screen cannot bound are flagged alike."""
+    gen = torch.Generator().manual_seed(num_columns * 7 + k)
+    weight = (torch.randn(num_columns, k, generator=gen) * 0.05).to(BF16)
+    head = head_of(weight)
+    s = head.screen
+    for rows in (1, 3, 16, 17, 32, 33, 64):
+        x = (torch.randn(rows, k, generator=gen) * 3).to(BF16)
+        x[rows // 2] = float("inf")  # unusable: both flag it
+        allowed = [torch.randperm(num_columns, generator=gen)[: 1 + row * 5] for row in range(rows)]
+        for masks in (None, _bitmasks(allowed, num_columns)):
+            got = {
+                kernel: cpu_ops.greedy_head_argmax(
+                    x, weight, s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, 1024, masks,
+                    kernel=kernel,
+                )
+                for kernel in ("avx512", "amx")
+            }  # fmt: skip
+            assert torch.equal(got["amx"], got["avx512"]), (rows, masks is None)
+            assert int(got["amx"][rows // 2]) == -1
+
+
+@requires_amx_int8
+def test_the_head_screens_each_call_on_its_chosen_kernel() -> None:
+    """With thresholds (as `choose_kernels` sets them), every call size gets the full argmax;
+    a head over K not a multiple of 64 offers no AMX candidate; bad kernels are refused."""
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(700, 128, generator=gen) * 0.05).to(BF16)
+    head = head_of(weight)
+    head.thresholds = [(4, "avx512"), (16, "amx")]
+    for rows in (1, 4, 5, 16, 40):
+        x = torch.randn(rows, 128, generator=gen).to(BF16)
+        assert torch.equal(head.argmax(x), full_argmax(x, head.packed, 700)), rows
+    assert screen_kernels(128) == ["avx512", "amx"] and screen_kernels(96) == ["avx512"]
+    s = head.screen
+    args = (s.screen, s.scale, s.q_sum, s.bound_x, s.bound_ex, 8)
+    x = torch.randn(2, 128, generator=gen).to(BF16)
+    with pytest.raises(RuntimeError, match="unknown kernel 'avx2' \\(avx512, amx\\)"):
+        cpu_ops.greedy_head_argmax(x, weight, *args, kernel="avx2")
+    narrow = (torch.randn(40, 96, generator=gen) * 0.05).to(BF16)
+    n = head_of(narrow).screen
+    with pytest.raises(RuntimeError, match="kernel 'amx' needs K % 64 == 0, got 96"):
+        cpu_ops.greedy_head_argmax(
+            torch.randn(2, 96, generator=gen).to(BF16), narrow,
+            n.screen, n.scale, n.q_sum, n.bound_x, n.bound_ex, 8, kernel="amx",
+        )  # fmt: skip
