@@ -27,6 +27,7 @@ from tgq.gpu_worker.plan import (
 )
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 from tgq.kernels import block_size_rule, cpu_ops
+from tgq.kernels.cpu_paged import CpuPagedAttention
 from tgq.kernels.greedy_head import GreedyHead
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64, 5]
@@ -311,6 +312,11 @@ def test_decode_steps_replayed_from_their_recording_are_unchanged(
         runner = ModelRunner(RunnerConfig(str(model_dirs[name]), dtype="bfloat16", num_blocks=128))
         model = runner.loaded.model
         assert model.replay is not None
+        # The own decode kernel at every batch size: a batch size whose measured pick here is
+        # torch's gather + SDPA is not replayed (see test_choice), which is not this test's
+        # subject.
+        assert isinstance(runner.backend, CpuPagedAttention)
+        runner.backend.decode_choices = None
         if not replay:
             model.replay = None
         out = OfflineEngine(runner).generate(prompts, params, max_new_tokens=12, chunk_size=5)
