@@ -13,6 +13,10 @@ import fcntl
 import logging
 import os
 import platform
+import re
+import shlex
+import subprocess
+import sysconfig
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ __all__ = [
     "greedy_head_argmax",
     "hardware_unsupported_reason",
     "has_amx_bf16",
+    "has_amx_int8",
     "has_avx512_bf16",
     "has_avx512_vnni_bf16",
     "is_available",
@@ -66,6 +71,12 @@ _REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 # This torch's at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp the kernels
 # would silently run on one thread.
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# The torch headers every file includes, precompiled once per cache (`_precompiled_header`).
+_TORCH_HEADERS = Path(__file__).parent / "csrc" / "torch_headers.h"
+_EXTENSION_NAME = "tgq_cpu_ops"
+# Precompiling the headers takes ~6 s and saves ~4.5 s a file (on 2 cores): worth it for a build
+# of this many files or more.
+_PCH_FROM = 4
 
 
 def _cpu_flags() -> set[str]:
@@ -102,16 +113,73 @@ def _build() -> Any:
     with (cache / "tgq-build.flock").open("w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (cache / "lock").unlink(missing_ok=True)
-        load(
-            name="tgq_cpu_ops",
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(cache),
-            is_python_module=False,
-            verbose=False,
-        )
+        pch = cache / "pch"
+        try:
+            load(
+                name=_EXTENSION_NAME,
+                sources=[str(source) for source in _SOURCES],
+                extra_cflags=_CFLAGS + _precompiled_header(pch, _compiles(cache) >= _PCH_FROM),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(cache),
+                is_python_module=False,
+                verbose=False,
+            )
+        finally:  # ~300 MB, and only a build reads it
+            (pch / "tgq_pch.h.gch").unlink(missing_ok=True)
     return torch.ops.tgq_cpu_ops
+
+
+def _compiles(cache: Path) -> int:
+    """How many files building in `cache` will compile: all where nothing was built there yet,
+    else what ninja's dry run finds to do (its steps but the link)."""
+    if not (cache / "build.ninja").is_file():
+        return len(_SOURCES)
+    try:
+        done = subprocess.run(
+            ["ninja", "-n", "-C", str(cache)], capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return len(_SOURCES)
+    steps = re.search(r"\[\d+/(\d+)\]", done.stdout)
+    if done.returncode != 0:
+        return len(_SOURCES)
+    return 0 if steps is None else max(0, int(steps.group(1)) - 1)
+
+
+def _precompiled_header(folder: Path, compiles: bool) -> list[str]:
+    """The flags that start every file from `_TORCH_HEADERS` (`-include` of a header in
+    `folder`), precompiled there when the build `compiles` (GCC's .gch, with the flags torch's
+    build gives the files; the caller deletes it after the build); [] where it cannot be built
+    (each file then parses the headers itself). GCC checks a .gch against each file's flags
+    and, should they differ, reads the header's text instead."""
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = os.environ.get("CXX", "c++")
+    python_include = sysconfig.get_path("include", scheme="posix_prefix")
+    system = [*include_paths("cpu"), *([python_include] if python_include else [])]
+    flags = [
+        f"-DTORCH_EXTENSION_NAME={_EXTENSION_NAME}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *(arg for path in system for arg in ("-isystem", path)),
+        "-fPIC",
+        "-std=c++20",
+        *_CFLAGS,
+    ]
+    header = folder / "tgq_pch.h"
+    folder.mkdir(parents=True, exist_ok=True)
+    header.write_text(f'#include "{_TORCH_HEADERS}"\n')
+    if not compiles:  # the same flags, so that ninja sees an unchanged build
+        return ["-include", shlex.quote(str(header))]
+    command = [compiler, *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        logger.warning("precompiled header not built (%s): each file parses it", exc)
+        return []
+    if done.returncode != 0:
+        logger.warning("precompiled header not built: %s", done.stderr[-2000:])
+        return []
+    return ["-include", shlex.quote(str(header))]
 
 
 class _Library:

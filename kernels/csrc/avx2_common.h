@@ -5,12 +5,8 @@
 // lean headers below compile several times faster than <torch/extension.h>.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "torch_headers.h"
+
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>

@@ -47,6 +47,38 @@ def test_a_build_killed_midway_does_not_hang_the_next_start() -> None:
     assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
+@requires_kernels
+def test_the_build_precompiles_the_torch_headers_only_when_it_compiles_enough(
+    tmp_path: Path,
+) -> None:
+    """A new cache compiles every file, a built one none (this session's); the header flags
+    are the same either way (a change would make ninja rebuild everything), the .gch is made
+    only when asked, and GCC accepts it for a kernel file (`-Winvalid-pch` is silent and `-H`
+    names it)."""
+    assert cpu_ops._compiles(tmp_path) == len(cpu_ops._SOURCES)
+    assert cpu_ops.is_available(), cpu_ops.unavailable_reason()
+    default = Path.home() / ".cache" / "tgq" / "kernels"
+    assert cpu_ops._compiles(Path(os.environ.get("TGQ_KERNEL_CACHE", default))) == 0
+    header = tmp_path / "pch" / "tgq_pch.h"
+    text_only = cpu_ops._precompiled_header(tmp_path / "pch", compiles=False)
+    assert text_only == ["-include", str(header)] and not header.with_suffix(".h.gch").exists()
+    assert cpu_ops._precompiled_header(tmp_path / "pch", compiles=True) == text_only
+    assert header.with_suffix(".h.gch").is_file()
+    from torch.utils.cpp_extension import include_paths
+
+    source = Path(cpu_ops.__file__).parent / "csrc" / "argmax.cpp"
+    command = [
+        "c++", f"-DTORCH_EXTENSION_NAME={cpu_ops._EXTENSION_NAME}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *(arg for path in include_paths("cpu") for arg in ("-isystem", path)),
+        "-fPIC", "-std=c++20", *cpu_ops._CFLAGS, *text_only, "-Winvalid-pch", "-H",
+        "-fsyntax-only", str(source),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "invalid" not in done.stderr and f"! {header}.gch" in done.stderr, done.stderr[:2000]
+
+
 # Every path of linear_bf16 that this CPU can run. "avx512" and "native" need AVX512_BF16 (and
 # bf16 x); elsewhere they are skipped with that reason, and "auto" means "avx2".
 _FAST_BF16 = pytest.mark.skipif(
