@@ -53,8 +53,8 @@ def test_the_build_precompiles_the_torch_headers_only_when_it_compiles_enough(
 ) -> None:
     """A new cache compiles every file, a built one none (this session's); the header flags
     are the same either way (a change would make ninja rebuild everything), the .gch is made
-    only when asked, and GCC accepts it for a kernel file (`-Winvalid-pch` is silent and `-H`
-    names it)."""
+    only when asked, and GCC accepts it (`-Winvalid-pch` is silent and `-H` names it) for a
+    file that starts as the kernel files do."""
     assert cpu_ops._compiles(tmp_path) == len(cpu_ops._SOURCES)
     assert cpu_ops.is_available(), cpu_ops.unavailable_reason()
     default = Path.home() / ".cache" / "tgq" / "kernels"
@@ -66,7 +66,10 @@ def test_the_build_precompiles_the_torch_headers_only_when_it_compiles_enough(
     assert header.with_suffix(".h.gch").is_file()
     from torch.utils.cpp_extension import include_paths
 
-    source = Path(cpu_ops.__file__).parent / "csrc" / "argmax.cpp"
+    # A file that starts as every kernel file does (its own code would only add compile time).
+    source = tmp_path / "starts_like_a_kernel.cpp"
+    csrc = Path(cpu_ops.__file__).parent / "csrc"
+    source.write_text(f'#include "{csrc / "avx2_common.h"}"\nint main() {{ return 0; }}\n')
     command = [
         "c++", f"-DTORCH_EXTENSION_NAME={cpu_ops._EXTENSION_NAME}",
         "-DTORCH_API_INCLUDE_EXTENSION_H",
