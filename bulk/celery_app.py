@@ -60,8 +60,11 @@ def _sender(settings: Settings) -> Celery:
 
 
 def send_run_batch(settings: Settings, batch_id: str) -> None:
-    """Queues `tgq.run_batch` for the batch (the api sends it; it imports no task code)."""
-    _sender(settings).send_task("tgq.run_batch", args=[batch_id])
+    """Queues `tgq.run_batch` for the batch (the api sends it; it imports no task code). Nothing
+    reads a task's result (the batch's progress is in the database), so the send does not
+    subscribe to it: with the result backend's Redis down, that subscription alone retried for
+    ~19 s before the send could fail."""
+    _sender(settings).send_task("tgq.run_batch", args=[batch_id], ignore_result=True)
 
 
 app = make_app()
