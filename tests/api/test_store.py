@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import NullPool
 
+from tgq.api import db
 from tgq.api.db import api_keys, create_engine, models, normalize_url, store, warm_up
 from tgq.api.db.migrate import (
     SchemaNotMigratedError,
@@ -540,6 +541,53 @@ def test_sqlite_concurrent_writers(sqlite_engine: AsyncEngine, sqlite_url: str) 
     job = run(sqlite_engine, lambda conn: get(conn, "job_a"))
     assert (job.status, job.num_items_done) == ("succeeded", 10)
     assert current_revision(sqlite_url) == head_revision()
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("turn_timeout_s", [10.0, 0.05])
+def test_sqlite_writers_take_turns_before_sqlites_lock(
+    sqlite_url: str, turn_timeout_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second writer waits for its turn on the engine's lock, holding no connection (so not
+    in SQLite's sleeping busy wait), and starts when the first commits; past
+    WRITE_TURN_TIMEOUT_S it goes ahead to SQLite's own wait, and both still finish in order."""
+    monkeypatch.setattr(db, "WRITE_TURN_TIMEOUT_S", turn_timeout_s)
+    engine = create_engine(sqlite_url)
+    assert isinstance(engine, db.SqliteEngine)
+    run(engine, lambda conn: create(conn, "job_a", 2))
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def writer(name: str, index: int, hold: bool) -> None:
+        async with engine.begin() as conn:
+            order.append(f"{name} in")
+            await store.record_results(conn, results=[result("job_a", index)])
+            if hold:
+                await release.wait()
+            order.append(f"{name} out")
+
+    async def race() -> None:
+        first = asyncio.create_task(writer("a", 0, hold=True))
+        await _until(lambda: order == ["a in"])
+        second = asyncio.create_task(writer("b", 1, hold=False))
+        pool = engine.sync_engine.pool
+        if turn_timeout_s > 1:  # waiting for its turn: no second connection
+            await asyncio.sleep(0.05)
+            assert pool.checkedout() == 1 and order == ["a in"]  # type: ignore[attr-defined]
+        else:  # past its turn's timeout: in SQLite's busy wait, on a connection of its own
+            await _until(lambda: pool.checkedout() == 2)  # type: ignore[attr-defined]
+        release.set()
+        await asyncio.gather(first, second)
+        await engine.dispose()
+
+    asyncio.run(race())
+    assert order == ["a in", "a out", "b in", "b out"]
 
 
 def test_an_item_records_the_attempt_that_finished_it(pg_engine: AsyncEngine) -> None:
