@@ -29,8 +29,12 @@ generate: $(STAMP)
 	$(PY) -m tgq.cli.generate --demo --prompt "The Python language" --max-new-tokens 24
 
 # Two workers, a test file each at a time (its module fixtures stay on one worker): most tests
-# wait on the processes they start, so two cores run two files at once.
-test: $(STAMP) lint
+# wait on the processes they start, so two cores run two files at once. The C++ kernels build
+# (or load, when built) beside the lint, which keeps one core: the tests start with them built.
+test: $(STAMP)
+	$(PY) -c 'from tgq.kernels import cpu_ops; cpu_ops.is_available()' & kernels=$$!; \
+	$(MAKE) --no-print-directory lint || { kill $$kernels; exit 1; }; \
+	wait $$kernels
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The opt-in reliability rounds (pytest's `slow` marker): long fault-injection runs.

@@ -146,12 +146,12 @@ def _compiles(cache: Path) -> int:
     return 0 if steps is None else max(0, int(steps.group(1)) - 1)
 
 
-def _precompiled_header(folder: Path, compiles: bool) -> list[str]:
-    """The flags that start every file from `_TORCH_HEADERS` (`-include` of a header in
-    `folder`), precompiled there when the build `compiles` (GCC's .gch, with the flags torch's
-    build gives the files; the caller deletes it after the build); [] where it cannot be built
-    (each file then parses the headers itself). GCC checks a .gch against each file's flags
-    and, should they differ, reads the header's text instead."""
+def _precompiled_header(folder: Path, compiles: bool, headers: Path = _TORCH_HEADERS) -> list[str]:
+    """The flags that start every file from `headers` (`-include` of a header in `folder`),
+    precompiled there when the build `compiles` (GCC's .gch, with the flags torch's build gives
+    the files; the caller deletes it after the build); [] where it cannot be built (each file
+    then parses the headers itself). GCC checks a .gch against each file's flags and, should
+    they differ, reads the header's text instead."""
     from torch.utils.cpp_extension import include_paths
 
     compiler = os.environ.get("CXX", "c++")
@@ -167,7 +167,7 @@ def _precompiled_header(folder: Path, compiles: bool) -> list[str]:
     ]
     header = folder / "tgq_pch.h"
     folder.mkdir(parents=True, exist_ok=True)
-    header.write_text(f'#include "{_TORCH_HEADERS}"\n')
+    header.write_text(f'#include "{headers}"\n')
     if not compiles:  # the same flags, so that ninja sees an unchanged build
         return ["-include", shlex.quote(str(header))]
     command = [compiler, *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"]
