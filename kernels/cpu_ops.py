@@ -167,7 +167,9 @@ def _precompiled_header(folder: Path, compiles: bool, headers: Path = _TORCH_HEA
     ]
     header = folder / "tgq_pch.h"
     folder.mkdir(parents=True, exist_ok=True)
-    header.write_text(f'#include "{headers}"\n')
+    text = f'#include "{headers}"\n'
+    if not header.is_file() or header.read_text() != text:  # as written: nothing at each start
+        header.write_text(text)
     if not compiles:  # the same flags, so that ninja sees an unchanged build
         return ["-include", shlex.quote(str(header))]
     command = [compiler, *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"]
