@@ -11,8 +11,9 @@ Structured output: given a `GrammarCompiler`, a request may carry a `GrammarSpec
 grammar is not compiled yet waits here, outside the scheduler, while the compile thread works;
 each step takes in the requests whose grammars are ready (a grammar that fails to compile rejects
 its request) and sends the runner, with the plan, the mask of every constrained sequence that
-samples in that step. A step never waits for a compile; an engine with nothing else to do waits a
-few milliseconds for one rather than spin.
+samples in that step, or for a greedy row, a way to check its free argmax first (see
+`grammar_compiler.StepMasks`). A step never waits for a compile; an engine with nothing else to do
+waits a few milliseconds for one rather than spin.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.detokenize import TokenDecoder
 from tgq.batcher.grammar import GrammarError, GrammarSpec
-from tgq.batcher.grammar_compiler import GrammarCompiler
+from tgq.batcher.grammar_compiler import Constraint, GrammarCompiler, StepMasks
 from tgq.batcher.request import FinishReason, Priority, Request, RequestStatus, StoppingParams
 from tgq.batcher.scheduler import Scheduler
 from tgq.batcher.scheduler_output import SchedulerOutput
@@ -213,7 +214,7 @@ class LLMEngine:
         self._take_compiled()
         scheduled = self.scheduler.schedule()
         plan = scheduled.to_plan()
-        if masks := self._token_masks(scheduled):
+        if (masks := self._token_masks(scheduled)) is not None:
             plan = dataclasses.replace(plan, token_masks=masks)
         outputs, self._pending = self._pending, []  # after the masks: a broken grammar ends here
         if not scheduled.is_empty:
@@ -224,13 +225,15 @@ class LLMEngine:
                 del self._requests[output.request_id]
         return outputs
 
-    def _token_masks(self, scheduled: SchedulerOutput) -> dict[str, bytes]:
-        """The grammar masks of the constrained sequences that sample in this step. A grammar
-        that broke (past llguidance's limits) fails its request; the runner samples its row
-        freely and the scheduler drops that token."""
+    def _token_masks(self, scheduled: SchedulerOutput) -> StepMasks | None:
+        """The grammar masks of the constrained sequences that sample in this step (greedy rows
+        may check their free argmax first, see `StepMasks`). A grammar that broke (past
+        llguidance's limits) fails its request; the runner samples its row freely and the
+        scheduler drops that token."""
         if self.grammars is None:
-            return {}
-        started, constrained = time.perf_counter(), []
+            return None
+        masks_now: dict[str, Constraint] = {}
+        argmax_first: dict[str, Constraint] = {}
         for chunk in scheduled.chunks:
             request = self.scheduler.requests.get(chunk.request_id)
             if request is None or request.grammar is None:
@@ -241,13 +244,11 @@ class LLMEngine:
                 self.scheduler.finish(chunk.request_id, RequestStatus.FINISHED_FAILED, error)
                 self._pending.append(_end_of(request))
                 continue
-            constrained.append((chunk.request_id, request.grammar))
-        if not constrained:
-            return {}
-        masks = self.grammars.masks([constraint for _, constraint in constrained])
-        self.grammars.stats.num_masks += len(masks)
-        self.grammars.stats.mask_seconds += time.perf_counter() - started
-        return {request_id: mask for (request_id, _), mask in zip(constrained, masks, strict=True)}
+            first = request.sampling.needs_only_argmax and request.grammar.checks_argmax_first()
+            (argmax_first if first else masks_now)[chunk.request_id] = request.grammar
+        if not masks_now and not argmax_first:
+            return None
+        return self.grammars.step_masks(masks_now, argmax_first)
 
     def stream(self) -> Iterator[RequestOutput]:
         """Per-token outputs of every added request until all are finished."""

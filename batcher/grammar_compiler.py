@@ -14,7 +14,7 @@ import bisect
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -25,16 +25,57 @@ from tgq.batcher.grammar import GrammarError, GrammarSpec, check, tidy
 
 DEFAULT_MAX_CACHE = 1024  # compiled grammars kept (`--max-grammar-cache`)
 # Upper bounds (seconds) of the compile-time histogram the heartbeat carries; one more for +Inf.
+# llguidance's thread pool computes a step's masks only on machines with at least this many CPUs.
+# Each call wakes its threads (~0.05-0.1 ms) and, on a CPU server, takes cores from the model's
+# threads: on 2 CPUs (AMD EPYC, 2026-12-06), masks of 1 to 64 rows in a JSON string took
+# 1.5-3x longer on the pool than one after the other on the engine's thread (64 rows: 0.49 ms
+# against 0.34 ms while torch ran on both cores). Where the pool starts to pay is not measured:
+# 8 CPUs is a guess that leaves small machines on the engine's thread.
+POOL_MIN_CPUS = 8
+# After the free argmax of a constrained greedy row missed its grammar, the steps that compute its
+# mask up front before it checks the argmax first again: 1, 2, 4 ... at most this many (see
+# `Constraint`).
+MAX_MASK_FIRST_STEPS = 64
 COMPILE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Constraint:
-    """One request's grammar state: the mask of its next token, advanced token by token."""
+    """One request's grammar state: the mask of its next token, advanced token by token.
 
-    __slots__ = ("_matcher",)
+    It also says whether a greedy step should check the model's free argmax against the grammar
+    before computing a mask (`checks_argmax_first`): after the argmax missed, the next step
+    computes the mask up front, then 2, 4 ... up to `MAX_MASK_FIRST_STEPS` steps after each
+    further miss in a row, so a state the model keeps missing (a key it does not know) costs a
+    few wasted head passes, not one per step."""
+
+    __slots__ = ("_backoff", "_masks_first", "_matcher")
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._matcher = matcher
+        self._backoff = 1  # steps with the mask up front after the next miss
+        self._masks_first = 0  # steps left with the mask up front
+
+    def checks_argmax_first(self) -> bool:
+        """Whether this step (one greedy step of this request) checks the argmax first: not
+        where the grammar forces the next bytes, whose mask holds only the token that spells
+        them as the tokenizer would (`allows` would take any token that is a prefix of them)."""
+        if self._masks_first:
+            self._masks_first -= 1
+            return False
+        return not self._matcher.compute_ff_bytes()
+
+    def allows(self, token_id: int, *, is_eos: bool) -> bool:
+        """Whether the grammar allows this token next, as the mask's bit would say where
+        `checks_argmax_first` (an EOS where the output may end); a miss makes the next steps
+        compute the mask up front (see the class)."""
+        matcher = self._matcher
+        allowed = matcher.is_accepting() if is_eos else matcher.validate_tokens([token_id]) == 1
+        if allowed:
+            self._backoff = 1
+        else:
+            self._masks_first = self._backoff
+            self._backoff = min(2 * self._backoff, MAX_MASK_FIRST_STEPS)
+        return allowed
 
     @property
     def error(self) -> str | None:
@@ -67,6 +108,8 @@ class GrammarStats:
     compile_seconds_sum: float = 0.0
     num_masks: int = 0
     mask_seconds: float = 0.0
+    num_argmax_checks: int = 0  # greedy rows whose free argmax was checked against the grammar
+    num_argmax_misses: int = 0  # of those, the ones the grammar did not allow (masked again)
 
     def record(self, seconds: float) -> None:
         self.num_compiles += 1
@@ -83,19 +126,26 @@ class GrammarCompiler:
         eos_token_ids: Iterable[int],
         *,
         max_cache: int = DEFAULT_MAX_CACHE,
+        mask_threads: int | None = None,
     ) -> None:
         """`tokenizer_json`: the model's `tokenizer.json` text. Its llguidance tokenizer (about a
-        second for a 128k vocabulary) is built on the compile thread, starting now."""
+        second for a 128k vocabulary) is built on the compile thread, starting now.
+        `mask_threads`: llguidance's pool for the masks of a step's rows (0 or 1: none, every
+        mask on the engine's thread; None: as many as CPUs, from `POOL_MIN_CPUS` CPUs)."""
         if max_cache < 1:
             raise ValueError("the grammar cache holds at least one grammar")
         self.max_cache = max_cache
         self.stats = GrammarStats()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         eos = sorted(eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
         self._tokenizer = self._executor.submit(
             llguidance.LLTokenizer, tokenizer_json, eos_token=eos or None
         )
-        self._mask_threads = llguidance.LLExecutor(os.cpu_count() or 1)
+        if mask_threads is None:
+            cpus = os.cpu_count() or 1
+            mask_threads = cpus if cpus >= POOL_MIN_CPUS else 0
+        self._mask_threads = llguidance.LLExecutor(mask_threads) if mask_threads > 1 else None
         self._cache: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
         self._compiling: dict[GrammarSpec, Future[llguidance.LLMatcher]] = {}
 
@@ -132,14 +182,33 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return Constraint(matcher.deep_copy())
 
+    def step_masks(self, masks_now: dict[str, Constraint], argmax_first: dict[str, Constraint]
+                   ) -> StepMasks:  # fmt: skip
+        """A step's masks by request id (`plan.StepPlan.token_masks`): those of `masks_now`
+        computed now, together; those of `argmax_first` (greedy rows) only if the runner asks,
+        after their free argmax missed the grammar."""
+        computed = {}
+        if masks_now:
+            started = time.perf_counter()
+            computed = dict(zip(masks_now, self.masks(list(masks_now.values())), strict=True))
+            self.stats.num_masks += len(computed)
+            self.stats.mask_seconds += time.perf_counter() - started
+        return StepMasks(self, computed, argmax_first)
+
     def masks(self, constraints: Sequence[Constraint]) -> list[bytes]:
-        """The next-token masks of several constraints (none broken: see `Constraint.error`),
-        computed on llguidance's own threads at once: token t is allowed when bit `t % 32` of
-        little-endian 32-bit word `t // 32` is set, in words enough for the vocabulary."""
+        """The next-token masks of several constraints (none broken: see `Constraint.error`):
+        token t is allowed when bit `t % 32` of little-endian 32-bit word `t // 32` is set, in
+        words enough for the vocabulary. On this thread for one row or on a machine of few
+        CPUs; else on llguidance's own threads at once (see `POOL_MIN_CPUS`)."""
         size = (self._tokenizer.result().vocab_size + 31) // 32 * 4
         out = numpy.empty(len(constraints) * size, dtype=numpy.uint8)
-        matchers = [(constraint._matcher, row) for row, constraint in enumerate(constraints)]
-        self._mask_threads.unsafe_compute_mask_ptr(matchers, out.ctypes.data, size, len(matchers))
+        start = out.ctypes.data
+        if len(constraints) == 1 or self._mask_threads is None:
+            for row, constraint in enumerate(constraints):
+                constraint._matcher.unsafe_compute_mask_ptr(start + row * size, size)
+        else:
+            matchers = [(constraint._matcher, row) for row, constraint in enumerate(constraints)]
+            self._mask_threads.unsafe_compute_mask_ptr(matchers, start, size, len(matchers))
         data = out.tobytes()
         return [data[row * size : (row + 1) * size] for row in range(len(constraints))]
 
@@ -155,3 +224,60 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's tokens (the masks' bits); a model may have more rows than that."""
+        return int(self._tokenizer.result().vocab_size)
+
+
+class StepMasks(Mapping[str, bytes]):
+    """One step's grammar masks by request id, as the runner reads them (`plan.StepPlan`).
+
+    Greedy rows may check their free argmax first (`checks_argmax_first`): when the grammar
+    allows it, it is the argmax over the allowed tokens too, and no mask is computed; when not,
+    reading the row's mask computes it, and the runner takes the argmax again under it. A mask
+    costs ~0.2 ms in a step (llguidance walks the vocabulary's trie after the weights have
+    flushed the caches); a check, a few microseconds. The runner must be done with this object
+    before the constraints advance (the engine consumes the step's tokens after it returns)."""
+
+    def __init__(
+        self,
+        compiler: GrammarCompiler,
+        computed: dict[str, bytes],
+        argmax_first: dict[str, Constraint],
+    ) -> None:
+        self._compiler = compiler
+        self._computed = computed
+        self._argmax_first = argmax_first
+
+    def checks_argmax_first(self, request_id: str) -> bool:
+        return request_id in self._argmax_first and request_id not in self._computed
+
+    def allows(self, request_id: str, token_id: int) -> bool:
+        """Whether the grammar of a row that checks its argmax first allows this token."""
+        compiler = self._compiler
+        allowed = token_id < compiler.vocab_size and self._argmax_first[request_id].allows(
+            token_id, is_eos=token_id in compiler.eos_token_ids
+        )
+        compiler.stats.num_argmax_checks += 1
+        compiler.stats.num_argmax_misses += not allowed
+        return allowed
+
+    def __getitem__(self, request_id: str) -> bytes:
+        mask = self._computed.get(request_id)
+        if mask is None:
+            constraint = self._argmax_first[request_id]  # KeyError: not a constrained row
+            started = time.perf_counter()
+            (mask,) = self._compiler.masks([constraint])
+            self._compiler.stats.num_masks += 1
+            self._compiler.stats.mask_seconds += time.perf_counter() - started
+            self._computed[request_id] = mask
+        return mask
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._computed
+        yield from (key for key in self._argmax_first if key not in self._computed)
+
+    def __len__(self) -> int:
+        return len(self._computed.keys() | self._argmax_first.keys())

@@ -17,8 +17,9 @@ offset `i % block_size`; its slot is `block_id * block_size + offset`. Blocks be
 from __future__ import annotations
 
 import base64
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
 
 # Sentinels for "this sampling knob is off".
 NO_TOP_K = 0
@@ -123,12 +124,25 @@ class StepPlan:
     finished_request_ids: list[str] = field(default_factory=list)  # drop their state first
     # Structured output: the tokens a sequence may sample next, for the sequences this step
     # samples under a grammar. A bitmask: token t is allowed when bit `t % 32` of little-endian
-    # 32-bit word `t // 32` is set; tokens past its end are not.
-    token_masks: dict[str, bytes] = field(default_factory=dict)
+    # 32-bit word `t // 32` is set; tokens past its end are not. In the engine's process the
+    # mapping may also be `ArgmaxFirst` (the wire carries every mask).
+    token_masks: Mapping[str, bytes] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+
+@runtime_checkable
+class ArgmaxFirst(Protocol):
+    """`StepPlan.token_masks` that let greedy rows skip their mask: for a row that
+    `checks_argmax_first`, the runner takes the argmax over every token, asks whether the grammar
+    `allows` it (then it is also the argmax over the allowed tokens), and only when not reads the
+    row's mask (computed then) and takes the argmax again. `batcher.grammar_compiler.StepMasks`."""
+
+    def checks_argmax_first(self, request_id: str) -> bool: ...
+
+    def allows(self, request_id: str, token_id: int) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +170,9 @@ class StepResult:
 
 def to_wire(plan: StepPlan) -> dict[str, Any]:
     """Plain dict/list form for JSON or msgpack (no pickle); masks as base64."""
-    wire = asdict(plan)
-    wire["token_masks"] = {k: base64.b64encode(v).decode() for k, v in plan.token_masks.items()}
+    masks = dict(plan.token_masks)  # every mask, computed now where it was not yet
+    wire = asdict(replace(plan, token_masks={}))
+    wire["token_masks"] = {k: base64.b64encode(v).decode() for k, v in masks.items()}
     return wire
 
 

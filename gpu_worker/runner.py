@@ -10,6 +10,7 @@ KV cache, executing the same plans; rank 0 samples and its tokens are broadcast 
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from tgq.gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tgq.gpu_worker.loader import LoadedModel, load_model
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.gpu_worker.plan import (
+    ArgmaxFirst,
     SampledToken,
     SamplingParams,
     ScheduledChunk,
@@ -93,7 +95,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, custom_kernels=config.custom_kernels)
         self.sequences: dict[str, _Sequence] = {}
-        self._token_masks: dict[str, bytes] = {}  # this step's (structured output)
+        self._token_masks: Mapping[str, bytes] = {}  # this step's (structured output)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -145,9 +147,9 @@ class ModelRunner:
         ]
         every_row = len(argmax_rows) == len(request_ids)
         greedy = (
-            model.greedy_tokens(
+            self._greedy(
                 hidden if every_row else hidden[argmax_rows],
-                self._greedy_masks([request_ids[row] for row in argmax_rows]),
+                [request_ids[row] for row in argmax_rows],
             )
             if argmax_rows
             else None
@@ -166,12 +168,43 @@ class ModelRunner:
         sampled = self.sampler(logits, self._sampling_inputs([request_ids[row] for row in rest]))
         return _merge_rows(len(request_ids), argmax_rows, greedy, rest, sampled)
 
-    def _greedy_masks(self, request_ids: list[str]) -> torch.Tensor | None:
+    def _greedy(self, hidden: torch.Tensor, request_ids: list[str]) -> torch.Tensor | None:
+        """The model's greedy-head argmax of these rows, each under its grammar's mask (None:
+        no greedy head). Rows that check their argmax first (`plan.ArgmaxFirst`) take it over
+        every token; those whose grammar does not allow it take it again under their mask."""
+        model = self.loaded.model
+        masks = self._token_masks
+        first = (
+            {row for row, request_id in enumerate(request_ids)
+             if masks.checks_argmax_first(request_id)}
+            if isinstance(masks, ArgmaxFirst)
+            else set()
+        )  # fmt: skip
+        tokens = model.greedy_tokens(hidden, self._greedy_masks(request_ids, free_rows=first))
+        if tokens is None or not first:
+            return tokens
+        assert isinstance(masks, ArgmaxFirst)
+        chosen = tokens.tolist()
+        missed = [row for row in sorted(first) if not masks.allows(request_ids[row], chosen[row])]
+        if missed:
+            again = model.greedy_tokens(
+                hidden[missed], self._greedy_masks([request_ids[row] for row in missed])
+            )
+            assert again is not None
+            tokens[missed] = again
+        return tokens
+
+    def _greedy_masks(
+        self, request_ids: list[str], free_rows: Collection[int] = ()
+    ) -> torch.Tensor | None:
         """[N, W] int32 bitmasks of these rows for the greedy head (all ones for a row without
-        a grammar, zeros past a mask's end); None when none of them has a grammar."""
+        a grammar or in `free_rows`, zeros past a mask's end); None when all rows are free."""
         if not self._token_masks:
             return None
-        masks = [self._token_masks.get(request_id) for request_id in request_ids]
+        masks = [
+            None if row in free_rows else self._token_masks.get(request_id)
+            for row, request_id in enumerate(request_ids)
+        ]
         if all(mask is None for mask in masks):
             return None
         vocab_bytes = (self.loaded.model.config.vocab_size + 31) // 32 * 4

@@ -190,9 +190,12 @@ def test_each_request_advances_its_own_copy(
     assert one.error is not None and one.error.startswith("grammar state: ")
 
 
+@pytest.mark.parametrize("mask_threads", [0, 2])  # the engine's thread; llguidance's pool
 def test_masks_at_once_equal_masks_one_by_one(
-    compiler: GrammarCompiler, tokenizer: Tokenizer
+    tokenizer_json: str, tokenizer: Tokenizer, mask_threads: int
 ) -> None:
+    compiler = GrammarCompiler(tokenizer_json, [EOS], mask_threads=mask_threads)
+    assert (compiler._mask_threads is not None) == (mask_threads > 1)
     specs = [GrammarSpec(GrammarKind.REGEX, "[a-z]+"), GrammarSpec.json_schema({"type": "integer"})]
     constraints = [compiler.take(spec, compiler.compile(spec)) for spec in specs for _ in range(3)]
     (a_id,) = tokenizer.encode("a").ids
@@ -201,3 +204,28 @@ def test_masks_at_once_equal_masks_one_by_one(
     assert len(together[0]) == 512 // 8  # the tokenizer's 512 tokens
     assert together == [compiler.masks([constraint])[0] for constraint in constraints]
     assert len({*together}) == 3  # the regex before and after "a", the integer
+    compiler.close()
+
+
+def test_a_row_whose_argmax_misses_takes_its_mask_first_for_longer_each_time(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    spec = GrammarSpec(GrammarKind.REGEX, "[0-9]+")
+    constraint = compiler.take(spec, compiler.compile(spec))
+    (digit,) = tokenizer.encode("7").ids
+    (letter,) = tokenizer.encode("a").ids
+
+    def steps_with_mask_first_after_a_miss() -> int:
+        assert constraint.checks_argmax_first() and not constraint.allows(letter, is_eos=False)
+        steps = 0
+        while not constraint.checks_argmax_first():
+            steps += 1
+        return steps
+
+    assert [steps_with_mask_first_after_a_miss() for _ in range(9)] == [
+        1, 2, 4, 8, 16, 32, 64, 64, 64,
+    ]  # fmt: skip
+    assert constraint.allows(digit, is_eos=False)  # a hit: the next miss starts again from 1
+    assert steps_with_mask_first_after_a_miss() == 1
+    stats = compiler.stats
+    assert (stats.num_argmax_checks, stats.num_argmax_misses) == (0, 0)  # not through StepMasks

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import random
 import re
 import threading
 from pathlib import Path
@@ -185,6 +186,47 @@ def _run(engine: LLMEngine, model_dir: Path, spec: GrammarSpec) -> list[Any]:
     return results
 
 
+@pytest.fixture(scope="module")
+def compiler(model_dir: Path) -> GrammarCompiler:
+    eos = model_eos_token_ids(str(model_dir))
+    return GrammarCompiler((model_dir / "tokenizer.json").read_text(), eos)
+
+
+@settings(REPRODUCIBLE, max_examples=80)
+@given(
+    spec=st.one_of(
+        SCHEMAS.map(GrammarSpec.json_schema),
+        REGEXES.map(lambda regex: GrammarSpec(GrammarKind.REGEX, regex)),
+    ),
+    seed=st.integers(0, 2**32),
+)
+def test_a_greedy_rows_argmax_check_says_what_its_mask_says(
+    spec: GrammarSpec, seed: int, compiler: GrammarCompiler
+) -> None:
+    """Along a random walk through the grammar (each token drawn from the mask), at every
+    state where a greedy row would check its free argmax first: `StepMasks.allows` agrees with
+    the mask's bit for every token (EOS included) and for ids past the tokenizer's (a padded
+    model vocabulary). Where the grammar forces bytes it does not check (its `allows` would take
+    a token the mask leaves out for the one that spells them canonically)."""
+    rng = random.Random(seed)
+    constraint = compiler.take(spec, compiler.compile(spec))
+    token_ids = range(compiler.vocab_size + 8)
+    for _ in range(MAX_NEW):
+        constraint._backoff = 1  # every state is checked, whatever the walk's misses did
+        constraint._masks_first = 0
+        (mask,) = compiler.masks([constraint])
+        bits = [bool(t < len(mask) * 8 and mask[t // 8] >> (t % 8) & 1) for t in token_ids]
+        if constraint.checks_argmax_first():
+            masks = compiler.step_masks({}, {"r": constraint})
+            assert [masks.allows("r", t) for t in token_ids] == bits
+            assert masks["r"] == mask  # read once missed: computed then
+        allowed = [t for t in token_ids if bits[t]]
+        token_id = rng.choice(allowed)
+        if compiler.eos_token_ids.issuperset(allowed) or token_id in compiler.eos_token_ids:
+            break
+        constraint.consume(token_id)
+
+
 @settings(REPRODUCIBLE, max_examples=60)
 @given(schema=SCHEMAS)
 def test_every_sampled_output_validates_against_its_schema(
@@ -338,8 +380,9 @@ def test_a_request_aborted_while_its_grammar_compiles_ends_at_once(model_dir: Pa
     reason="the greedy head needs AVX512_BF16 and AVX512_VNNI",
 )
 def test_the_greedy_head_serves_a_grammar_only_with_the_tokens_it_allows(model_dir: Path) -> None:
-    """bf16 weights: a masked greedy row takes the greedy head's token when its grammar allows
-    it, else its logits are computed in full; the tokens are those without the greedy head."""
+    """bf16 weights: a constrained greedy row takes the greedy head's token over every token
+    when its grammar allows it, else the head's token under its mask (and its logits in full
+    where the screen cannot decide); the tokens are those without the greedy head."""
     spec = GrammarSpec.json_schema(
         {
             "type": "object",
@@ -361,4 +404,10 @@ def test_the_greedy_head_serves_a_grammar_only_with_the_tokens_it_allows(model_d
         engine = make_engine(model_dir, loaded=loaded)
         results = engine.generate(prompts, SamplingParams(), StoppingParams(48), grammar=spec)
         outputs.append([r.token_ids for r in results])
+        assert engine.grammars is not None
+        stats = engine.grammars.stats
+        if greedy_head:  # rows checked their free argmax first; some missed and were masked
+            assert stats.num_argmax_checks > stats.num_argmax_misses > 0
+        else:  # no argmax without logits: every row's mask, applied to its logits
+            assert stats.num_argmax_checks == 0
     assert outputs[0] == outputs[1]

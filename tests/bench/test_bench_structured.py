@@ -54,6 +54,17 @@ def test_the_profile_finds_the_mask_work_only_under_a_grammar(bench: structured.
     compiler.close()
 
 
+def test_paired_steps_come_in_turns_and_only_while_both_run(bench: structured.Bench) -> None:
+    compiler, _ = bench.compiler()
+    spec = GrammarSpec.json_schema(LONG_TEXT_SCHEMA)
+    steps = structured.paired_decode_steps(bench, compiler, PROMPT, 6, spec)
+    assert len(steps["free"]) == len(steps["json"]) >= 5  # six tokens, the prompt's step left out
+    assert all(seconds > 0 for way in steps.values() for seconds in way)
+    assert compiler.stats.num_masks > 0  # the JSON request ran under its grammar
+    assert not bench.runner.sequences and not bench.twin.sequences  # both ran to their end
+    compiler.close()
+
+
 def test_a_burst_of_new_schemas_is_answered_while_others_decode(bench: structured.Bench) -> None:
     specs = [GrammarSpec.json_schema(schema) for schema in list(SCHEMAS.values())[:4]]
     served = structured.serve_burst(
