@@ -84,6 +84,10 @@ PER_BATCHER: tuple[tuple[str, str, _Family, Callable[[Heartbeat], float]], ...] 
      CounterMetricFamily, attrgetter("num_grammar_masks")),
     ("tgq_grammar_mask_seconds", "Seconds the steps spent computing token masks",
      CounterMetricFamily, attrgetter("grammar_mask_seconds")),
+    ("tgq_grammar_argmax_checks", "Greedy constrained rows whose free argmax was checked first",
+     CounterMetricFamily, attrgetter("num_grammar_argmax_checks")),
+    ("tgq_grammar_argmax_misses", "Argmax checks the grammar refused (that row masked again)",
+     CounterMetricFamily, attrgetter("num_grammar_argmax_misses")),
 )  # fmt: skip
 
 

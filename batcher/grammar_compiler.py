@@ -36,6 +36,12 @@ POOL_MIN_CPUS = 8
 # mask up front before it checks the argmax first again: 1, 2, 4 ... at most this many (see
 # `Constraint`).
 MAX_MASK_FIRST_STEPS = 64
+# A step lets at most this many misses be expected among its rows that check their argmax first
+# (rows x the recent miss rate; at least one row checks, so the rate stays measured). Any miss
+# costs a second pass over the lm head for the rows that missed, about as much as one pass for
+# all of them (the weights are read once either way); a mask costs each row ~0.05-0.2 ms.
+MAX_EXPECTED_MISSES = 0.25
+MISS_RATE_WEIGHT = 0.05  # of each check in the moving average of the miss rate
 COMPILE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -136,6 +142,8 @@ class GrammarCompiler:
             raise ValueError("the grammar cache holds at least one grammar")
         self.max_cache = max_cache
         self.stats = GrammarStats()
+        # Of greedy rows' free argmax checks, recently (a moving average; see `step_masks`).
+        self.miss_rate = 0.1
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         eos = sorted(eos_token_ids)
         self.eos_token_ids = frozenset(eos)
@@ -185,8 +193,14 @@ class GrammarCompiler:
     def step_masks(self, masks_now: dict[str, Constraint], argmax_first: dict[str, Constraint]
                    ) -> StepMasks:  # fmt: skip
         """A step's masks by request id (`plan.StepPlan.token_masks`): those of `masks_now`
-        computed now, together; those of `argmax_first` (greedy rows) only if the runner asks,
-        after their free argmax missed the grammar."""
+        computed now, together; those of `argmax_first` (greedy rows that may check their free
+        argmax first) only if the runner asks, after their argmax missed the grammar, for as
+        many rows as `MAX_EXPECTED_MISSES` lets at the recent miss rate (the rest now too)."""
+        limit = max(1, int(MAX_EXPECTED_MISSES / max(self.miss_rate, 1e-6)))
+        if len(argmax_first) > limit:
+            rows = list(argmax_first.items())
+            masks_now = masks_now | dict(rows[limit:])
+            argmax_first = dict(rows[:limit])
         computed = {}
         if masks_now:
             started = time.perf_counter()
@@ -262,6 +276,7 @@ class StepMasks(Mapping[str, bytes]):
         )
         compiler.stats.num_argmax_checks += 1
         compiler.stats.num_argmax_misses += not allowed
+        compiler.miss_rate += MISS_RATE_WEIGHT * ((not allowed) - compiler.miss_rate)
         return allowed
 
     def __getitem__(self, request_id: str) -> bytes:

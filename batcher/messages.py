@@ -98,13 +98,16 @@ class Heartbeat:
     num_step_tokens: int = 0
     max_step_tokens: int = 0
     # Structured output (`grammar_compiler.GrammarStats`): compiles per histogram bucket, their
-    # total seconds, failures, cache hits; masks computed and their total seconds.
+    # total seconds, failures, cache hits; masks computed and their total seconds; greedy rows'
+    # argmax checks and the checks that missed.
     grammar_compiles: list[int] = field(default_factory=list)
     grammar_compile_seconds: float = 0.0
     num_grammar_failures: int = 0
     num_grammar_cache_hits: int = 0
     num_grammar_masks: int = 0
     grammar_mask_seconds: float = 0.0
+    num_grammar_argmax_checks: int = 0
+    num_grammar_argmax_misses: int = 0
 
 
 Message = SubmitRequest | AbortRequest | TokenEvent | FinalResult | Heartbeat
@@ -276,6 +279,8 @@ def _heartbeat(body: dict[str, Any]) -> Heartbeat:
         num_grammar_cache_hits=_optional(body, "num_grammar_cache_hits", int) or 0,
         num_grammar_masks=_optional(body, "num_grammar_masks", int) or 0,
         grammar_mask_seconds=_optional(body, "grammar_mask_seconds", (int, float)) or 0.0,
+        num_grammar_argmax_checks=_optional(body, "num_grammar_argmax_checks", int) or 0,
+        num_grammar_argmax_misses=_optional(body, "num_grammar_argmax_misses", int) or 0,
     )
 
 

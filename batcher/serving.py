@@ -166,6 +166,8 @@ class Batcher:
             num_grammar_cache_hits=grammars.num_cache_hits,
             num_grammar_masks=grammars.num_masks,
             grammar_mask_seconds=grammars.mask_seconds,
+            num_grammar_argmax_checks=grammars.num_argmax_checks,
+            num_grammar_argmax_misses=grammars.num_argmax_misses,
         )
 
     def _pull(self) -> None:

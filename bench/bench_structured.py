@@ -188,7 +188,7 @@ def run_mixed(
     """The workload at once, every request under `spec` (or none): tokens/s over the tokens it
     produced, and the engine's time computing grammar masks per step."""
     engine, stats = bench.engine(compiler), compiler.stats
-    mask_seconds = stats.mask_seconds
+    before = dataclasses.replace(stats)
     start = time.perf_counter()
     for prompt, num_out in workload:
         stopping = StoppingParams(max_new_tokens=num_out)
@@ -206,7 +206,9 @@ def run_mixed(
         "seconds": seconds,
         "steps": num_steps,
         "json_complete": num_complete,  # requests ended by their grammar, not their length
-        "mask_ms_per_step": 1e3 * (stats.mask_seconds - mask_seconds) / num_steps,
+        "mask_ms_per_step": 1e3 * (stats.mask_seconds - before.mask_seconds) / num_steps,
+        "argmax_checks": stats.num_argmax_checks - before.num_argmax_checks,
+        "argmax_misses": stats.num_argmax_misses - before.num_argmax_misses,
     }
 
 
@@ -575,6 +577,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             json["steps"],
             json["json_complete"],
         )
+        checks = json["argmax_checks"]
+        if checks:
+            row("  argmax checked first; missed", "", checks, json["argmax_misses"])
     for name, goal in (("greedy", "<= 1.05"), ("sampled", "")):
         steps = single[name]
         ratio = f"{steps['json_over_free']:.3f}"

@@ -44,6 +44,8 @@ TGQ_TYPES = {
     "tgq_grammar_compile_failures": "counter",
     "tgq_grammar_masks": "counter",
     "tgq_grammar_mask_seconds": "counter",
+    "tgq_grammar_argmax_checks": "counter",
+    "tgq_grammar_argmax_misses": "counter",
     "tgq_grammar_compile_duration": "histogram",
 }
 
@@ -153,6 +155,8 @@ def beat(batcher_id: str, num_running: int, num_free: int, queries: int, hits: i
         num_grammar_cache_hits=hits // 2,
         num_grammar_masks=hits * 3,
         grammar_mask_seconds=0.25,
+        num_grammar_argmax_checks=700,
+        num_grammar_argmax_misses=7,
     )
 
 
@@ -172,6 +176,8 @@ def test_batcher_gauges_follow_the_live_heartbeats() -> None:
     assert samples['tgq_grammar_cache_hits{batcher="b0"}'] == 320
     assert samples['tgq_grammar_masks{batcher="b0"}'] == 1920
     assert samples['tgq_grammar_mask_seconds{batcher="b0"}'] == 0.25
+    assert samples['tgq_grammar_argmax_checks{batcher="b0"}'] == 700
+    assert samples['tgq_grammar_argmax_misses{batcher="b0"}'] == 7
     assert samples['tgq_grammar_compile_duration_bucket{batcher="b0",le="0.001"}'] == 0
     assert samples['tgq_grammar_compile_duration_bucket{batcher="b0",le="0.005"}'] == 3
     assert samples['tgq_grammar_compile_duration_bucket{batcher="b0",le="+Inf"}'] == 4

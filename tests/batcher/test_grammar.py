@@ -229,3 +229,23 @@ def test_a_row_whose_argmax_misses_takes_its_mask_first_for_longer_each_time(
     assert steps_with_mask_first_after_a_miss() == 1
     stats = compiler.stats
     assert (stats.num_argmax_checks, stats.num_argmax_misses) == (0, 0)  # not through StepMasks
+
+
+def test_a_step_checks_first_only_as_many_rows_as_the_miss_rate_allows(
+    compiler: GrammarCompiler, tokenizer: Tokenizer
+) -> None:
+    spec = GrammarSpec(GrammarKind.REGEX, "[0-9]+")
+    rows = {f"r{i}": compiler.take(spec, compiler.compile(spec)) for i in range(64)}
+    for miss_rate, checking in ((0.5, 1), (0.1, 2), (0.01, 25), (0.0, 64)):
+        compiler.miss_rate = miss_rate
+        masked = compiler.stats.num_masks
+        masks = compiler.step_masks({}, rows)
+        assert [row for row in rows if masks.checks_argmax_first(row)] == list(rows)[:checking]
+        assert compiler.stats.num_masks - masked == 64 - checking  # the rest: computed now
+    (digit,) = tokenizer.encode("7").ids
+    (letter,) = tokenizer.encode("a").ids
+    compiler.miss_rate = 0.1
+    masks = compiler.step_masks({}, {"r0": rows["r0"], "r1": rows["r1"]})
+    assert masks.allows("r0", digit) and compiler.miss_rate < 0.1
+    hit = compiler.miss_rate
+    assert not masks.allows("r1", letter) and compiler.miss_rate > hit

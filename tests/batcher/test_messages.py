@@ -102,6 +102,14 @@ MESSAGES: list[Message] = [
         num_steps=12,
         num_step_tokens=400,
         max_step_tokens=64,
+        grammar_compiles=[0, 3, 1],
+        grammar_compile_seconds=0.01,
+        num_grammar_failures=1,
+        num_grammar_cache_hits=6,
+        num_grammar_masks=80,
+        grammar_mask_seconds=0.02,
+        num_grammar_argmax_checks=300,
+        num_grammar_argmax_misses=4,
     ),  # every field
     SubmitRequest(
         request_id="req-3",
