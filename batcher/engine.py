@@ -42,6 +42,11 @@ COMPILE_WAIT_S = 0.01  # an idle engine's longest wait for a grammar compile, pe
 
 
 class StepRunner(Protocol):
+    """What the engine drives. A runner may also say `checks_argmax_first = True` (the
+    `ModelRunner` with a greedy head): then constrained greedy rows may check their free argmax
+    against the grammar before their mask is computed (`plan.ArgmaxFirst`); without it every
+    mask is computed up front, together."""
+
     @property
     def num_blocks(self) -> int: ...
 
@@ -113,6 +118,7 @@ class LLMEngine:
         self.runner = runner
         self.decoder = decoder
         self.grammars = grammars
+        self._argmax_first = bool(getattr(runner, "checks_argmax_first", False))
         # Requests waiting for their grammar's compile: (request, spec, compile).
         self._compiling: dict[str, tuple[Request, GrammarSpec, Future[Any]]] = {}
         self.eos_token_ids = eos_token_ids
@@ -244,7 +250,11 @@ class LLMEngine:
                 self.scheduler.finish(chunk.request_id, RequestStatus.FINISHED_FAILED, error)
                 self._pending.append(_end_of(request))
                 continue
-            first = request.sampling.needs_only_argmax and request.grammar.checks_argmax_first()
+            first = (
+                self._argmax_first
+                and request.sampling.needs_only_argmax
+                and request.grammar.checks_argmax_first()
+            )
             (argmax_first if first else masks_now)[chunk.request_id] = request.grammar
         if not masks_now and not argmax_first:
             return None

@@ -97,6 +97,14 @@ class ModelRunner:
         self.sequences: dict[str, _Sequence] = {}
         self._token_masks: Mapping[str, bytes] = {}  # this step's (structured output)
 
+    @property
+    def checks_argmax_first(self) -> bool:
+        """Whether constrained greedy rows may check their argmax against the grammar before
+        their mask is computed (`plan.ArgmaxFirst`): where the model has a greedy head, whose
+        argmax costs no logits. Without one every row's logits are computed, and the masks are
+        best computed up front, together (on llguidance's pool where it runs)."""
+        return self.loaded.model.greedy_head is not None
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. A plan that breaks the contract raises ValueError before any state

@@ -408,6 +408,7 @@ def test_the_greedy_head_serves_a_grammar_only_with_the_tokens_it_allows(model_d
         stats = engine.grammars.stats
         if greedy_head:  # rows checked their free argmax first; some missed and were masked
             assert stats.num_argmax_checks > stats.num_argmax_misses > 0
-        else:  # no argmax without logits: every row's mask, applied to its logits
+        else:  # no argmax without logits: every row's mask up front, applied to its logits
+            assert not engine.runner.checks_argmax_first  # type: ignore[attr-defined]
             assert stats.num_argmax_checks == 0
     assert outputs[0] == outputs[1]
