@@ -37,6 +37,10 @@ ROW_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
 # machine only ever adds time, so the minimum is the steadiest estimate).
 ROUNDS = 3
 REPEATS = 3
+# Rounds before a clear lead may end the timing early: one round's burst of other work could
+# make a 2x lead on its own (a CI run on the AMD EPYC once timed tgq's linear at 44.5 ms against
+# oneDNN's 21.6 in the first round, where both take ~20 ms).
+MIN_ROUNDS = 2
 # Flags that decide which kernels can run (and so belong in the cache key).
 _KEY_FLAGS = (
     "avx2",
@@ -164,13 +168,14 @@ def measure(
     for count in sorted(rows):
         calls = {name: make(count) for name, make in remaining.items()}
         # In turns, up to ROUNDS times: a burst of other work on the machine slows one round of
-        # one candidate, not all of its rounds. Rounds stop once the fastest leads by 25%.
+        # one candidate, not all of its rounds. Rounds stop once the fastest leads by 25% after
+        # MIN_ROUNDS of them (or at once with one candidate).
         timings = {name: float("inf") for name in calls}
-        for _ in range(ROUNDS):
+        for done in range(1, ROUNDS + 1):
             for name, call in calls.items():
                 timings[name] = min(timings[name], time_ms(call))
             ranked = sorted(timings.values())
-            if len(ranked) < 2 or ranked[1] > 1.25 * ranked[0]:
+            if len(ranked) < 2 or (done >= MIN_ROUNDS and ranked[1] > 1.25 * ranked[0]):
                 break
         out.append(Measured(op, count, timings, dict(handicap or {})))
         best = min(timings.values())

