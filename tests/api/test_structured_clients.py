@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 class Verdict(BaseModel):
-    """Bounded everywhere, so a random model completes it within `max_tokens`."""
+    """Bounded everywhere, so a random model completes it within `MAX_TOKENS`."""
 
     verdict: Literal["yes", "no", "maybe"]
     score: int = Field(ge=0, le=10)
@@ -31,6 +31,10 @@ class Verdict(BaseModel):
 
 
 SCHEMA = Verdict.model_json_schema()
+# The longest output the schema allows is a forced tool call of 90 characters,
+# `[{"name":"Verdict","arguments":{"verdict":"maybe","score":10,"tags":["urgent","urgent"]}}]`
+# (no free whitespace): at worst one token each. 60 left a sampled answer short now and then.
+MAX_TOKENS = 96
 PROMPT = "Is the contract signed? Answer as JSON."
 
 
@@ -41,7 +45,7 @@ def test_openai_parse_returns_the_pydantic_model(stack: Stack) -> None:
             model="tgq-test",
             messages=[{"role": "user", "content": PROMPT}],
             response_format=Verdict,
-            max_tokens=60,
+            max_tokens=MAX_TOKENS,
             temperature=temperature,
             seed=3,
         )
@@ -56,7 +60,7 @@ def test_openai_stream_helper_parses_the_streamed_json(stack: Stack) -> None:
         model="tgq-test",
         messages=[{"role": "user", "content": PROMPT}],
         response_format=Verdict,
-        max_tokens=60,
+        max_tokens=MAX_TOKENS,
         temperature=1.0,
         seed=5,
     ) as stream:
@@ -69,7 +73,9 @@ def test_openai_stream_helper_parses_the_streamed_json(stack: Stack) -> None:
 def test_text_generation_client_with_a_grammar(stack: Stack) -> None:
     client = Client(stack.url, timeout=60)
     json_grammar = Grammar(type=GrammarType.Json, value=SCHEMA)
-    answer = client.generate(PROMPT, max_new_tokens=60, grammar=json_grammar, do_sample=True)
+    answer = client.generate(
+        PROMPT, max_new_tokens=MAX_TOKENS, grammar=json_grammar, do_sample=True
+    )
     Verdict.model_validate_json(answer.generated_text)
     regex = Grammar(type=GrammarType.Regex, value="[0-9]{3}-[a-z]{2}")
     tokens = list(client.generate_stream(PROMPT, max_new_tokens=20, grammar=regex))
@@ -80,7 +86,7 @@ def test_huggingface_hub_inference_client_with_a_grammar(stack: Stack) -> None:
     client = InferenceClient(base_url=stack.url)
     text = client.text_generation(
         PROMPT,
-        max_new_tokens=60,
+        max_new_tokens=MAX_TOKENS,
         grammar={"type": "json", "value": SCHEMA},
         return_full_text=False,
     )
@@ -94,7 +100,7 @@ def test_a_job_with_a_grammar_records_it_and_every_result_follows_it(stack: Stac
         "prompt": [f"Contract {i}: is it signed?" for i in range(6)],
         "parameters": {
             "grammar": {"type": "json", "value": SCHEMA},
-            "max_new_tokens": 60,
+            "max_new_tokens": MAX_TOKENS,
             "do_sample": True,
             "temperature": 1.5,
         },
@@ -118,7 +124,7 @@ def test_instructor_returns_the_pydantic_model(stack: Stack, mode: str) -> None:
         model="tgq-test",
         messages=[{"role": "user", "content": PROMPT}],
         response_model=Verdict,
-        max_tokens=60,
+        max_tokens=MAX_TOKENS,
         temperature=1.0,
         max_retries=0,  # the first answer must validate
     )
@@ -133,7 +139,7 @@ def test_langchain_with_structured_output(stack: Stack, method: str) -> None:
         base_url=f"{stack.url}/v1",
         api_key="unused",
         model="tgq-test",
-        max_tokens=60,
+        max_tokens=MAX_TOKENS,
     )
     structured = chat.with_structured_output(Verdict, method=method)  # type: ignore[arg-type]
     assert isinstance(structured.invoke(PROMPT), Verdict)
