@@ -24,7 +24,6 @@ import numpy
 from tgq.batcher.grammar import GrammarError, GrammarSpec, check, tidy
 
 DEFAULT_MAX_CACHE = 1024  # compiled grammars kept (`--max-grammar-cache`)
-# Upper bounds (seconds) of the compile-time histogram the heartbeat carries; one more for +Inf.
 # llguidance's thread pool computes a step's masks only on machines with at least this many CPUs.
 # Each call wakes its threads (~0.05-0.1 ms) and, on a CPU server, takes cores from the model's
 # threads: on 2 CPUs (AMD EPYC, 2026-12-06), masks of 1 to 64 rows in a JSON string took
@@ -42,6 +41,7 @@ MAX_MASK_FIRST_STEPS = 64
 # all of them (the weights are read once either way); a mask costs each row ~0.05-0.2 ms.
 MAX_EXPECTED_MISSES = 0.25
 MISS_RATE_WEIGHT = 0.05  # of each check in the moving average of the miss rate
+# Upper bounds (seconds) of the compile-time histogram the heartbeat carries; one more for +Inf.
 COMPILE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -201,20 +201,31 @@ class GrammarCompiler:
             rows = list(argmax_first.items())
             masks_now = masks_now | dict(rows[limit:])
             argmax_first = dict(rows[:limit])
-        computed = {}
-        if masks_now:
-            started = time.perf_counter()
-            computed = dict(zip(masks_now, self.masks(list(masks_now.values())), strict=True))
-            self.stats.num_masks += len(computed)
-            self.stats.mask_seconds += time.perf_counter() - started
+        computed = dict(zip(masks_now, self._step_masks(list(masks_now.values())), strict=True))
         return StepMasks(self, computed, argmax_first)
+
+    def _step_masks(self, constraints: list[Constraint]) -> list[bytes]:
+        """`masks`, counted and timed in `stats` as a step's."""
+        if not constraints:
+            return []
+        started = time.perf_counter()
+        masks = self.masks(constraints)
+        self.stats.num_masks += len(masks)
+        self.stats.mask_seconds += time.perf_counter() - started
+        return masks
+
+    def _record_check(self, allowed: bool) -> None:
+        """One greedy row's argmax check: the counters and the miss rate's moving average."""
+        self.stats.num_argmax_checks += 1
+        self.stats.num_argmax_misses += not allowed
+        self.miss_rate += MISS_RATE_WEIGHT * ((not allowed) - self.miss_rate)
 
     def masks(self, constraints: Sequence[Constraint]) -> list[bytes]:
         """The next-token masks of several constraints (none broken: see `Constraint.error`):
         token t is allowed when bit `t % 32` of little-endian 32-bit word `t // 32` is set, in
         words enough for the vocabulary. On this thread for one row or on a machine of few
         CPUs; else on llguidance's own threads at once (see `POOL_MIN_CPUS`)."""
-        size = (self._tokenizer.result().vocab_size + 31) // 32 * 4
+        size = (self.vocab_size + 31) // 32 * 4
         out = numpy.empty(len(constraints) * size, dtype=numpy.uint8)
         start = out.ctypes.data
         if len(constraints) == 1 or self._mask_threads is None:
@@ -274,19 +285,14 @@ class StepMasks(Mapping[str, bytes]):
         allowed = token_id < compiler.vocab_size and self._argmax_first[request_id].allows(
             token_id, is_eos=token_id in compiler.eos_token_ids
         )
-        compiler.stats.num_argmax_checks += 1
-        compiler.stats.num_argmax_misses += not allowed
-        compiler.miss_rate += MISS_RATE_WEIGHT * ((not allowed) - compiler.miss_rate)
+        compiler._record_check(allowed)
         return allowed
 
     def __getitem__(self, request_id: str) -> bytes:
         mask = self._computed.get(request_id)
         if mask is None:
             constraint = self._argmax_first[request_id]  # KeyError: not a constrained row
-            started = time.perf_counter()
-            (mask,) = self._compiler.masks([constraint])
-            self._compiler.stats.num_masks += 1
-            self._compiler.stats.mask_seconds += time.perf_counter() - started
+            (mask,) = self._compiler._step_masks([constraint])
             self._computed[request_id] = mask
         return mask
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,7 @@ def best_decode_step(
     for _ in range(repeats):
         for name, engine in engines.items():
             for n in (n2, n1):
-                start = time.perf_counter()
-                engine.generate(batch, n)
-                best[name][n] = min(best[name][n], time.perf_counter() - start)
+                best[name][n] = min(best[name][n], timed(partial(engine.generate, batch, n)))
     return {name: (runs[n2] - runs[n1]) / (n2 - n1) for name, runs in best.items()}
 
 

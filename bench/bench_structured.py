@@ -332,8 +332,9 @@ def batch1(bench: Bench, compiler: GrammarCompiler, sizes: Sizes) -> dict[str, A
             for _ in range(sizes.batch1_repeats)
         ]
         p50 = [{way: percentile(sorted(steps), 0.5) for way, steps in run.items()} for run in runs]
-        ratios = sorted(run["json"] / run["free"] for run in p50)
-        middle = p50[[run["json"] / run["free"] for run in p50].index(ratios[len(ratios) // 2])]
+        p50.sort(key=lambda run: run["json"] / run["free"])
+        ratios = [run["json"] / run["free"] for run in p50]
+        middle = p50[len(p50) // 2]
         out[name] = {
             "free_step_p50_ms": 1e3 * middle["free"],
             "json_step_p50_ms": 1e3 * middle["json"],
