@@ -30,7 +30,7 @@ from tgq.batcher.ranks import ServedWith, ShardConfig, ShardedRunner, WorkerLost
 from tgq.batcher.serving import Batcher, ServingConfig
 from tgq.batcher.tracing import TracingUnavailableError, configure_tracing, shutdown_tracing
 from tgq.batcher.transport.redis import RedisBatcherTransport
-from tgq.gpu_worker.config import model_eos_token_ids
+from tgq.gpu_worker.config import ModelConfig, model_eos_token_ids
 from tgq.gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
 from tgq.gpu_worker.quantization import QuantizedCheckpointError, refuse_quantized_checkpoint
 
@@ -91,13 +91,16 @@ def describe(options: BatcherOptions, runner: StepRunner) -> str:
 def build_engine(options: BatcherOptions, model_dir: str, runner: StepRunner) -> LLMEngine:
     tokenizer = Path(model_dir) / "tokenizer.json"
     eos_token_ids = model_eos_token_ids(model_dir)
+    model = ModelConfig.from_dir(model_dir)
     if not tokenizer.exists():
-        return LLMEngine(runner, options.scheduler_config(), None, eos_token_ids)
+        return LLMEngine(runner, options.scheduler_config(), None, eos_token_ids, model=model)
     decoder = HFTokenDecoder.from_file(str(tokenizer))
     grammars = GrammarCompiler(
         tokenizer.read_text(), eos_token_ids, max_cache=options.max_grammar_cache
     )
-    return LLMEngine(runner, options.scheduler_config(), decoder, eos_token_ids, grammars)
+    return LLMEngine(
+        runner, options.scheduler_config(), decoder, eos_token_ids, grammars, model=model
+    )
 
 
 def resolve_model(options: BatcherOptions) -> str:

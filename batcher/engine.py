@@ -35,6 +35,7 @@ from tgq.batcher.request import FinishReason, Priority, Request, RequestStatus, 
 from tgq.batcher.scheduler import Scheduler
 from tgq.batcher.scheduler_output import SchedulerOutput
 from tgq.batcher.stopping import OutputText
+from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.plan import SamplingParams, StepPlan, StepResult, TokenLogprob
 
 GREEDY = SamplingParams()
@@ -111,10 +112,12 @@ class LLMEngine:
         decoder: TokenDecoder | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         grammars: GrammarCompiler | None = None,
+        model: ModelConfig | None = None,
     ) -> None:
         """`eos_token_ids`: the model's (`gpu_worker.config.model_eos_token_ids`), used by every
         request whose StoppingParams names none. `grammars`: structured output (None: a request
-        with a grammar is refused)."""
+        with a grammar is refused). `model`: the model's config, for the scheduler's prefix
+        cache where the rope depends on a sequence's length (`Scheduler`)."""
         self.runner = runner
         self.decoder = decoder
         self.grammars = grammars
@@ -123,7 +126,7 @@ class LLMEngine:
         self._compiling: dict[str, tuple[Request, GrammarSpec, Future[Any]]] = {}
         self.eos_token_ids = eos_token_ids
         config = config or SchedulerConfig()
-        self.scheduler = Scheduler(config, runner.num_blocks, runner.block_size)
+        self.scheduler = Scheduler(config, runner.num_blocks, runner.block_size, model)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._pending: list[RequestOutput] = []  # ends decided outside a step (abort, reject)
         self._ids = itertools.count()

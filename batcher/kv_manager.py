@@ -75,14 +75,15 @@ class KVManager:
     def block_ids(self, request_id: str) -> list[int]:
         return list(self._held.get(request_id, ()))
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], salt: bytes = _ROOT_HASH) -> list[int]:
         """Cached blocks for the longest full-block prefix of `token_ids`, never including the
         block that holds the last token: a full hit still computes that token (for its logits).
-        Takes no references; pass the result to `grow_blocks`."""
+        `salt`: where the keys start (one prefix under two salts is two entries; the model's
+        `prefix_cache_salt`). Takes no references; pass the result to `grow_blocks`."""
         if not self.enable_prefix_cache:
             return []
         block_ids: list[int] = []
-        parent = _ROOT_HASH
+        parent = salt
         for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
             parent = block_hash(parent, token_ids[start : start + self.block_size])
             block_id = self._hash_to_block.get(parent)
@@ -118,15 +119,18 @@ class KVManager:
             self._held_hashes[request_id] = [self._block_to_hash[b] for b in cached_block_ids]
         return new_block_ids
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the request's full blocks whose KV is computed (first `num_computed` tokens).
-        A block whose content is already cached under another id stays uncached."""
+    def cache_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: bytes = _ROOT_HASH
+    ) -> None:
+        """Register the request's full blocks whose KV is computed (first `num_computed` tokens),
+        keyed from `salt` (as in `find_cached_prefix`). A block whose content is already cached
+        under another id stays uncached."""
         if not self.enable_prefix_cache:
             return
         held, hashes = self._held[request_id], self._held_hashes[request_id]
         for index in range(len(hashes), num_computed // self.block_size):
             start = index * self.block_size
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else salt
             key = block_hash(parent, token_ids[start : start + self.block_size])
             hashes.append(key)
             if key not in self._hash_to_block and held[index] not in self._block_to_hash:

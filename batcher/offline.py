@@ -24,7 +24,12 @@ class OfflineEngine:
         """`eos_token_ids`: the ids that end a generation; none by default, so each result
         runs to `max_new_tokens` (as transformers does with `eos_token_id=None`)."""
         self.runner = runner
-        self.engine = LLMEngine(runner, self._limits(None), eos_token_ids=frozenset(eos_token_ids))
+        self.engine = LLMEngine(
+            runner,
+            self._limits(None),
+            eos_token_ids=frozenset(eos_token_ids),
+            model=getattr(runner, "model_config", None),  # a ModelRunner's
+        )
 
     def generate(
         self,

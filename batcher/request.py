@@ -123,6 +123,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in `block_ids` (prefix hits included)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
+    kv_salt: bytes = b""  # the prefix-cache salt its KV was computed under (set at admission)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     num_preemptions: int = 0

@@ -25,6 +25,7 @@ from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.kv_manager import KVManager, expect_integrity
 from tgq.batcher.request import Priority, Request, RequestStatus
 from tgq.batcher.scheduler_output import SchedulerOutput, StepBuilder
+from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.plan import NewSequence, ScheduledChunk, StepResult
 
 
@@ -44,8 +45,17 @@ class StepStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        model: ModelConfig | None = None,
+    ) -> None:
+        """`model`: the model's config, where its rope makes a token's KV depend on its
+        sequence's length (`ModelConfig.prefix_cache_salt`); None: it never does."""
         self.config = config
+        self.model = model
         if config.max_batch_total_tokens is not None:
             num_blocks = min(num_blocks, 1 + config.max_batch_total_tokens // block_size)
         self.kv = KVManager(num_blocks, block_size, enable_prefix_cache=config.enable_prefix_cache)
@@ -157,7 +167,18 @@ class Scheduler:
             expect_integrity(is_empty, f"waiting {request.request_id!r} holds KV")
         expect_integrity(len(self.running) <= self.config.max_batch_size, "batch too large")
 
+    def _kv_salt(self, request: Request) -> bytes:
+        """The prefix-cache salt of the KV the request would compute now."""
+        if self.model is None:
+            return b""
+        return self.model.prefix_cache_salt(request.num_prompt_tokens, request.num_tokens)
+
     def _schedule_running(self, step: StepBuilder) -> None:
+        for request in list(self.running):
+            if request.num_computed_tokens and self._kv_salt(request) != request.kv_salt:
+                # Its rope changed with its length (longrope past the original context): the KV
+                # it holds is computed again, every token, as the reference does.
+                self._preempt(request, step, restart=True)
         shares = self._shares(step.token_budget)
         for request in list(self.running):
             num_new = shares[request.request_id]
@@ -234,7 +255,8 @@ class Scheduler:
             if not outranks(self.running[-1]):
                 return False
             self._preempt(self.running[-1], step)
-        cached_block_ids = self.kv.find_cached_prefix(request.token_ids)
+        salt = self._kv_salt(request)
+        cached_block_ids = self.kv.find_cached_prefix(request.token_ids, salt)
         num_cached = len(cached_block_ids) * self.kv.block_size
         num_new = min(request.num_tokens - num_cached, step.token_budget)
         block_ids = self._allocate(request, num_cached + num_new, step, outranks, cached_block_ids)
@@ -245,6 +267,7 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         request.num_computed_tokens = num_cached
         request.block_ids = block_ids
+        request.kv_salt = salt
         request.transition(RequestStatus.RUNNING)
         self.waiting.remove(request)
         bisect.insort(self.running, request, key=_sort_key)
@@ -280,16 +303,19 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _preempt(self, request: Request, step: StepBuilder) -> None:
+    def _preempt(self, request: Request, step: StepBuilder, *, restart: bool = False) -> None:
+        """Free the request's KV and queue it to be computed again; `restart`: not for lack of
+        blocks (not counted as a preemption)."""
         self.running.remove(request)
         step.remove(request.request_id)
         self._release(request)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         request.transition(RequestStatus.PREEMPTED)
         bisect.insort(self.waiting, request, key=_sort_key)
         step.preempted_request_ids.append(request.request_id)
-        self.num_preemptions += 1
+        if not restart:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
 
     def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
         """Advance computed tokens, append sampled ones, apply token-level stopping. Returns the
@@ -299,7 +325,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished from outside since the plan was made
             request.num_computed_tokens += chunk.num_new_tokens
-            self.kv.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            self.kv.cache_blocks(
+                request.request_id, request.token_ids, request.num_computed_tokens, request.kv_salt
+            )
         updated = []
         for sampled in result.sampled:
             request = self.requests.get(sampled.request_id)

@@ -36,6 +36,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
@@ -57,6 +58,8 @@ def make_config(architecture: str, shape: str = "tiny", **overrides: Any) -> dic
     }
     if architecture == "Qwen3ForCausalLM":
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    if architecture == "Phi3ForCausalLM":
+        config["pad_token_id"] = 0  # transformers' default (32000) lies past a small vocabulary
     config.update(overrides)
     return config
 
@@ -98,6 +101,16 @@ def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
         if arch == "Qwen3ForCausalLM":
             tensors[f"{p}self_attn.q_norm.weight"] = norm(head_dim)
             tensors[f"{p}self_attn.k_norm.weight"] = norm(head_dim)
+        if arch == "Phi3ForCausalLM":  # q/k/v and gate/up stored fused, in that order
+            for fused, parts in (
+                (
+                    "self_attn.qkv_proj",
+                    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                ),
+                ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+            ):
+                weights = [tensors.pop(f"{p}{part}.weight") for part in parts]
+                tensors[f"{p}{fused}.weight"] = torch.cat(weights)
         tensors[f"{p}input_layernorm.weight"] = norm(hidden)
         tensors[f"{p}post_attention_layernorm.weight"] = norm(hidden)
     tensors["model.norm.weight"] = norm(hidden)

@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_ROPE_THETA = 10000.0
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope")
+# Rope types whose rotation of a token depends on its sequence's length, not only its position
+# (`ModelConfig.rope_length`).
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 # Keys each scaled rope type must carry, and the type each is normalised to.
 _ROPE_KEYS: dict[str, dict[str, type]] = {
     "llama3": {
@@ -24,6 +27,24 @@ _ROPE_KEYS: dict[str, dict[str, type]] = {
     },
     "linear": {"factor": float},
     "dynamic": {"factor": float},
+    "yarn": {"factor": float, "original_max_position_embeddings": int},
+    "longrope": {
+        "short_factor": list,
+        "long_factor": list,
+        "original_max_position_embeddings": int,
+    },
+}
+# Optional keys, cast where present.
+_ROPE_OPTIONAL_KEYS: dict[str, dict[str, type]] = {
+    "yarn": {
+        "attention_factor": float,
+        "mscale": float,
+        "mscale_all_dim": float,
+        "beta_fast": float,
+        "beta_slow": float,
+        "truncate": bool,
+    },
+    "longrope": {"factor": float, "attention_factor": float},
 }
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -43,6 +64,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
+    rotary_dim: int  # the leading dimensions of each head that rotate (Phi's partial rotary)
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -63,6 +85,7 @@ class ModelConfig:
         num_heads = int(_require(d, "num_attention_heads"))
         hidden_size = int(_require(d, "hidden_size"))
         rope_theta, rope_scaling = _parse_rope(d)
+        head_dim = int(d.get("head_dim") or hidden_size // num_heads)
         return cls(
             architecture=str(_require(d, "architectures")[0]),
             vocab_size=int(_require(d, "vocab_size")),
@@ -71,10 +94,11 @@ class ModelConfig:
             num_layers=int(_require(d, "num_hidden_layers")),
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(d.get("head_dim") or hidden_size // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            rotary_dim=_parse_rotary_dim(d, head_dim),
             max_position_embeddings=int(_require(d, "max_position_embeddings")),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
@@ -86,6 +110,50 @@ class ModelConfig:
             eos_token_ids=_as_id_list(d.get("eos_token_id")),
             bos_token_id=d.get("bos_token_id"),
         )
+
+    def rope_length(self, num_prompt_tokens: int, num_tokens: int, position: int) -> int:
+        """The sequence length that sets the rotation of the token at `position`, for the rope
+        types that depend on it, in a sequence of `num_tokens` tokens so far (the one at
+        `position` included) whose prompt has `num_prompt_tokens`. As the reference
+        implementation computes them:
+        - `dynamic` picks its base once per forward from the longest position in it: a prompt's
+          tokens rotate for the prompt's length, each generated token for its own (`position +
+          1`), and cached keys keep theirs;
+        - `longrope` uses the long factors for every token of a sequence past the original
+          length: a prompt past it is computed long, and a sequence that grows past it is
+          computed again, every token long (`rope_restart_length`)."""
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            return num_tokens
+        return max(num_prompt_tokens, position + 1)
+
+    @property
+    def rope_restart_length(self) -> int | None:
+        """`longrope`: a sequence whose KV was computed with the short factors is computed again
+        from its first token when it reaches this many tokens (the reference drops its cache
+        there); None for the other types."""
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            return self.original_max_position_embeddings + 1
+        return None
+
+    def prefix_cache_salt(self, num_prompt_tokens: int, num_tokens: int) -> bytes:
+        """Bytes the prefix cache's keys start from for a sequence of `num_tokens` tokens (with
+        `num_prompt_tokens` of prompt): empty unless the rope type rotates a token by its
+        sequence's length (`rope_length`) past the original context, where two sequences with
+        one prefix store different keys for it: `longrope` the long factors, `dynamic` a base
+        per prompt length."""
+        scaling = self.rope_scaling
+        original = self.original_max_position_embeddings
+        if scaling is None or scaling["rope_type"] not in LENGTH_DEPENDENT_ROPE_TYPES:
+            return b""
+        if scaling["rope_type"] == "longrope":
+            return b"rope:long" if num_tokens > original else b""
+        return f"rope:{num_prompt_tokens}".encode() if num_prompt_tokens > original else b""
+
+    @property
+    def original_max_position_embeddings(self) -> int:
+        """The context length the rope scaling extends (the model's own without scaling)."""
+        scaling = self.rope_scaling or {}
+        return int(scaling.get("original_max_position_embeddings", self.max_position_embeddings))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -101,11 +169,22 @@ def _require(d: dict[str, Any], key: str) -> Any:
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """v5 `rope_parameters` wins; otherwise v4's top-level `rope_theta` and `rope_scaling`."""
+    """v5 `rope_parameters` wins; otherwise v4's top-level `rope_theta` and `rope_scaling`.
+    `original_max_position_embeddings` may sit at the top level (Phi-3), where it wins; Phi-3's
+    legacy types `su` and `yarn` both mean longrope."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or DEFAULT_ROPE_THETA)
+    params.pop("partial_rotary_factor", None)  # `rotary_dim`
     legacy_type = params.pop("type", None)
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    if rope_type == "su" or (rope_type == "yarn" and _architecture(d) == "Phi3ForCausalLM"):
+        rope_type = "longrope"
+    if rope_type in ("yarn", "longrope"):
+        params["original_max_position_embeddings"] = (
+            d.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
+            or d.get("max_position_embeddings")
+        )
     if rope_type not in SUPPORTED_ROPE_TYPES:
         supported = ", ".join(SUPPORTED_ROPE_TYPES)
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {supported}")
@@ -115,7 +194,43 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if params.get(key) is None:
             raise ValueError(f"rope type {rope_type!r} needs {key!r} in the rope parameters")
         params[key] = cast(params[key])
+    for key, cast in _ROPE_OPTIONAL_KEYS.get(rope_type, {}).items():
+        if params.get(key) is not None:
+            params[key] = cast(params[key])
+    if rope_type == "longrope":
+        _check_longrope_factors(params, d)
     return theta, {"rope_type": rope_type, **params}
+
+
+def _architecture(d: dict[str, Any]) -> str | None:
+    architectures = d.get("architectures") or [None]
+    return architectures[0]
+
+
+def _parse_rotary_dim(d: dict[str, Any], head_dim: int) -> int:
+    """`partial_rotary_factor` (top level, or v5's rope parameters) of each head rotates."""
+    params = d.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0)
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(
+            f"partial_rotary_factor {factor} gives {rotary_dim} rotary dimensions of the"
+            f" {head_dim} in a head; it must be an even number in [2, {head_dim}]"
+        )
+    return rotary_dim
+
+
+def _check_longrope_factors(params: dict[str, Any], d: dict[str, Any]) -> None:
+    num_heads = int(_require(d, "num_attention_heads"))
+    head_dim = int(d.get("head_dim") or int(_require(d, "hidden_size")) // num_heads)
+    expected = _parse_rotary_dim(d, head_dim) // 2
+    for key in ("short_factor", "long_factor"):
+        params[key] = [float(value) for value in params[key]]
+        if len(params[key]) != expected:
+            raise ValueError(
+                f"rope type 'longrope' needs {expected} values in {key!r} (half the rotary"
+                f" dimensions), got {len(params[key])}"
+            )
 
 
 def _parse_sliding_window(d: dict[str, Any]) -> int | None:

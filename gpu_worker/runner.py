@@ -10,12 +10,14 @@ KV cache, executing the same plans; rank 0 samples and its tokens are broadcast 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.host_memory import keep_freed_memory
 from tgq.gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tgq.gpu_worker.loader import LoadedModel, load_model
@@ -98,6 +100,11 @@ class ModelRunner:
         self._token_masks: Mapping[str, bytes] = {}  # this step's (structured output)
 
     @property
+    def model_config(self) -> ModelConfig:
+        """The model's config (the engine's scheduler reads its rope's prefix-cache salts)."""
+        return self.loaded.model.config
+
+    @property
     def checks_argmax_first(self) -> bool:
         """Whether constrained greedy rows may check their argmax against the grammar before
         their mask is computed (`plan.ArgmaxFirst`): where the model has a greedy head, whose
@@ -126,7 +133,7 @@ class ModelRunner:
         inputs = self._flatten(chunks)
         meta = self.backend.prepare(inputs.attention, self.device)
         hidden = self.loaded.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, self.backend, meta
+            inputs.input_ids, inputs.positions, self.kv_caches, self.backend, meta, inputs.lengths
         )
         if not inputs.sample_request_ids:
             return StepResult()
@@ -272,11 +279,18 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sample_request_ids: list[str] = []
+        model = self.loaded.model
+        lengths: list[int] | None = [] if model.rotary.uses_lengths else None
         for chunk in chunks:
             seq = self.sequences[chunk.request_id]
             start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + chunk.num_new_tokens
             token_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
+            if lengths is not None:
+                rope_length = functools.partial(
+                    model.config.rope_length, seq.num_prompt_tokens, len(seq.token_ids)
+                )
+                lengths.extend(map(rope_length, range(start, end)))
             slots.extend(self._slot(seq.block_ids, pos) for pos in range(start, end))
             spans.append(SeqSpan(chunk.num_new_tokens, end, seq.block_ids))
             if end == len(seq.token_ids):
@@ -285,6 +299,9 @@ class ModelRunner:
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            lengths=None
+            if lengths is None
+            else torch.tensor(lengths, dtype=torch.int64, device=self.device),
             attention=AttentionStep(spans, slots, self.block_size),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             sample_request_ids=sample_request_ids,
@@ -383,6 +400,7 @@ def kv_budget(config: RunnerConfig, device: torch.device) -> int:
 class _StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
+    lengths: torch.Tensor | None  # [T] int64, for a length-dependent rope (`rope_length`)
     attention: AttentionStep
     sample_rows: torch.Tensor  # [N] int64: rows of the hidden states that get a next token
     sample_request_ids: list[str]  # [N]

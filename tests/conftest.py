@@ -12,8 +12,10 @@ from tgq.devtools.random_model import make_config, write_model
 
 torch.set_num_threads(2)
 
-# name -> (architecture, config overrides); together they cover GQA, tied embeddings, every rope
-# scaling type, qkv bias, q/k norm, an explicit head_dim and a sliding window.
+# name -> (architecture, config overrides); together they cover GQA, tied embeddings, the rope
+# scaling types that do not depend on a sequence's length (test_parity has dynamic and longrope),
+# partial rotary, fused checkpoint tensors, qkv bias, q/k norm, an explicit head_dim and a sliding
+# window.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-gqa": (
         "LlamaForCausalLM",
@@ -38,6 +40,21 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mistral-window": ("MistralForCausalLM", {"sliding_window": 8}),
     "qwen2-bias": ("Qwen2ForCausalLM", {"num_key_value_heads": 1}),
+    "qwen2-yarn": (
+        "Qwen2ForCausalLM",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 8.0,
+            }
+        },
+    ),
+    "phi3-partial-window": (  # fused q/k/v and gate/up in the checkpoint; half of each head rotates
+        "Phi3ForCausalLM",
+        {"partial_rotary_factor": 0.5, "sliding_window": 8},
+    ),
     "qwen3-qknorm": (
         "Qwen3ForCausalLM",
         {"head_dim": 32, "tie_word_embeddings": True, "attention_bias": False},

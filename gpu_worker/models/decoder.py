@@ -83,7 +83,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.scale = config.head_dim**-0.5
         self.sliding_window = sliding_window
-        self.use_cpu_kernel = False  # rotary in place on the fused qkv (not with q/k norm)
+        self.rotary_dim = config.rotary_dim
+        # Rotary in place on the fused qkv: not with q/k norm or partial rotary (see
+        # `rotates_in_place`).
+        self.use_cpu_kernel = False
+
+    @property
+    def rotates_in_place(self) -> bool:
+        """Whether the CPU kernel `rotary_qk_` can rotate q and k on the fused qkv: it rotates
+        whole heads, before any norm."""
+        return self.q_norm is None and self.rotary_dim == self.shape.head_dim
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
         num_tokens, shape = x.shape[0], self.shape
@@ -214,6 +223,7 @@ class DecoderForCausalLM(nn.Module):
 
     qk_norm: ClassVar[bool] = False
     uses_sliding_window: ClassVar[bool] = False
+    fused_checkpoint: ClassVar[bool] = False  # q/k/v and gate/up stored fused (Phi-3)
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -229,6 +239,7 @@ class DecoderForCausalLM(nn.Module):
             config.rope_theta,
             config.rope_scaling,
             config.max_position_embeddings,
+            config.rotary_dim,
         )
         self.greedy_head: GreedyHead | None = None  # set by use_cpu_kernels where it can run
         self.replay: OpReplay | None = None  # likewise
@@ -290,7 +301,7 @@ class DecoderForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm | MLP):
                 module.use_cpu_kernel = True
             elif isinstance(module, Attention):
-                module.use_cpu_kernel = module.q_norm is None
+                module.use_cpu_kernel = module.rotates_in_place
             else:
                 continue
             switched += 1
@@ -333,9 +344,10 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         backend: AttentionBackend[Any],
         meta: AttentionMetadata,
+        lengths: torch.Tensor | None = None,  # [T] int64: `ModelConfig.rope_length` per token
     ) -> torch.Tensor:  # [T, hidden] (before the final norm)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, lengths)
         ctx = ForwardContext(backend, meta, cos, sin)
         if self.replay is not None and (key := backend.replay_key(meta)) is not None:
             # Everything `_layers` reads that is not a parameter of this model is an input.
@@ -370,4 +382,4 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_sources(self) -> dict[str, list[Source]]:
         """Our parameter name -> the checkpoint tensors (this rank's slices) that fill it."""
-        return decoder_sources(self, self.config, self.tp)
+        return decoder_sources(self, self.config, self.tp, fused=self.fused_checkpoint)

@@ -32,10 +32,11 @@ class Source:
 
 
 def decoder_sources(
-    model: nn.Module, config: ModelConfig, tp: TensorParallel
+    model: nn.Module, config: ModelConfig, tp: TensorParallel, *, fused: bool = False
 ) -> dict[str, list[Source]]:
     """`model`'s parameter name -> the checkpoint tensors (this rank's slices) that fill it;
-    `config` is the whole model's."""
+    `config` is the whole model's. `fused`: the checkpoint stores q/k/v as one `qkv_proj` and
+    gate/up as one `gate_up_proj` (Phi-3), each part at its offset in the whole model's tensor."""
     local = tp.local_config(config)
     head_dim, inter = config.head_dim, local.intermediate_size
     q_local, kv_local = local.num_heads * head_dim, local.num_kv_heads * head_dim
@@ -43,6 +44,7 @@ def decoder_sources(
     kv_start = tp.first_kv_head(config.num_kv_heads) * head_dim
     inter_start = tp.rank * inter
     vocab_start, vocab_stop = tp.vocab_range(config.vocab_size)
+    q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
     # module -> (checkpoint module, row offset in ours, rows, first stored row)
     column_parallel = {
         "qkv_proj": [
@@ -55,6 +57,21 @@ def decoder_sources(
             ("up_proj", inter, inter, inter_start),
         ],
     }
+    if fused:  # each part's rows sit after the whole model's rows of the parts before it
+        part_starts = {
+            "q_proj": 0,
+            "k_proj": q_size,
+            "v_proj": q_size + kv_size,
+            "gate_proj": 0,
+            "up_proj": config.intermediate_size,
+        }
+        column_parallel = {
+            module: [
+                (module, offset, rows, part_starts[part] + first)
+                for part, offset, rows, first in parts
+            ]
+            for module, parts in column_parallel.items()
+        }
     row_parallel = {"o_proj": (q_start, q_local), "down_proj": (inter_start, inter)}
     sources: dict[str, list[Source]] = {}
     for name, _ in model.named_parameters(remove_duplicate=True):

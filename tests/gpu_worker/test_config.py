@@ -104,9 +104,84 @@ def test_default_rope_type_means_no_scaling() -> None:
 
 
 def test_unsupported_rope_type_names_the_supported_ones() -> None:
-    d = {**llama_base(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match="'yarn' is not supported; supported: default, llama3"):
+    d = {**llama_base(), "rope_scaling": {"rope_type": "mrope", "factor": 4.0}}
+    supported = "default, llama3, linear, dynamic, yarn, longrope"
+    with pytest.raises(ValueError, match=f"'mrope' is not supported; supported: {supported}"):
         ModelConfig.from_dict(d)
+
+
+def test_yarn_takes_its_original_length_from_the_model_where_unset() -> None:
+    d = {
+        **llama_base(),
+        "rope_scaling": {"rope_type": "yarn", "factor": 4, "mscale": 1, "truncate": False},
+    }
+    config = ModelConfig.from_dict(d)
+    assert config.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "mscale": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 131072,
+    }
+    assert config.rotary_dim == config.head_dim == 128
+    assert config.prefix_cache_salt(140000, 140100) == b""  # a static rope: nothing to keep apart
+
+
+def phi3(**overrides: Any) -> dict[str, Any]:
+    return {
+        **llama_base(),
+        "architectures": ["Phi3ForCausalLM"],
+        "hidden_size": 3072,
+        "num_attention_heads": 24,  # head_dim 128
+        "original_max_position_embeddings": 4096,
+        "max_position_embeddings": 131072,
+        **overrides,
+    }
+
+
+@pytest.mark.parametrize("legacy_type", ["su", "yarn", "longrope"])
+def test_phi3_legacy_rope_types_mean_longrope(legacy_type: str) -> None:
+    factors = {"short_factor": [1] * 48, "long_factor": [2] * 48}
+    d = phi3(rope_scaling={"type": legacy_type, **factors}, partial_rotary_factor=0.75)
+    config = ModelConfig.from_dict(d)
+    assert config.rotary_dim == 96  # Phi-4-mini's 3/4 of a 128-wide head
+    assert config.rope_scaling == {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 48,
+        "long_factor": [2.0] * 48,
+        "original_max_position_embeddings": 4096,
+    }
+    assert config.rope_restart_length == 4097
+    # The prompt's tokens rotate by the sequence's length, generated ones by their own.
+    assert config.rope_length(100, 5000, 7) == 5000
+    assert config.prefix_cache_salt(100, 4096) == b""
+    assert config.prefix_cache_salt(100, 4097) == b"rope:long"
+
+
+def test_longrope_factors_must_cover_half_the_rotary_dimensions() -> None:
+    d = phi3(rope_scaling={"type": "longrope", "short_factor": [1] * 64, "long_factor": [1] * 63})
+    with pytest.raises(ValueError, match=r"needs 64 values in 'long_factor'.* got 63"):
+        ModelConfig.from_dict(d)
+
+
+def test_dynamic_rope_rotates_a_prompt_by_its_length() -> None:
+    d = {
+        **llama_base(),
+        "max_position_embeddings": 8192,
+        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+    }
+    config = ModelConfig.from_dict(d)
+    assert config.rope_restart_length is None
+    assert config.rope_length(9000, 9005, 10) == 9000
+    assert config.rope_length(9000, 9005, 9004) == 9005
+    assert config.prefix_cache_salt(8192, 9000) == b""
+    assert config.prefix_cache_salt(8193, 9000) == b"rope:8193"
+
+
+@pytest.mark.parametrize("factor", [0.001, 1.5, 0.3046875])
+def test_partial_rotary_must_leave_an_even_number_of_dimensions(factor: float) -> None:
+    with pytest.raises(ValueError, match="must be an even number in"):
+        ModelConfig.from_dict({**llama_base(), "partial_rotary_factor": factor})
 
 
 def test_llama3_rope_without_its_factors_is_rejected() -> None:

@@ -62,7 +62,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> No
     (model_dir / "config.json").write_text(json.dumps(config))
     expected = (
         "unsupported architecture 'GPT2LMHeadModel'; tgq supports: LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
     )
     with pytest.raises(ValueError, match=expected):
         load_model(str(model_dir), device=CPU)

@@ -117,17 +117,76 @@ def test_prefix_blocks_reused(variant: str, model_dirs: dict[str, Path]) -> None
     assert_matches(ours, hf_generate(model_dirs[variant], second))
 
 
-def test_dynamic_rope_past_the_original_length(tmp_path: Path) -> None:
-    """Decoding across `max_position_embeddings` re-bases the rope per token, as HF does."""
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_dynamic_rope_past_the_original_length(chunk_size: int | None, tmp_path: Path) -> None:
+    """Decoding across `max_position_embeddings` re-bases the rope per token, and a prompt past
+    it rotates every token for the prompt's length, as HF does; in chunks alike."""
     config = make_config(
         "LlamaForCausalLM",
         max_position_embeddings=24,
         rope_scaling={"rope_type": "dynamic", "factor": 4.0},
     )
     model_dir = write_model(tmp_path / "dynamic", config)
-    prompt = prompts(1, 512, 5, (20, 20))[0]
-    [ours] = engine(model_dir).generate([prompt], GREEDY_WITH_LOGPROBS, max_new_tokens=16)
-    assert_matches(ours, hf_generate(model_dir, prompt, num_new=16))
+    batch = [prompts(1, 512, 5, (20, 20))[0], prompts(1, 512, 6, (30, 30))[0]]
+    results = engine(model_dir).generate(
+        batch, GREEDY_WITH_LOGPROBS, max_new_tokens=16, chunk_size=chunk_size
+    )
+    for ours, prompt in zip(results, batch, strict=True):
+        # A fresh reference each time: HF's dynamic rope keeps the longest length it has seen
+        # and rotates a later, shorter prompt past the original length for that one.
+        _hf_model.cache_clear()
+        assert_matches(ours, hf_generate(model_dir, prompt, num_new=16))
+
+
+LONGROPE: dict[str, Any] = {
+    "original_max_position_embeddings": 32,
+    "max_position_embeddings": 256,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.5 + 0.5 * i for i in range(8)],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def longrope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = make_config("Phi3ForCausalLM", **LONGROPE)
+    return write_model(tmp_path_factory.mktemp("longrope") / "phi3", config, seed=7)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 7])
+def test_longrope_switches_to_its_long_factors_as_transformers_does(
+    chunk_size: int | None, longrope_dir: Path
+) -> None:
+    """Phi-3's longrope past `original_max_position_embeddings` (32): a prompt past it computes
+    every token with the long factors; a sequence that grows past it is computed again, every
+    token long (HF's Phi-3 drops its cache there). Both equal transformers token for token,
+    batched together, in chunks or not, and the recompute is not a preemption."""
+    batch = [prompts(1, 512, 8, (21, 21))[0], prompts(1, 512, 9, (40, 40))[0]]
+    results = engine(longrope_dir).generate(
+        batch, GREEDY_WITH_LOGPROBS, max_new_tokens=24, chunk_size=chunk_size
+    )
+    for ours, prompt in zip(results, batch, strict=True):
+        assert_matches(ours, hf_generate(longrope_dir, prompt, num_new=24))
+        assert ours.num_preemptions == 0
+
+
+def test_longrope_prefix_cache_keeps_short_and_long_keys_apart(longrope_dir: Path) -> None:
+    """One prefix rotated with the short factors (a sequence within 32 tokens) and with the long
+    ones (past them) is two cache entries: a long prompt never reuses short blocks, and does
+    reuse long ones."""
+    shared = prompts(1, 512, 10, (24, 24))[0]
+    short, long, longer = [*shared, 3, 4], [*shared, *range(5, 21)], [*shared, *range(5, 25)]
+    eng = engine(longrope_dir, block_size=8)
+    [first] = eng.generate([short], GREEDY_WITH_LOGPROBS, max_new_tokens=4)  # 30 tokens
+    assert first.num_cached_tokens == 0
+    [second] = eng.generate([long], GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW)
+    assert second.num_cached_tokens == 0  # the short entries do not serve a long prompt
+    assert_matches(second, hf_generate(longrope_dir, long))
+    [third] = eng.generate([longer], GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW)
+    assert third.num_cached_tokens == 40  # the long prompt's five full blocks
+    assert_matches(third, hf_generate(longrope_dir, longer))
 
 
 @pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])

@@ -288,7 +288,15 @@ def test_the_greedy_head_can_be_switched_off(model_dirs: dict[str, Path]) -> Non
 
 @requires_kernels
 @pytest.mark.parametrize(
-    "name", ["llama3-gqa", "llama2-tied-linear", "mistral-window", "qwen2-bias", "qwen3-qknorm"]
+    "name",
+    [
+        "llama3-gqa",
+        "llama2-tied-linear",
+        "mistral-window",
+        "qwen2-bias",
+        "qwen3-qknorm",
+        "phi3-partial-window",
+    ],
 )
 def test_decode_steps_replayed_from_their_recording_are_unchanged(
     name: str, model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
@@ -331,6 +339,26 @@ def test_decode_steps_replayed_from_their_recording_are_unchanged(
     assert replayed == generate(replay=False)
     # All three decode together for several steps: one of them ran as Python, to record.
     assert as_python[:steps_replaying].count(3) == 1 and as_python[steps_replaying:].count(3) > 2
+
+
+@requires_kernels
+def test_partial_rotary_rotates_in_torch_not_in_the_fused_kernel(
+    model_dirs: dict[str, Path],
+) -> None:
+    """The CPU kernel `rotary_qk_` rotates whole heads in place on the fused qkv; with partial
+    rotary (Phi) the attention modules keep torch's rotation, the other kernels still switch,
+    and bf16 greedy tokens follow the fp32 reference's first token."""
+    runner = ModelRunner(
+        RunnerConfig(str(model_dirs["phi3-partial-window"]), dtype="bfloat16", num_blocks=128)
+    )
+    attentions = [m for m in runner.loaded.model.modules() if isinstance(m, decoder.Attention)]
+    assert attentions and not any(m.use_cpu_kernel or m.rotates_in_place for m in attentions)
+    mlps = [m for m in runner.loaded.model.modules() if isinstance(m, decoder.MLP)]
+    assert all(m.use_cpu_kernel for m in mlps)
+    full = ModelRunner(RunnerConfig(str(model_dirs["llama3-gqa"]), dtype="bfloat16", num_blocks=8))
+    assert all(
+        m.use_cpu_kernel for m in full.loaded.model.modules() if isinstance(m, decoder.Attention)
+    )
 
 
 def test_the_block_size_follows_the_attention_backend(model_dirs: dict[str, Path]) -> None:
