@@ -23,7 +23,7 @@ from tgq.batcher.grammar_compiler import GrammarCompiler
 from tgq.batcher.ranks import ShardConfig, ShardedRunner
 from tgq.batcher.request import StoppingParams
 from tgq.devtools.random_model import make_config, write_model
-from tgq.gpu_worker.config import model_eos_token_ids
+from tgq.gpu_worker.config import ModelConfig, model_eos_token_ids
 from tgq.gpu_worker.loader import load_model
 from tgq.gpu_worker.parallel import TensorParallel
 from tgq.gpu_worker.plan import SamplingParams
@@ -42,12 +42,27 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2-bias-odd-vocab-tied": make_config(
         "Qwen2ForCausalLM", vocab_size=509, tie_word_embeddings=True
     ),
+    # fused q/k/v and gate/up checkpoint tensors, each rank reading its parts' slices; partial
+    # rotary; longrope past 32 tokens (sequences that grow past it restart)
+    "phi3-fused-gqa-longrope": make_config(
+        "Phi3ForCausalLM",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=32,
+        max_position_embeddings=256,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0, 1.2, 1.4, 1.6],
+            "long_factor": [2.0, 3.0, 4.0, 5.0],
+        },
+    ),
 }
 
 
-def generate(runner: Any, batch: list[list[int]]) -> list[list[int]]:
+def generate(runner: Any, batch: list[list[int]], model_dir: Path) -> list[list[int]]:
     """Greedy, then seeded sampling (rank 0 samples from the gathered logits)."""
-    engine = LLMEngine(runner)
+    engine = LLMEngine(runner, model=ModelConfig.from_dir(model_dir))
     stopping = StoppingParams(max_new_tokens=10, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, seed=7)
     outputs = [
@@ -62,14 +77,14 @@ def test_two_ranks_generate_what_one_process_does(name: str, tmp_path: Path) -> 
     model_dir = write_model(tmp_path / name, CONFIGS[name], seed=3)
     batch = prompts(6, 500, 11, (3, 40))
     single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
-    expected = generate(single, batch)
+    expected = generate(single, batch, model_dir)
     sharded = ShardedRunner(
         ShardConfig(
             str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1
         )
     )
     try:
-        assert generate(sharded, batch) == expected
+        assert generate(sharded, batch, model_dir) == expected
         assert sharded.num_steps > 0
     finally:
         sharded.close()
