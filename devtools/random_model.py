@@ -33,10 +33,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 
+OFFSET_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
@@ -60,6 +63,33 @@ def make_config(architecture: str, shape: str = "tiny", **overrides: Any) -> dic
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     if architecture == "Phi3ForCausalLM":
         config["pad_token_id"] = 0  # transformers' default (32000) lies past a small vocabulary
+    if architecture == "Gemma2ForCausalLM":
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        config.update(
+            pad_token_id=0,
+            hidden_activation="gelu_pytorch_tanh",
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            sliding_window=4096,
+            tie_word_embeddings=True,
+        )
+        del config["hidden_act"]
+    if architecture == "Gemma3ForCausalLM":
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        config.update(
+            pad_token_id=0,
+            hidden_activation="gelu_pytorch_tanh",
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=4096,
+            sliding_window_pattern=2,  # both kinds of layer in a two-layer model
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10_000.0,
+            tie_word_embeddings=True,
+        )
+        del config["hidden_act"]
     config.update(overrides)
     return config
 
@@ -77,7 +107,9 @@ def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
         return torch.randn(*shape, generator=gen) * std
 
     def norm(size: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(size, generator=gen)
+        # Gemma stores its norm weights as offsets from 1 (it scales by 1 + weight)
+        offset = 0.0 if arch in OFFSET_NORMS else 1.0
+        return offset + 0.1 * torch.randn(size, generator=gen)
 
     tensors = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
@@ -98,7 +130,7 @@ def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
                 tensors[f"{p}self_attn.{name}.bias"] = normal(shapes[f"self_attn.{name}"][0])
         if o_bias:
             tensors[f"{p}self_attn.o_proj.bias"] = normal(hidden)
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
             tensors[f"{p}self_attn.q_norm.weight"] = norm(head_dim)
             tensors[f"{p}self_attn.k_norm.weight"] = norm(head_dim)
         if arch == "Phi3ForCausalLM":  # q/k/v and gate/up stored fused, in that order
@@ -113,6 +145,9 @@ def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
                 tensors[f"{p}{fused}.weight"] = torch.cat(weights)
         tensors[f"{p}input_layernorm.weight"] = norm(hidden)
         tensors[f"{p}post_attention_layernorm.weight"] = norm(hidden)
+        if arch in OFFSET_NORMS:  # a norm after the attention and around the MLP too
+            tensors[f"{p}pre_feedforward_layernorm.weight"] = norm(hidden)
+            tensors[f"{p}post_feedforward_layernorm.weight"] = norm(hidden)
     tensors["model.norm.weight"] = norm(hidden)
     if not config.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = normal(config["vocab_size"], hidden)

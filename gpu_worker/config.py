@@ -47,6 +47,8 @@ _ROPE_OPTIONAL_KEYS: dict[str, dict[str, type]] = {
     "longrope": {"factor": float, "attention_factor": float},
 }
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# Families whose configs leave `tie_word_embeddings` out because theirs are tied.
+TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     rotary_dim: int  # the leading dimensions of each head that rotate (Phi's partial rotary)
+    # Gemma 3: the sliding-window layers' own rope base (plain rope; `rope_theta` and
+    # `rope_scaling` are the full-attention layers'); None: one rope for every layer.
+    local_rope_theta: float | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -72,6 +77,11 @@ class ModelConfig:
     sliding_window: int | None
     layer_types: tuple[str, ...]  # per layer: "full_attention" or "sliding_attention"
     hidden_act: str
+    # Gemma: attention scores scaled by query_pre_attn_scalar ** -0.5 (else head_dim ** -0.5);
+    # attention scores and final logits soft-capped (cap * tanh(x / cap)) where set.
+    query_pre_attn_scalar: float | None
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
     dtype: str | None
     eos_token_ids: list[int]
     bos_token_id: int | None
@@ -84,7 +94,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         num_heads = int(_require(d, "num_attention_heads"))
         hidden_size = int(_require(d, "hidden_size"))
-        rope_theta, rope_scaling = _parse_rope(d)
+        rope_theta, rope_scaling = _parse_rope(_global_rope_view(d))
         head_dim = int(d.get("head_dim") or hidden_size // num_heads)
         return cls(
             architecture=str(_require(d, "architectures")[0]),
@@ -99,13 +109,19 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rotary_dim=_parse_rotary_dim(d, head_dim),
+            local_rope_theta=_parse_local_rope_theta(d),
             max_position_embeddings=int(_require(d, "max_position_embeddings")),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(
+                d.get("tie_word_embeddings", _architecture(d) in TIED_BY_DEFAULT)
+            ),
             attention_bias=bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=_parse_sliding_window(d),
             layer_types=_parse_layer_types(d),
             hidden_act=_parse_hidden_act(d),
+            query_pre_attn_scalar=_optional_float(d, "query_pre_attn_scalar"),
+            attn_logit_softcapping=_optional_float(d, "attn_logit_softcapping"),
+            final_logit_softcapping=_optional_float(d, "final_logit_softcapping"),
             dtype=d.get("dtype") or d.get("torch_dtype"),
             eos_token_ids=_as_id_list(d.get("eos_token_id")),
             bos_token_id=d.get("bos_token_id"),
@@ -202,6 +218,49 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": rope_type, **params}
 
 
+# Gemma 3's defaults where its config leaves them out: the global and the local rope base.
+GEMMA3_ROPE_THETA = 1_000_000.0
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer attends fully
+
+
+def _rope_per_layer_type(d: dict[str, Any]) -> dict[str, Any] | None:
+    """v5's `rope_parameters` keyed by layer type (Gemma 3), or None."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and set(params) & set(LAYER_TYPES):
+        return params
+    return None
+
+
+def _global_rope_view(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` as `_parse_rope` reads it: with per-layer-type rope parameters, the full-attention
+    layers' (the sliding layers' own base is `local_rope_theta`)."""
+    per_type = _rope_per_layer_type(d)
+    if per_type is not None:
+        return {**d, "rope_parameters": dict(per_type.get("full_attention") or {})}
+    if _architecture(d) == "Gemma3ForCausalLM" and d.get("rope_theta") is None:
+        return {**d, "rope_theta": GEMMA3_ROPE_THETA}
+    return d
+
+
+def _parse_local_rope_theta(d: dict[str, Any]) -> float | None:
+    """The sliding layers' rope base: v5's `rope_parameters["sliding_attention"]`, v4's
+    `rope_local_base_freq` (Gemma 3); None elsewhere. Only plain rope is supported there."""
+    per_type = _rope_per_layer_type(d)
+    if per_type is not None:
+        local = dict(per_type.get("sliding_attention") or {})
+        rope_type = local.get("rope_type") or local.get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(
+                f"rope type {rope_type!r} on the sliding-window layers is not supported; they"
+                " take plain rope"
+            )
+        return float(local.get("rope_theta") or GEMMA3_LOCAL_ROPE_THETA)
+    if _architecture(d) == "Gemma3ForCausalLM":
+        return float(d.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA)
+    return None
+
+
 def _architecture(d: dict[str, Any]) -> str | None:
     architectures = d.get("architectures") or [None]
     return architectures[0]
@@ -245,8 +304,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _parse_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
-    """Which layers use the sliding window: `layer_types` when given; else, with a window, the
-    layers from `max_window_layers` on (Qwen2/Qwen3), or every layer (Mistral)."""
+    """Which layers use the sliding window: `layer_types` when given; else, with a window, every
+    other layer from the first (Gemma 2), all but every `sliding_window_pattern`-th (Gemma 3), the
+    layers from `max_window_layers` on (Qwen2/Qwen3),
+    or every layer (Mistral)."""
     num_layers = int(_require(d, "num_hidden_layers"))
     explicit = d.get("layer_types")
     if explicit is not None:
@@ -257,15 +318,33 @@ def _parse_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
         return tuple(explicit)
     if _parse_sliding_window(d) is None:
         return ("full_attention",) * num_layers
+    if _architecture(d) == "Gemma2ForCausalLM":
+        return tuple(LAYER_TYPES[i % 2 == 0] for i in range(num_layers))
+    if _architecture(d) == "Gemma3ForCausalLM":
+        pattern = int(d.get("sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN)
+        return tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(num_layers))
     first_sliding = int(d.get("max_window_layers") or 0)
     return tuple(LAYER_TYPES[i >= first_sliding] for i in range(num_layers))
 
 
+# The MLP activations tgq implements (gpu_worker/layers/activation.py): SwiGLU's and GeGLU's.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
 def _parse_hidden_act(d: dict[str, Any]) -> str:
-    act = str(d.get("hidden_act", "silu"))
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported; tgq models implement only 'silu'")
+    """`hidden_activation` (Gemma) wins over `hidden_act`."""
+    act = str(d.get("hidden_activation") or d.get("hidden_act") or "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"hidden_act {act!r} is not supported; tgq models implement "
+            + ", ".join(repr(a) for a in SUPPORTED_ACTIVATIONS)
+        )
     return act
+
+
+def _optional_float(d: dict[str, Any], key: str) -> float | None:
+    value = d.get(key)
+    return None if value is None else float(value)
 
 
 def _as_id_list(value: int | list[int] | None) -> list[int]:

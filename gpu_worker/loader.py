@@ -67,6 +67,8 @@ def load_model(
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.tie_weights()
     model.rotary.to(device)
+    if model.local_rotary is not None:
+        model.local_rotary.to(device)
     with Checkpoint.open(model_dir) as checkpoint:
         fill_parameters(model, checkpoint)
     model.eval().requires_grad_(False)

@@ -113,9 +113,13 @@ class CpuPagedAttention(TorchPagedAttention):
         meta: TorchMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        if self._torch_decode(query.shape[0]):
-            return super()._attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
+        # The own kernels have no soft cap (Gemma 2): torch's attention computes those.
+        if softcap is not None or self._torch_decode(query.shape[0]):
+            return super()._attend_single(
+                query, k_cache, v_cache, meta, scale, sliding_window, softcap
+            )
         return cpu_ops.paged_decode_attention(
             query,
             k_cache,
@@ -134,6 +138,7 @@ class CpuPagedAttention(TorchPagedAttention):
         seq: MultiQuery,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         torch_picked = (
             self.prefill_choices is not None
@@ -141,10 +146,13 @@ class CpuPagedAttention(TorchPagedAttention):
         )
         if (
             torch_picked
+            or softcap is not None
             or k_cache.dtype != query.dtype
             or not cpu_ops.avx512_attention_serves(query.dtype, query.shape[-1])
         ):
-            return super()._attend_multi(query, k_cache, v_cache, seq, scale, sliding_window)
+            return super()._attend_multi(
+                query, k_cache, v_cache, seq, scale, sliding_window, softcap
+            )
         return cpu_ops.paged_prefill_attention(
             query, k_cache, v_cache, seq.block_ids, seq.kv_len, scale, sliding_window or 0
         )

@@ -94,6 +94,7 @@ class FlashAttention:
         *,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         out: torch.Tensor = self._varlen(
@@ -107,6 +108,7 @@ class FlashAttention:
             softmax_scale=scale,
             causal=True,
             window_size=window,
+            softcap=softcap or 0.0,  # flash-attn's "no cap"
             block_table=meta.block_table,
         )
         return out

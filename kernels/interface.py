@@ -104,5 +104,6 @@ class AttentionBackend(Protocol[MetaT]):
         *,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

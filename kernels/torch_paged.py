@@ -47,6 +47,27 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
 
 
+def softcapped_attention(
+    query: torch.Tensor,  # [..., H, Q, D]
+    keys: torch.Tensor,  # [..., Hkv, L, D]
+    values: torch.Tensor,
+    mask: torch.Tensor,  # bool, broadcast to [..., H, Q, L]: True where a query sees a key
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [..., H, Q, D]
+    """Attention with soft-capped scores (Gemma 2): cap * tanh(q.k * scale / cap), then the mask
+    and a softmax in fp32, as the reference's eager attention computes it. SDPA has no cap."""
+    group = query.shape[-3] // keys.shape[-3]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=-3)
+        values = values.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values)
+
+
 def attend_multi(
     query: torch.Tensor,  # [Q, H, D]
     k_cache: torch.Tensor,
@@ -54,6 +75,7 @@ def attend_multi(
     seq: MultiQuery,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     keys = _gather(k_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)  # [Hkv, L, D]
     values = _gather(v_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)
@@ -62,8 +84,10 @@ def attend_multi(
     # skip the blocks above the diagonal, which an explicit mask does not (same values; a 2,048-
     # token prompt's attention measured 77 -> 46 ms). After cached prefix blocks, torch's
     # `is_causal` would align the mask to the wrong corner, so the mask stays explicit there.
-    is_causal = seq.kv_len == seq.query_len and (
-        sliding_window is None or sliding_window >= seq.kv_len
+    is_causal = (
+        seq.kv_len == seq.query_len
+        and (sliding_window is None or sliding_window >= seq.kv_len)
+        and softcap is None
     )
     if not is_causal:
         query_pos = torch.arange(seq.kv_len - seq.query_len, seq.kv_len, device=query.device)
@@ -71,6 +95,10 @@ def attend_multi(
         mask = key_pos[None, :] <= query_pos[:, None]  # [Q, L]
         if sliding_window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    if softcap is not None:
+        assert mask is not None
+        out = softcapped_attention(query.transpose(0, 1), keys, values, mask, scale, softcap)
+        return out.transpose(0, 1)
     # A leading batch axis of 1: on CPU, torch takes its flash kernel only for 4-D inputs (3-D ones
     # run the unfused math path, measured 2-3x slower on a 512-token prompt).
     out = F.scaled_dot_product_attention(
@@ -138,18 +166,21 @@ class TorchPagedAttention:
         *,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if meta.num_single and not meta.multi:  # decode only: that output is the whole output
-            return self._attend_single(query, k_cache, v_cache, meta, scale, sliding_window)
+            return self._attend_single(
+                query, k_cache, v_cache, meta, scale, sliding_window, softcap
+            )
         out = torch.empty_like(query)
         if meta.num_single:
             out[: meta.num_single] = self._attend_single(
-                query[: meta.num_single], k_cache, v_cache, meta, scale, sliding_window
+                query[: meta.num_single], k_cache, v_cache, meta, scale, sliding_window, softcap
             )
         for seq in meta.multi:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._attend_multi(
-                query[rows], k_cache, v_cache, seq, scale, sliding_window
+                query[rows], k_cache, v_cache, seq, scale, sliding_window, softcap
             )
         return out
 
@@ -164,6 +195,7 @@ class TorchPagedAttention:
         meta: TorchMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
@@ -177,7 +209,12 @@ class TorchPagedAttention:
         # One query per sequence: fold the query heads sharing a KV head into the query-length axis,
         # so GQA needs no repeated K/V.
         grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
-        )
+        if softcap is not None:
+            out = softcapped_attention(
+                grouped, keys, values, mask[:, None, None, :], scale, softcap
+            )
+        else:
+            out = F.scaled_dot_product_attention(
+                grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+            )
         return out.reshape(num_seqs, num_heads, head_dim)

@@ -14,8 +14,9 @@ torch.set_num_threads(2)
 
 # name -> (architecture, config overrides); together they cover GQA, tied embeddings, the rope
 # scaling types that do not depend on a sequence's length (test_parity has dynamic and longrope),
-# partial rotary, fused checkpoint tensors, qkv bias, q/k norm, an explicit head_dim and a sliding
-# window.
+# partial rotary, fused checkpoint tensors, qkv bias, q/k norm, an explicit head_dim, a sliding
+# window, Gemma 2's offset norms around each sublayer, GeGLU and soft caps, and Gemma 3's rope per
+# layer type.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-gqa": (
         "LlamaForCausalLM",
@@ -49,6 +50,23 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                 "original_max_position_embeddings": 16,
                 "beta_fast": 8.0,
             }
+        },
+    ),
+    "gemma2-capped-window": (  # soft caps low enough to change every score and logit
+        "Gemma2ForCausalLM",
+        {
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "gemma3-local-rope": (  # the sliding layers' own rope base, the global layers' scaled one
+        "Gemma3ForCausalLM",
+        {
+            "sliding_window": 8,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "rope_local_base_freq": 100.0,
         },
     ),
     "phi3-partial-window": (  # fused q/k/v and gate/up in the checkpoint; half of each head rotates

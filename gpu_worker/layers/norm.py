@@ -10,6 +10,8 @@ from tgq.kernels import cpu_ops
 
 
 class RMSNorm(nn.Module):
+    has_cpu_kernel = True  # `cpu_ops.rms_norm` / `add_rms_norm` compute it
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
@@ -30,3 +32,19 @@ class RMSNorm(nn.Module):
             return cpu_ops.add_rms_norm(residual, delta, self.weight, self.eps)
         residual.add_(delta)
         return self(residual)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 (scale by `1 + weight`), and the
+    product is taken in fp32 before the cast back (Llama casts, then scales). The CPU kernels
+    implement Llama's order, so this one always runs as torch ops."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)

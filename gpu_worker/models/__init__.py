@@ -9,6 +9,8 @@ from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 
 # architecture name -> module under gpu_worker.models that defines a class of that name
 _ARCHITECTURES = {
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Phi3ForCausalLM": "phi3",

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tgq.gpu_worker.config import ModelConfig
+from tgq.gpu_worker.layers.activation import ACTIVATIONS, FUSED_ON_CPU
 from tgq.gpu_worker.layers.linear import Linear, measure_linears
 from tgq.gpu_worker.layers.norm import RMSNorm
 from tgq.gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
@@ -43,8 +44,17 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class ForwardContext:
     backend: AttentionBackend[Any]
     meta: AttentionMetadata
-    cos: torch.Tensor  # [num_tokens, head_dim]
+    cos: torch.Tensor  # [num_tokens, rotary_dim]
     sin: torch.Tensor
+    # The sliding-window layers' own rotation (Gemma 3's local rope base); None: `cos`, `sin`.
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
+
+    def rope(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a layer: the local ones where it takes them and they exist."""
+        if local and self.local_cos is not None and self.local_sin is not None:
+            return self.local_cos, self.local_sin
+        return self.cos, self.sin
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +82,7 @@ class Attention(nn.Module):
         qk_norm: bool,
         sliding_window: int | None,
         tp: TensorParallel = SINGLE,
+        norm: type[nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -79,46 +90,56 @@ class Attention(nn.Module):
         qkv_size = self.shape.q_size + 2 * self.shape.kv_size
         self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=qkv_bias)
         self.o_proj = Linear(self.shape.q_size, config.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.scale = config.head_dim**-0.5
+        self.q_norm = norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
         self.sliding_window = sliding_window
+        # Gemma 3: sliding layers rotate with their own base (`ForwardContext.rope`)
+        self.local_rope = sliding_window is not None and config.local_rope_theta is not None
         self.rotary_dim = config.rotary_dim
         # Rotary in place on the fused qkv: not with q/k norm or partial rotary (see
-        # `rotates_in_place`).
+        # `has_cpu_kernel`).
         self.use_cpu_kernel = False
 
     @property
-    def rotates_in_place(self) -> bool:
-        """Whether the CPU kernel `rotary_qk_` can rotate q and k on the fused qkv: it rotates
-        whole heads, before any norm."""
+    def has_cpu_kernel(self) -> bool:
+        """Whether the CPU kernel `rotary_qk_` can rotate q and k in place on the fused qkv: it
+        rotates whole heads, before any norm."""
         return self.q_norm is None and self.rotary_dim == self.shape.head_dim
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, ctx: ForwardContext) -> torch.Tensor:
         num_tokens, shape = x.shape[0], self.shape
         qkv = self.qkv_proj(x)
+        cos, sin = ctx.rope(self.local_rope)
         if self.use_cpu_kernel:  # one fused op rotates q and k in place, before the split
             heads = shape.num_heads + shape.num_kv_heads
-            cpu_ops.rotary_qk_(qkv, ctx.cos, ctx.sin, heads, shape.head_dim)
+            cpu_ops.rotary_qk_(qkv, cos, sin, heads, shape.head_dim)
         q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
         q = q.reshape(num_tokens, shape.num_heads, shape.head_dim)
         k = k.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
         v = v.reshape(num_tokens, shape.num_kv_heads, shape.head_dim)
         if not self.use_cpu_kernel:
-            q, k = self._norm_and_rotate(q, k, ctx)
+            q, k = self._norm_and_rotate(q, k, cos, sin)
         k_cache, v_cache = kv_cache
         ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
         out = ctx.backend.attend(
-            q, k_cache, v_cache, ctx.meta, scale=self.scale, sliding_window=self.sliding_window
+            q,
+            k_cache,
+            v_cache,
+            ctx.meta,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
         )
         return self.tp.all_reduce_(self.o_proj(out.reshape(num_tokens, shape.q_size)))
 
     def _norm_and_rotate(
-        self, q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 # On CPU the MLP runs over at most this many bytes of [rows, 2 * intermediate] activation at a
@@ -139,7 +160,14 @@ class MLP(nn.Module):
         bias = config.mlp_bias
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.use_cpu_kernel = False  # one fused pass for silu(gate) * up
+        self.activation = config.hidden_act
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.use_cpu_kernel = False  # one fused pass for silu(gate) * up (`has_cpu_kernel`)
+
+    @property
+    def has_cpu_kernel(self) -> bool:
+        """Whether `cpu_ops.silu_mul` computes this MLP's activation (SiLU only)."""
+        return self.activation in FUSED_ON_CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.rows_per_pass(x)
@@ -162,7 +190,7 @@ class MLP(nn.Module):
         if self.use_cpu_kernel:
             return self.down_proj(cpu_ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -186,6 +214,33 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(hidden)
 
 
+class SandwichDecoderLayer(nn.Module):
+    """A decoder layer with a norm before and after each sublayer (Gemma 2 / 3): the sublayer's
+    output is normed before it joins the residual stream. Same contract as `DecoderLayer`."""
+
+    def __init__(
+        self, config: ModelConfig, attention: Attention, mlp: MLP, norm: type[nn.Module]
+    ) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = norm(size, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = norm(size, eps)
+        self.pre_feedforward_layernorm = norm(size, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = norm(size, eps)
+
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, kv_cache: KVCache, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is not None:
+            x.add_(delta)
+        x.add_(
+            self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), kv_cache, ctx))
+        )
+        return x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
 class VocabParallelEmbedding(nn.Module):
     """The rows of this rank's vocabulary range; a token another rank owns contributes zeros
     here, and the all-reduce sums each token's one real row."""
@@ -206,7 +261,11 @@ class VocabParallelEmbedding(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, config: ModelConfig, layers: list[DecoderLayer], tp: TensorParallel = SINGLE
+        self,
+        config: ModelConfig,
+        layers: list[nn.Module],
+        tp: TensorParallel = SINGLE,
+        norm: type[nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = (
@@ -215,7 +274,7 @@ class DecoderModel(nn.Module):
             else VocabParallelEmbedding(config, tp)
         )
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -224,6 +283,8 @@ class DecoderForCausalLM(nn.Module):
     qk_norm: ClassVar[bool] = False
     uses_sliding_window: ClassVar[bool] = False
     fused_checkpoint: ClassVar[bool] = False  # q/k/v and gate/up stored fused (Phi-3)
+    norm: ClassVar[type[nn.Module]] = RMSNorm  # every norm's class
+    scales_embeddings: ClassVar[bool] = False  # embeddings times sqrt(hidden_size) (Gemma)
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -231,7 +292,7 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp
         local = tp.local_config(config)
         self.model = DecoderModel(
-            config, [self._layer(local, i) for i in range(config.num_layers)], tp
+            config, [self._layer(local, i) for i in range(config.num_layers)], tp, self.norm
         )
         self.lm_head = Linear(config.hidden_size, local.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
@@ -240,6 +301,17 @@ class DecoderForCausalLM(nn.Module):
             config.rope_scaling,
             config.max_position_embeddings,
             config.rotary_dim,
+        )
+        self.local_rotary = (
+            None
+            if config.local_rope_theta is None
+            else RotaryEmbedding(
+                config.head_dim,
+                config.local_rope_theta,
+                None,
+                config.max_position_embeddings,
+                config.rotary_dim,
+            )
         )
         self.greedy_head: GreedyHead | None = None  # set by use_cpu_kernels where it can run
         self.replay: OpReplay | None = None  # likewise
@@ -250,18 +322,21 @@ class DecoderForCausalLM(nn.Module):
         """(q/k/v bias, o_proj bias); by default both follow `attention_bias`."""
         return config.attention_bias, config.attention_bias
 
-    def _layer(self, config: ModelConfig, index: int) -> DecoderLayer:
+    def _layer(self, config: ModelConfig, index: int) -> nn.Module:
+        return DecoderLayer(config, self._attention(config, index), MLP(config, self.tp))
+
+    def _attention(self, config: ModelConfig, index: int) -> Attention:
         qkv_bias, o_bias = self.attention_biases(config)
         is_sliding = self.uses_sliding_window and config.layer_types[index] == "sliding_attention"
-        attention = Attention(
+        return Attention(
             config,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=self.qk_norm,
             sliding_window=config.sliding_window if is_sliding else None,
             tp=self.tp,
+            norm=self.norm,
         )
-        return DecoderLayer(config, attention, MLP(config, self.tp))
 
     def use_cpu_kernels(self, *, greedy_head: bool = True) -> int:
         """bf16 on a CPU with the kernels: run matmuls, norms, rotary embeddings and the MLP's
@@ -298,16 +373,16 @@ class DecoderForCausalLM(nn.Module):
                     module.use_kernels([(1, "avx512")], out_fp32=True)
                 else:
                     module.use_kernels(layer_kernels, out_fp32=False)
-            elif isinstance(module, RMSNorm | MLP):
-                module.use_cpu_kernel = True
-            elif isinstance(module, Attention):
-                module.use_cpu_kernel = module.rotates_in_place
+            elif isinstance(module, RMSNorm | MLP | Attention):
+                module.use_cpu_kernel = module.has_cpu_kernel
             else:
                 continue
             switched += 1
         single = self.tp.world_size == 1
-        # Steps the backend can key (decode-only ones on the CPU kernels) run as recorded ops.
-        if single:
+        # Steps the backend can key (decode-only ones on the CPU kernels) run as recorded ops;
+        # not where the attention soft-caps its scores (it runs as torch's, whose gathered
+        # blocks change shape from step to step).
+        if single and self.config.attn_logit_softcapping is None:
             self.replay = OpReplay(self)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
         if greedy_head and pack and single:
@@ -321,7 +396,7 @@ class DecoderForCausalLM(nn.Module):
         with the first layer's four linears (kernels.choice; cached per CPU and shapes). Call
         before the linears switch (`use_cpu_kernels`): it times their [N, K] weights."""
         layer = self.model.layers[0]
-        assert isinstance(layer, DecoderLayer)
+        assert isinstance(layer, DecoderLayer | SandwichDecoderLayer)
         linears = [
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
@@ -347,11 +422,15 @@ class DecoderForCausalLM(nn.Module):
         lengths: torch.Tensor | None = None,  # [T] int64: `ModelConfig.rope_length` per token
     ) -> torch.Tensor:  # [T, hidden] (before the final norm)
         x = self.model.embed_tokens(input_ids)
+        if self.scales_embeddings:  # the scale rounded to the weights' dtype, as the reference
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype, lengths)
-        ctx = ForwardContext(backend, meta, cos, sin)
+        local = None if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)
+        ctx = ForwardContext(backend, meta, cos, sin, *(local or (None, None)))
         if self.replay is not None and (key := backend.replay_key(meta)) is not None:
             # Everything `_layers` reads that is not a parameter of this model is an input.
-            inputs = [x, cos, sin, *tensors_of(meta), *(t for kv in kv_caches for t in kv)]
+            ropes = [cos, sin, *(local or ())]
+            inputs = [x, *ropes, *tensors_of(meta), *(t for kv in kv_caches for t in kv)]
             return self.replay((x.shape[0], key), inputs, lambda: self._layers(x, kv_caches, ctx))
         return self._layers(x, kv_caches, ctx)
 
@@ -366,8 +445,10 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] rows that need a next token -> [N, vocab] fp32 logits, on rank 0 (None
         on the other ranks, which only send their vocabulary range)."""
-        logits: torch.Tensor = self.lm_head(self.model.norm(hidden))
-        return self.tp.gather_logits(logits.float(), self.config.vocab_size)
+        logits: torch.Tensor = self.lm_head(self.model.norm(hidden)).float()
+        if (cap := self.config.final_logit_softcapping) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return self.tp.gather_logits(logits, self.config.vocab_size)
 
     def greedy_tokens(
         self, hidden: torch.Tensor, masks: torch.Tensor | None = None
@@ -375,7 +456,9 @@ class DecoderForCausalLM(nn.Module):
         """[N, hidden] rows -> [N] the argmax of their logits, the tokens greedy decoding picks
         from `compute_logits`, without computing all the logits (kernels.greedy_head); with
         `masks` ([N, W] int32 bitmasks, a grammar's), the argmax over the allowed tokens. None
-        where that is not available (then use compute_logits)."""
+        where that is not available (then use compute_logits). A final soft cap (Gemma 2) is
+        monotonic, so the argmax is the capped logits' too (ties that only the cap's rounding
+        makes aside)."""
         if self.greedy_head is None:
             return None
         return self.greedy_head.argmax(self.model.norm(hidden), masks)

@@ -190,7 +190,7 @@ def test_llama3_rope_without_its_factors_is_rejected() -> None:
         ModelConfig.from_dict(d)
 
 
-def test_non_silu_activation_is_rejected() -> None:
+def test_an_activation_tgq_does_not_implement_is_rejected() -> None:
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         ModelConfig.from_dict({**llama_base(), "hidden_act": "gelu"})
 
@@ -269,3 +269,67 @@ def test_resolve_dtype(
 def test_resolve_dtype_rejects_unknown_names(requested: str | None, config_dtype: str) -> None:
     with pytest.raises(ValueError, match="allowed: auto, float32, bfloat16, float16"):
         resolve_dtype(requested, config_dtype, "cuda")
+
+
+def test_gemma2_config_fields_and_defaults() -> None:
+    """Gemma 2's `hidden_activation`, score scalar and soft caps; its configs leave out tied
+    embeddings and `layer_types`, which default to tied and every other layer sliding."""
+    d = {
+        **llama_base(),
+        "architectures": ["Gemma2ForCausalLM"],
+        "num_hidden_layers": 4,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 224,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30,
+        "sliding_window": 4096,
+    }
+    del d["hidden_act"]
+    config = ModelConfig.from_dict(d)
+    assert config.hidden_act == "gelu_pytorch_tanh"
+    assert (config.query_pre_attn_scalar, config.attn_logit_softcapping) == (224.0, 50.0)
+    assert config.final_logit_softcapping == 30.0
+    assert config.tie_word_embeddings
+    sliding, full = "sliding_attention", "full_attention"
+    assert config.layer_types == (sliding, full, sliding, full)
+    llama = ModelConfig.from_dict(llama_base())
+    assert llama.query_pre_attn_scalar is None and llama.final_logit_softcapping is None
+
+
+def gemma3(**overrides: Any) -> dict[str, Any]:
+    d = {**llama_base(), "architectures": ["Gemma3ForCausalLM"], "sliding_window": 512}
+    d.pop("rope_theta", None)
+    return {**d, "num_hidden_layers": 12, **overrides}
+
+
+def test_gemma3_v4_and_v5_rope_per_layer_type_normalise_alike() -> None:
+    """v4: `rope_theta` + `rope_scaling` for the global layers, `rope_local_base_freq` for the
+    sliding ones; v5: `rope_parameters` keyed by layer type. Five sliding layers to one global."""
+    v4 = gemma3(rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=10000)
+    v5 = gemma3(
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    )
+    a, b = ModelConfig.from_dict(v4), ModelConfig.from_dict(v5)
+    assert a == b
+    assert (a.rope_theta, a.rope_scaling, a.local_rope_theta) == (
+        1e6,
+        {"rope_type": "linear", "factor": 8.0},
+        10000.0,
+    )
+    sliding, full = "sliding_attention", "full_attention"
+    assert a.layer_types == ((sliding,) * 5 + (full,)) * 2
+    assert a.tie_word_embeddings
+
+
+def test_scaled_rope_on_the_sliding_layers_is_refused() -> None:
+    d = gemma3(
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        }
+    )
+    with pytest.raises(ValueError, match="rope type 'linear' on the sliding-window layers"):
+        ModelConfig.from_dict(d)

@@ -96,7 +96,10 @@ def test_batch_of_mixed_lengths(variant: str, backend: str, model_dirs: dict[str
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
-@pytest.mark.parametrize("variant", ["llama3-gqa", "mistral-window", "qwen3-qknorm"])
+@pytest.mark.parametrize(
+    "variant",
+    ["llama3-gqa", "mistral-window", "qwen3-qknorm", "gemma2-capped-window", "phi3-partial-window"],
+)
 def test_chunked_prefill(variant: str, chunk_size: int, model_dirs: dict[str, Path]) -> None:
     batch = prompts(3, 512, 3, (30, 90))
     results = engine(model_dirs[variant]).generate(

@@ -16,6 +16,7 @@ import torch
 from tests.gpu_worker.test_parity import hf_generate
 from tests.kernels.markers import requires_kernels
 from tgq.batcher.offline import OfflineEngine
+from tgq.gpu_worker.layers.norm import RMSNorm
 from tgq.gpu_worker.models import decoder
 from tgq.gpu_worker.plan import (
     NewSequence,
@@ -296,6 +297,7 @@ def test_the_greedy_head_can_be_switched_off(model_dirs: dict[str, Path]) -> Non
         "qwen2-bias",
         "qwen3-qknorm",
         "phi3-partial-window",
+        "gemma3-local-rope",  # two ropes: both are inputs of the recording
     ],
 )
 def test_decode_steps_replayed_from_their_recording_are_unchanged(
@@ -352,13 +354,45 @@ def test_partial_rotary_rotates_in_torch_not_in_the_fused_kernel(
         RunnerConfig(str(model_dirs["phi3-partial-window"]), dtype="bfloat16", num_blocks=128)
     )
     attentions = [m for m in runner.loaded.model.modules() if isinstance(m, decoder.Attention)]
-    assert attentions and not any(m.use_cpu_kernel or m.rotates_in_place for m in attentions)
+    assert attentions and not any(m.use_cpu_kernel or m.has_cpu_kernel for m in attentions)
     mlps = [m for m in runner.loaded.model.modules() if isinstance(m, decoder.MLP)]
     assert all(m.use_cpu_kernel for m in mlps)
     full = ModelRunner(RunnerConfig(str(model_dirs["llama3-gqa"]), dtype="bfloat16", num_blocks=8))
     assert all(
         m.use_cpu_kernel for m in full.loaded.model.modules() if isinstance(m, decoder.Attention)
     )
+
+
+@requires_kernels
+def test_gemma2_keeps_torch_for_what_the_cpu_kernels_do_not_compute(
+    model_dirs: dict[str, Path],
+) -> None:
+    """bf16 Gemma 2 on the CPU kernels: its offset norms and GeGLU stay torch ops (the fused
+    kernels compute Llama's norm and SiLU), its soft-capped attention runs as torch's on every
+    step (the own kernels have no cap), so decode steps are not replayed; the linears and the
+    rotary still switch. The steps run, and greedy rows keep the greedy head (a final cap keeps
+    the argmax)."""
+    runner = ModelRunner(
+        RunnerConfig(str(model_dirs["gemma2-capped-window"]), dtype="bfloat16", num_blocks=128)
+    )
+    model = runner.loaded.model
+    assert not any(m.use_cpu_kernel for m in model.modules() if isinstance(m, decoder.MLP))
+    assert not any(isinstance(m, RMSNorm) for m in model.modules())
+    assert all(m.use_cpu_kernel for m in model.modules() if isinstance(m, decoder.Attention))
+    assert model.replay is None and model.greedy_head is not None
+    calls: list[float | None] = []
+    backend = runner.backend
+    attend = backend.attend
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs["softcap"])
+        return attend(*args, **kwargs)
+
+    backend.attend = spy  # type: ignore[method-assign]
+    [out] = OfflineEngine(runner).generate(
+        [PROMPT], SamplingParams(logprobs=True), max_new_tokens=6
+    )
+    assert len(out.token_ids) == 6 and set(calls) == {2.0}
 
 
 def test_the_block_size_follows_the_attention_backend(model_dirs: dict[str, Path]) -> None:

@@ -42,6 +42,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2-bias-odd-vocab-tied": make_config(
         "Qwen2ForCausalLM", vocab_size=509, tie_word_embeddings=True
     ),
+    # offset norms around each sublayer, GeGLU, soft caps (the logits capped before the gather)
+    "gemma2-gqa-capped": make_config(
+        "Gemma2ForCausalLM",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
+    # offset q/k norms, a rope per layer type
+    "gemma3-gqa-local-rope": make_config(
+        "Gemma3ForCausalLM",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+        rope_local_base_freq=100.0,
+    ),
     # fused q/k/v and gate/up checkpoint tensors, each rank reading its parts' slices; partial
     # rotary; longrope past 32 tokens (sequences that grow past it restart)
     "phi3-fused-gqa-longrope": make_config(
