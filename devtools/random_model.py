@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from tgq.gpu_worker.config import ModelConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -42,6 +45,9 @@ _MODEL_TYPES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -59,8 +65,29 @@ def make_config(architecture: str, shape: str = "tiny", **overrides: Any) -> dic
         "dtype": "float32",
         **SHAPES[shape],
     }
-    if architecture == "Qwen3ForCausalLM":
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    # Experts: half the dense intermediate size each, as many as shape allows two by two.
+    expert_size = config["intermediate_size"] // 2
+    if architecture == "MixtralForCausalLM":
+        config.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    if architecture == "Qwen2MoeForCausalLM":
+        config.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=expert_size,
+            shared_expert_intermediate_size=config["intermediate_size"],
+            norm_topk_prob=False,
+            use_sliding_window=False,
+        )
+    if architecture == "Qwen3MoeForCausalLM":
+        config.update(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=expert_size,
+            norm_topk_prob=True,
+            use_sliding_window=False,
+        )
     if architecture == "Phi3ForCausalLM":
         config["pad_token_id"] = 0  # transformers' default (32000) lies past a small vocabulary
     if architecture == "Gemma2ForCausalLM":
@@ -100,8 +127,10 @@ def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     arch = config["architectures"][0]
-    qkv_bias = arch == "Qwen2ForCausalLM" or config.get("attention_bias", False)
-    o_bias = arch != "Qwen2ForCausalLM" and config.get("attention_bias", False)
+    qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    qkv_bias = qwen2 or config.get("attention_bias", False)
+    o_bias = not qwen2 and config.get("attention_bias", False)
+    moe_layers = ModelConfig.from_dict(config).moe_layers
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
@@ -123,6 +152,9 @@ def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
             "mlp.up_proj": (inter, hidden),
             "mlp.down_proj": (hidden, inter),
         }
+        if moe_layers[i]:
+            shapes = {k: v for k, v in shapes.items() if not k.startswith("mlp.")}
+            tensors.update(_experts(config, p, normal))
         for name, dims in shapes.items():
             tensors[f"{p}{name}.weight"] = normal(*dims)
         if qkv_bias:
@@ -130,7 +162,7 @@ def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
                 tensors[f"{p}self_attn.{name}.bias"] = normal(shapes[f"self_attn.{name}"][0])
         if o_bias:
             tensors[f"{p}self_attn.o_proj.bias"] = normal(hidden)
-        if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"):
             tensors[f"{p}self_attn.q_norm.weight"] = norm(head_dim)
             tensors[f"{p}self_attn.k_norm.weight"] = norm(head_dim)
         if arch == "Phi3ForCausalLM":  # q/k/v and gate/up stored fused, in that order
@@ -151,6 +183,38 @@ def random_tensors(config: dict[str, Any], seed: int = 0, std: float = 0.02) -> 
     tensors["model.norm.weight"] = norm(hidden)
     if not config.get("tie_word_embeddings", False):
         tensors["lm_head.weight"] = normal(config["vocab_size"], hidden)
+    return tensors
+
+
+# Router weights this many times the others' spread: the random router's top-k choices then win
+# by clear margins, so that rounding between two implementations never flips one.
+ROUTER_SCALE = 25.0
+
+
+def _experts(
+    config: dict[str, Any], prefix: str, normal: Callable[..., torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """One layer's mixture-of-experts tensors under the hub's names: the router, each expert's
+    gate/up/down (Mixtral: `block_sparse_moe`, `w1`/`w3`/`w2`), the shared expert and its gate."""
+    hidden = config["hidden_size"]
+    mixtral = config["architectures"][0] == "MixtralForCausalLM"
+    num_experts = config.get("num_local_experts") or config["num_experts"]
+    inter = config["intermediate_size"] if mixtral else config["moe_intermediate_size"]
+    block = f"{prefix}{'block_sparse_moe' if mixtral else 'mlp'}"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    tensors = {f"{block}.gate.weight": normal(num_experts, hidden) * ROUTER_SCALE}
+
+    def mlp(at: str, size: int) -> None:
+        gate, up, down = names
+        tensors[f"{at}.{gate}.weight"] = normal(size, hidden)
+        tensors[f"{at}.{up}.weight"] = normal(size, hidden)
+        tensors[f"{at}.{down}.weight"] = normal(hidden, size)
+
+    for expert in range(num_experts):
+        mlp(f"{block}.experts.{expert}", inter)
+    if shared := config.get("shared_expert_intermediate_size"):
+        mlp(f"{block}.shared_expert", shared)
+        tensors[f"{block}.shared_expert_gate.weight"] = normal(1, hidden) * ROUTER_SCALE
     return tensors
 
 

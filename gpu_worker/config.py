@@ -79,6 +79,14 @@ class ModelConfig:
     hidden_act: str
     # Gemma: attention scores scaled by query_pre_attn_scalar ** -0.5 (else head_dim ** -0.5);
     # attention scores and final logits soft-capped (cap * tanh(x / cap)) where set.
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `num_experts` 0 for a dense model;
+    # `moe_layers` says per layer whether its MLP is the sparse block.
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int | None
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
     query_pre_attn_scalar: float | None
     attn_logit_softcapping: float | None
     final_logit_softcapping: float | None
@@ -119,6 +127,7 @@ class ModelConfig:
             sliding_window=_parse_sliding_window(d),
             layer_types=_parse_layer_types(d),
             hidden_act=_parse_hidden_act(d),
+            **_parse_moe(d),
             query_pre_attn_scalar=_optional_float(d, "query_pre_attn_scalar"),
             attn_logit_softcapping=_optional_float(d, "attn_logit_softcapping"),
             final_logit_softcapping=_optional_float(d, "final_logit_softcapping"),
@@ -340,6 +349,36 @@ def _parse_hidden_act(d: dict[str, Any]) -> str:
             + ", ".join(repr(a) for a in SUPPORTED_ACTIVATIONS)
         )
     return act
+
+
+def _parse_moe(d: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral: `num_local_experts` experts of `intermediate_size`, top-k weights renormalised,
+    every layer sparse. Qwen2/3-MoE: `num_experts` of `moe_intermediate_size`, renormalised with
+    `norm_topk_prob`, sparse every `decoder_sparse_step` layers but `mlp_only_layers`, a shared
+    expert (Qwen2-MoE) of `shared_expert_intermediate_size`."""
+    num_layers = int(_require(d, "num_hidden_layers"))
+    num_experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+    per_token = int(d.get("num_experts_per_tok") or 0)
+    if num_experts and not 0 < per_token <= num_experts:
+        raise ValueError(
+            f"num_experts_per_tok must be in [1, {num_experts}] (the experts), got {per_token}"
+        )
+    is_mixtral = _architecture(d) == "MixtralForCausalLM"
+    step = int(d.get("decoder_sparse_step") or 1)
+    dense = set(d.get("mlp_only_layers") or ())
+    shared = d.get("shared_expert_intermediate_size")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": per_token,
+        "moe_intermediate_size": int(
+            d.get("moe_intermediate_size") or _require(d, "intermediate_size")
+        ),
+        "shared_expert_intermediate_size": None if shared is None else int(shared),
+        "norm_topk_prob": is_mixtral or bool(d.get("norm_topk_prob", False)),
+        "moe_layers": tuple(
+            num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)
+        ),
+    }
 
 
 def _optional_float(d: dict[str, Any], key: str) -> float | None:

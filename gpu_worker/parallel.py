@@ -63,14 +63,19 @@ class TensorParallel:
             raise ValueError(
                 f"{kv_heads} KV heads neither split across {world} ranks nor replicate evenly"
             )
-        if config.intermediate_size % world:
-            raise ValueError(
-                f"intermediate size {config.intermediate_size} does not split across {world}"
-            )
+        sizes = {
+            "intermediate size": config.intermediate_size,
+            "expert intermediate size": config.moe_intermediate_size if config.num_experts else 0,
+            "shared expert intermediate size": config.shared_expert_intermediate_size or 0,
+        }
+        for what, size in sizes.items():
+            if size % world:
+                raise ValueError(f"{what} {size} does not split across {world} ranks")
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """The model as one rank sees it: its heads, KV heads, intermediate size and vocabulary
-        range (`hidden_size`, `head_dim` and the layer count are the whole model's)."""
+        """The model as one rank sees it: its heads, KV heads, intermediate sizes (dense, each
+        expert's, the shared expert's) and vocabulary range (`hidden_size`, `head_dim` and the
+        layer count are the whole model's)."""
         if self.world_size == 1:
             return config
         self.check(config)
@@ -79,6 +84,12 @@ class TensorParallel:
             num_heads=config.num_heads // self.world_size,
             num_kv_heads=self.num_local_kv_heads(config.num_kv_heads),
             intermediate_size=config.intermediate_size // self.world_size,
+            moe_intermediate_size=config.moe_intermediate_size // self.world_size,
+            shared_expert_intermediate_size=(
+                None
+                if config.shared_expert_intermediate_size is None
+                else config.shared_expert_intermediate_size // self.world_size
+            ),
             vocab_size=self.vocab_shard_size(config.vocab_size),
         )
 

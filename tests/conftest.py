@@ -15,8 +15,9 @@ torch.set_num_threads(2)
 # name -> (architecture, config overrides); together they cover GQA, tied embeddings, the rope
 # scaling types that do not depend on a sequence's length (test_parity has dynamic and longrope),
 # partial rotary, fused checkpoint tensors, qkv bias, q/k norm, an explicit head_dim, a sliding
-# window, Gemma 2's offset norms around each sublayer, GeGLU and soft caps, and Gemma 3's rope per
-# layer type.
+# window, Gemma 2's offset norms around each sublayer, GeGLU and soft caps, Gemma 3's rope per
+# layer type, and sparse mixtures of experts (Mixtral's, Qwen2-MoE's shared expert and dense
+# layers, Qwen3-MoE's renormalised top-k).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-gqa": (
         "LlamaForCausalLM",
@@ -69,6 +70,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_local_base_freq": 100.0,
         },
     ),
+    # Mixtures of experts (devtools.random_model: a router with clear margins)
+    "mixtral-top2": ("MixtralForCausalLM", {}),
+    "qwen2moe-shared-dense-layer": ("Qwen2MoeForCausalLM", {"mlp_only_layers": [1]}),
+    "qwen3moe-top3-norm": ("Qwen3MoeForCausalLM", {}),
     "phi3-partial-window": (  # fused q/k/v and gate/up in the checkpoint; half of each head rotates
         "Phi3ForCausalLM",
         {"partial_rotary_factor": 0.5, "sliding_window": 8},

@@ -27,6 +27,7 @@ from torch import nn
 from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.layers.activation import ACTIVATIONS, FUSED_ON_CPU
 from tgq.gpu_worker.layers.linear import Linear, measure_linears
+from tgq.gpu_worker.layers.moe import SparseMoE
 from tgq.gpu_worker.layers.norm import RMSNorm
 from tgq.gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
 from tgq.gpu_worker.models.sources import Source, decoder_sources
@@ -194,7 +195,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: Attention, mlp: MLP) -> None:
+    def __init__(self, config: ModelConfig, attention: Attention, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = attention
@@ -219,7 +220,7 @@ class SandwichDecoderLayer(nn.Module):
     output is normed before it joins the residual stream. Same contract as `DecoderLayer`."""
 
     def __init__(
-        self, config: ModelConfig, attention: Attention, mlp: MLP, norm: type[nn.Module]
+        self, config: ModelConfig, attention: Attention, mlp: nn.Module, norm: type[nn.Module]
     ) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
@@ -285,6 +286,8 @@ class DecoderForCausalLM(nn.Module):
     fused_checkpoint: ClassVar[bool] = False  # q/k/v and gate/up stored fused (Phi-3)
     norm: ClassVar[type[nn.Module]] = RMSNorm  # every norm's class
     scales_embeddings: ClassVar[bool] = False  # embeddings times sqrt(hidden_size) (Gemma)
+    # MoE: the router's top-k weights cast to the model's dtype (Qwen) or kept fp32 (Mixtral)
+    router_weights_in_model_dtype: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -323,7 +326,23 @@ class DecoderForCausalLM(nn.Module):
         return config.attention_bias, config.attention_bias
 
     def _layer(self, config: ModelConfig, index: int) -> nn.Module:
-        return DecoderLayer(config, self._attention(config, index), MLP(config, self.tp))
+        return DecoderLayer(config, self._attention(config, index), self._mlp(config, index))
+
+    def _mlp(self, config: ModelConfig, index: int) -> nn.Module:
+        """The layer's MLP: the sparse mixture of experts where the config makes it one."""
+        if not config.moe_layers[index]:
+            return MLP(config, self.tp)
+        return SparseMoE(
+            config,
+            MLP,  # rank-free (no all-reduce per expert): the block sums once
+            self.tp,
+            weights_in_model_dtype=self.router_weights_in_model_dtype,
+        )
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """Our checkpoint-side tensor name -> this family's (Mixtral renames its experts')."""
+        return name
 
     def _attention(self, config: ModelConfig, index: int) -> Attention:
         qkv_bias, o_bias = self.attention_biases(config)
@@ -381,8 +400,9 @@ class DecoderForCausalLM(nn.Module):
         single = self.tp.world_size == 1
         # Steps the backend can key (decode-only ones on the CPU kernels) run as recorded ops;
         # not where the attention soft-caps its scores (it runs as torch's, whose gathered
-        # blocks change shape from step to step).
-        if single and self.config.attn_logit_softcapping is None:
+        # blocks change shape from step to step) nor with experts (which run depends on the
+        # tokens).
+        if single and self.config.attn_logit_softcapping is None and not self.config.num_experts:
             self.replay = OpReplay(self)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
         if greedy_head and pack and single:
@@ -397,11 +417,13 @@ class DecoderForCausalLM(nn.Module):
         before the linears switch (`use_cpu_kernels`): it times their [N, K] weights."""
         layer = self.model.layers[0]
         assert isinstance(layer, DecoderLayer | SandwichDecoderLayer)
+        mlp = layer.mlp.experts[0] if isinstance(layer.mlp, SparseMoE) else layer.mlp
+        assert isinstance(mlp, MLP)
         linears = [
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
+            mlp.gate_up_proj,
+            mlp.down_proj,
         ]
         shapes = {"linear": [[m.out_features, m.in_features] for m in linears]}
         choices = choose(shapes, lambda: measure_linears("linear", linears, ROW_BUCKETS))
@@ -465,4 +487,6 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_sources(self) -> dict[str, list[Source]]:
         """Our parameter name -> the checkpoint tensors (this rank's slices) that fill it."""
-        return decoder_sources(self, self.config, self.tp, fused=self.fused_checkpoint)
+        return decoder_sources(
+            self, self.config, self.tp, fused=self.fused_checkpoint, rename=self.checkpoint_name
+        )

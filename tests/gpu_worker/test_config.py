@@ -333,3 +333,45 @@ def test_scaled_rope_on_the_sliding_layers_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="rope type 'linear' on the sliding-window layers"):
         ModelConfig.from_dict(d)
+
+
+def test_moe_fields_per_family() -> None:
+    """Mixtral: every layer sparse, experts of `intermediate_size`, top-k always renormalised;
+    Qwen-MoE: `moe_intermediate_size`, sparse every `decoder_sparse_step` layers but
+    `mlp_only_layers`, `norm_topk_prob` as given, a shared expert where sized."""
+    mixtral = ModelConfig.from_dict(
+        {
+            **llama_base(),
+            "architectures": ["MixtralForCausalLM"],
+            "num_hidden_layers": 2,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        }
+    )
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (8, 2)
+    assert mixtral.moe_intermediate_size == 14336 and mixtral.norm_topk_prob
+    assert mixtral.moe_layers == (True, True) and mixtral.shared_expert_intermediate_size is None
+    qwen = ModelConfig.from_dict(
+        {
+            **llama_base(),
+            "architectures": ["Qwen2MoeForCausalLM"],
+            "num_hidden_layers": 6,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [3],
+        }
+    )
+    assert qwen.moe_layers == (False, True, False, False, False, True)
+    assert (qwen.moe_intermediate_size, qwen.shared_expert_intermediate_size) == (1408, 5632)
+    assert not qwen.norm_topk_prob
+    dense = ModelConfig.from_dict(llama_base())
+    assert dense.num_experts == 0 and not any(dense.moe_layers)
+
+
+def test_moe_top_k_beyond_the_experts_is_refused() -> None:
+    d = {**llama_base(), "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\].*got 5"):
+        ModelConfig.from_dict({**d, "num_experts_per_tok": 5})

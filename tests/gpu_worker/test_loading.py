@@ -61,8 +61,10 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> No
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(config))
     expected = (
-        "unsupported architecture 'GPT2LMHeadModel'; tgq supports: LlamaForCausalLM, "
-        "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        "unsupported architecture 'GPT2LMHeadModel'; tgq supports: Gemma2ForCausalLM, "
+        "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+        "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM"
     )
     with pytest.raises(ValueError, match=expected):
         load_model(str(model_dir), device=CPU)

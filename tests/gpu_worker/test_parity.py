@@ -206,3 +206,46 @@ def test_qwen_sliding_window_on_the_upper_layers_only(architecture: str, tmp_pat
     )
     for ours, prompt in zip(results, batch, strict=True):
         assert_matches(ours, hf_generate(model_dir, prompt))
+
+
+@pytest.mark.parametrize(
+    "variant", ["mixtral-top2", "qwen2moe-shared-dense-layer", "qwen3moe-top3-norm"]
+)
+def test_moe_routes_every_token_as_transformers_does(
+    variant: str, model_dirs: dict[str, Path]
+) -> None:
+    """Each sparse layer's top-k experts for every token of a prompt (prefill) and of the
+    generated tokens (decode) are transformers' own, in order."""
+    from tgq.gpu_worker.layers.moe import SparseMoE
+
+    prompt = prompts(1, 512, 11, (30, 30))[0]
+    hf = _hf_model(model_dirs[variant])
+    theirs: list[torch.Tensor] = []
+    routers = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
+    hooks = [
+        router.register_forward_hook(lambda _m, _i, out: theirs.append(out[2]))
+        for router in routers
+    ]
+    try:
+        reference = hf_generate(model_dirs[variant], prompt)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    ours: list[torch.Tensor] = []
+    route = SparseMoE.route
+
+    def recorded(self: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts, weights = route(self, x)
+        ours.append(experts)
+        return experts, weights
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SparseMoE, "route", recorded)
+        [result] = engine(model_dirs[variant]).generate(
+            [prompt], GREEDY_WITH_LOGPROBS, max_new_tokens=NUM_NEW
+        )
+    assert_matches(result, reference)
+    # One call per sparse layer per forward: the prompt's, then each decode step's.
+    assert len(ours) == len(theirs) == len(routers) * NUM_NEW
+    for mine, their in zip(ours, theirs, strict=True):
+        assert torch.equal(mine, their.reshape(mine.shape))

@@ -395,6 +395,26 @@ def test_gemma2_keeps_torch_for_what_the_cpu_kernels_do_not_compute(
     assert len(out.token_ids) == 6 and set(calls) == {2.0}
 
 
+@requires_kernels
+def test_moe_models_run_their_experts_on_the_kernels_without_replay(
+    model_dirs: dict[str, Path],
+) -> None:
+    """bf16 Qwen3-MoE on the CPU kernels: each expert's linears and SiLU run on the kernels, but
+    decode steps are not replayed (which experts run depends on the tokens, which a recording
+    would fix); greedy tokens come from the greedy head."""
+    runner = ModelRunner(
+        RunnerConfig(str(model_dirs["qwen3moe-top3-norm"]), dtype="bfloat16", num_blocks=128)
+    )
+    model = runner.loaded.model
+    experts = [m for m in model.modules() if isinstance(m, decoder.MLP)]
+    assert len(experts) == 2 * 8 and all(m.use_cpu_kernel for m in experts)
+    assert model.replay is None and model.greedy_head is not None
+    [out] = OfflineEngine(runner).generate(
+        [PROMPT], SamplingParams(logprobs=True), max_new_tokens=6
+    )
+    assert len(out.token_ids) == 6
+
+
 def test_the_block_size_follows_the_attention_backend(model_dirs: dict[str, Path]) -> None:
     """No block size: the backend's default (kernels registry); one it cannot read is refused
     with its rule."""

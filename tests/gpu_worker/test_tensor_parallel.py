@@ -51,6 +51,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0,
     ),
+    # experts sliced per rank like dense MLPs, the router whole on each; a shared expert and gate
+    "qwen2moe-shared": make_config(
+        "Qwen2MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2
+    ),
+    "mixtral-top2": make_config("MixtralForCausalLM", num_attention_heads=4, num_key_value_heads=2),
     # offset q/k norms, a rope per layer type
     "gemma3-gqa-local-rope": make_config(
         "Gemma3ForCausalLM",
