@@ -41,7 +41,8 @@ def make_engine(model_dir: Path, num_blocks: int = 512, **limits: Any) -> LLMEng
     """The runner as served ("auto": the CPU kernels here); the torch oracle itself is checked
     against transformers in tests/gpu_worker."""
     config = RunnerConfig(str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    return LLMEngine(ModelRunner(config, _loaded(model_dir)), SchedulerConfig(**limits))
+    runner = ModelRunner(config, _loaded(model_dir))
+    return LLMEngine(runner, SchedulerConfig(**limits), model=runner.model_config)
 
 
 def mixed_prompts() -> list[list[int]]:
@@ -108,6 +109,44 @@ def test_a_small_kv_pool_preempts_and_still_matches(
     assert engine.scheduler.num_preemptions > 0
     assert any(r.num_preemptions > 0 for r in results)
     assert_matches_hf(model_dir, batch, results)
+
+
+NEWER_FAMILIES = [
+    "gemma2-capped-window",
+    "gemma3-local-rope",
+    "phi3-partial-window",
+    "mixtral-top2",
+    "qwen2moe-shared-dense-layer",
+    "qwen3moe-top3-norm",
+]
+
+
+@pytest.mark.parametrize("variant", NEWER_FAMILIES)
+def test_every_schedule_of_the_newer_families(variant: str, model_dirs: dict[str, Path]) -> None:
+    """The 32 mixed prompts at 16 tokens a step (then again, every full prompt block a prefix
+    hit), at 512 a step with the prefix cache off, eight of them one at a time, and through a
+    pool small enough to preempt: each run equals transformers token for token."""
+    model_dir, batch = model_dirs[variant], mixed_prompts()
+    chunked = make_engine(model_dir, max_batch_prefill_tokens=16, max_batch_size=16)
+    assert_matches_hf(model_dir, batch, chunked.generate(batch, GREEDY_LOGPROBS, STOPPING))
+    again = chunked.generate(batch, GREEDY_LOGPROBS, STOPPING)
+    assert_matches_hf(model_dir, batch, again)
+    assert all(
+        r.num_cached_tokens == (len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        for p, r in zip(batch, again, strict=True)
+    )
+    uncached = make_engine(
+        model_dir, max_batch_prefill_tokens=512, max_batch_size=32, enable_prefix_cache=False
+    )
+    assert_matches_hf(model_dir, batch, uncached.generate(batch, GREEDY_LOGPROBS, STOPPING))
+    alone = make_engine(model_dir, max_batch_prefill_tokens=64, max_batch_size=1)
+    few = batch[:8]
+    assert_matches_hf(model_dir, few, alone.generate(few, GREEDY_LOGPROBS, STOPPING))
+    tight = make_engine(model_dir, num_blocks=24, max_batch_prefill_tokens=64, max_batch_size=32)
+    assert_matches_hf(model_dir, batch, tight.generate(batch, GREEDY_LOGPROBS, STOPPING))
+    assert tight.scheduler.num_preemptions > 0
+    for engine in (chunked, uncached, alone, tight):
+        engine.scheduler.kv.check_integrity()
 
 
 def test_a_batch_of_one_matches(model_dirs: dict[str, Path]) -> None:

@@ -98,7 +98,16 @@ def test_batch_of_mixed_lengths(variant: str, backend: str, model_dirs: dict[str
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
 @pytest.mark.parametrize(
     "variant",
-    ["llama3-gqa", "mistral-window", "qwen3-qknorm", "gemma2-capped-window", "phi3-partial-window"],
+    [
+        "llama3-gqa",
+        "mistral-window",
+        "qwen3-qknorm",
+        "gemma2-capped-window",
+        "gemma3-local-rope",
+        "phi3-partial-window",
+        "mixtral-top2",
+        "qwen2moe-shared-dense-layer",
+    ],
 )
 def test_chunked_prefill(variant: str, chunk_size: int, model_dirs: dict[str, Path]) -> None:
     batch = prompts(3, 512, 3, (30, 90))
