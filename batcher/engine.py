@@ -88,6 +88,10 @@ class RequestResult:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     text: str | None = None  # the released output text, with a tokenizer
+    # `SamplingParams.prompt_logprobs`: per prompt token (None for the first), and the most
+    # likely tokens at each prompt position; empty when not asked.
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
 
     @classmethod
     def of(cls, request: Request) -> RequestResult:
@@ -101,6 +105,8 @@ class RequestResult:
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
             text=request.output_text.text if request.output_text is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs),
+            prompt_top_logprobs=list(request.prompt_top_logprobs),
         )
 
 

@@ -129,7 +129,7 @@ class ShardedRunner:
         errors = [reply["message"] for reply in replies if reply["type"] == "error"]
         if errors:
             raise ValueError("; ".join(errors))  # a bad plan: every rank refused it alike
-        return protocol.result_from_wire(replies[0]["sampled"])
+        return protocol.result_from_wire(replies[0]["result"])
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Closes the pipes (the ranks exit), then kills what is left after `timeout_s`."""

@@ -18,7 +18,7 @@ from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
 
 from tgq.batcher.stopping import OutputText
-from tgq.gpu_worker.plan import SamplingParams, TokenLogprob
+from tgq.gpu_worker.plan import PromptLogprobs, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from tgq.batcher.grammar_compiler import Constraint
@@ -124,6 +124,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     kv_salt: bytes = b""  # the prefix-cache salt its KV was computed under (set at admission)
+    # `SamplingParams.prompt_logprobs`: per prompt token, its logprob (None for the first, and
+    # until computed) and the most likely tokens at its position; empty when not asked.
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     num_preemptions: int = 0
@@ -133,6 +137,19 @@ class Request:
     new_text: str = ""  # text released since the last output event (taken by the engine)
     # Structured output: masks each next token, advances with each sampled one.
     grammar: Constraint | None = None
+
+    def record_prompt_logprobs(self, part: PromptLogprobs) -> None:
+        """Keep a step's prompt logprobs; positions already kept (a recompute after preemption
+        computes them again) keep their first value."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+            self.prompt_top_logprobs = [[] for _ in range(self.num_prompt_tokens)]
+        for offset, logprob in enumerate(part.logprobs):
+            index = part.start + offset
+            if index < self.num_prompt_tokens and self.prompt_logprobs[index] is None:
+                self.prompt_logprobs[index] = logprob
+                if offset < len(part.top_logprobs):
+                    self.prompt_top_logprobs[index] = part.top_logprobs[offset]
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):

@@ -256,7 +256,11 @@ class Scheduler:
                 return False
             self._preempt(self.running[-1], step)
         salt = self._kv_salt(request)
-        cached_block_ids = self.kv.find_cached_prefix(request.token_ids, salt)
+        # A request for its prompt's logprobs computes every prompt token: no prefix hits.
+        wants_prompt = request.sampling.prompt_logprobs is not None
+        cached_block_ids = (
+            [] if wants_prompt else self.kv.find_cached_prefix(request.token_ids, salt)
+        )
         num_cached = len(cached_block_ids) * self.kv.block_size
         num_new = min(request.num_tokens - num_cached, step.token_budget)
         block_ids = self._allocate(request, num_cached + num_new, step, outranks, cached_block_ids)
@@ -328,6 +332,9 @@ class Scheduler:
             self.kv.cache_blocks(
                 request.request_id, request.token_ids, request.num_computed_tokens, request.kv_salt
             )
+        for part in result.prompt_logprobs:
+            if (request := self.requests.get(part.request_id)) is not None:
+                request.record_prompt_logprobs(part)
         updated = []
         for sampled in result.sampled:
             request = self.requests.get(sampled.request_id)

@@ -45,6 +45,11 @@ class SamplingParams:
     # the batcher's engine fills them in) are masked while fewer tokens have been generated.
     min_tokens: int = 0
     min_tokens_stop_ids: tuple[int, ...] = ()
+    # The prompt's tokens' logprobs (each under the model's raw distribution after the tokens
+    # before it; the first has none): None off, 0 each token's own, n > 0 also the n most likely
+    # tokens at each position (vLLM's `prompt_logprobs`). Every prompt token is then computed
+    # (no prefix-cache hits).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # JSON and msgpack hand the ids back as a list; a tuple keeps the params hashable.
@@ -57,6 +62,10 @@ class SamplingParams:
         _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]")
         _check(self.top_n_logprobs >= 0, "top_n_logprobs must be >= 0")
         _check(self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs must be >= 0",
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -164,8 +173,21 @@ class SampledToken:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A sequence's prompt tokens `[start, start + len(logprobs))` computed in this step, each
+    token's logprob after the tokens before it (`start` >= 1: the first token has none), with
+    the `prompt_logprobs` most likely tokens at each of those positions."""
+
+    request_id: str
+    start: int
+    logprobs: list[float]
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 def to_wire(plan: StepPlan) -> dict[str, Any]:

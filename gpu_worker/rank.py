@@ -133,7 +133,7 @@ def serve(
             reply = {"type": "error", "message": f"rank {tp.rank}: {error!r}"}
         else:
             reply = (
-                {"type": "result", "sampled": protocol.result_to_wire(result)}
+                {"type": "result", "result": protocol.result_to_wire(result)}
                 if tp.is_first
                 else {"type": "done"}
             )

@@ -7,7 +7,8 @@ object with a `type`. Nothing is pickled.
     batcher -> rank   {"type": "allocate", "num_blocks": M}    M = the minimum over the ranks
     rank -> batcher   {"type": "allocated"}
     batcher -> rank   {"type": "step", "plan": {...}}          the same plan to every rank
-    rank -> batcher   {"type": "result", "sampled": [...]}     rank 0 (the others: "done")
+    rank -> batcher   {"type": "result", "result": {"sampled": [...],  rank 0 (others: "done")
+                                                  "prompt_logprobs": [...]}}
     rank -> batcher   {"type": "error", "message": "..."}      the step failed on that rank
 
 A third pipe carries a rank's heartbeat: a byte every `HEARTBEAT_S`, from a thread of its own.
@@ -22,7 +23,7 @@ import select
 import struct
 from typing import Any
 
-from tgq.gpu_worker.plan import SampledToken, StepResult, TokenLogprob
+from tgq.gpu_worker.plan import PromptLogprobs, SampledToken, StepResult, TokenLogprob
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 1 << 30
@@ -66,17 +67,32 @@ def _read_exactly(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def result_to_wire(result: StepResult) -> list[list[Any]]:
-    return [
-        [s.request_id, s.token_id, s.logprob, [[t.token_id, t.logprob] for t in s.top_logprobs]]
-        for s in result.sampled
-    ]
+def result_to_wire(result: StepResult) -> dict[str, list[list[Any]]]:
+    def pairs(tops: list[TokenLogprob]) -> list[list[Any]]:
+        return [[t.token_id, t.logprob] for t in tops]
+
+    return {
+        "sampled": [
+            [s.request_id, s.token_id, s.logprob, pairs(s.top_logprobs)] for s in result.sampled
+        ],
+        "prompt_logprobs": [
+            [p.request_id, p.start, p.logprobs, [pairs(tops) for tops in p.top_logprobs]]
+            for p in result.prompt_logprobs
+        ],
+    }
 
 
-def result_from_wire(sampled: list[list[Any]]) -> StepResult:
+def result_from_wire(wire: dict[str, list[list[Any]]]) -> StepResult:
+    def tokens(pairs: list[list[Any]]) -> list[TokenLogprob]:
+        return [TokenLogprob(t, lp) for t, lp in pairs]
+
     return StepResult(
         [
-            SampledToken(request_id, token_id, logprob, [TokenLogprob(t, lp) for t, lp in top])
-            for request_id, token_id, logprob, top in sampled
-        ]
+            SampledToken(request_id, token_id, logprob, tokens(top))
+            for request_id, token_id, logprob, top in wire["sampled"]
+        ],
+        [
+            PromptLogprobs(request_id, start, list(logprobs), [tokens(t) for t in tops])
+            for request_id, start, logprobs, tops in wire["prompt_logprobs"]
+        ],
     )

@@ -10,6 +10,7 @@ KV cache, executing the same plans; rank 0 samples and its tokens are broadcast 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from tgq.gpu_worker.loader import LoadedModel, load_model
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.gpu_worker.plan import (
     ArgmaxFirst,
+    PromptLogprobs,
     SampledToken,
     SamplingParams,
     ScheduledChunk,
@@ -36,6 +38,7 @@ from tgq.kernels import AttentionBackend, AttentionStep, SeqSpan, block_size_rul
 from tgq.kernels.cpu_paged import CpuPagedAttention
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per pass (their fp32 logits: 32 MB at 32K)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +138,9 @@ class ModelRunner:
         hidden = self.loaded.model(
             inputs.input_ids, inputs.positions, self.kv_caches, self.backend, meta, inputs.lengths
         )
+        prompt = self._prompt_logprobs(chunks, hidden)
         if not inputs.sample_request_ids:
-            return StepResult()
+            return StepResult(prompt_logprobs=prompt)
         if len(inputs.sample_request_ids) < hidden.shape[0]:  # else every row, in order (decode)
             hidden = hidden[inputs.sample_rows]
         output = self._sample(hidden, inputs.sample_request_ids)
@@ -147,7 +151,44 @@ class ModelRunner:
             return StepResult()
         result = self._record(inputs.sample_request_ids, output)
         self.tp.broadcast_tokens([token.token_id for token in result.sampled], len(result.sampled))
-        return result
+        return dataclasses.replace(result, prompt_logprobs=prompt)
+
+    def _prompt_logprobs(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor
+    ) -> list[PromptLogprobs]:
+        """For the chunks of sequences that ask (`SamplingParams.prompt_logprobs`): the logprob
+        of each prompt token their rows predict (position p's logits score token p + 1), from
+        the raw logits, in passes of at most PROMPT_LOGPROB_ROWS rows (a 4,096-token chunk's
+        logits alone would be 0.5 GB at 32,000 tokens). Every rank computes the logits (their
+        gather is collective); rank 0 returns them."""
+        out: list[PromptLogprobs] = []
+        row = 0
+        for chunk in chunks:
+            seq = self.sequences[chunk.request_id]
+            start, top = chunk.num_computed_tokens, seq.sampling.prompt_logprobs
+            end = min(start + chunk.num_new_tokens, seq.num_prompt_tokens - 1)
+            if top is not None and end > start:
+                targets = torch.tensor(seq.token_ids[start + 1 : end + 1], device=self.device)
+                rows = hidden[row : row + end - start]
+                logprobs: list[float] = []
+                tops: list[list[TokenLogprob]] = []
+                for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                    part = slice(first, first + PROMPT_LOGPROB_ROWS)
+                    logits = self.loaded.model.compute_logits(rows[part])
+                    if logits is None:
+                        continue  # another rank's answer
+                    scores = torch.log_softmax(logits, dim=-1)
+                    logprobs += scores.gather(1, targets[part, None])[:, 0].tolist()
+                    if top:
+                        values, ids = scores.topk(top, dim=-1)
+                        tops += [
+                            [TokenLogprob(t, lp) for t, lp in zip(i, v, strict=True)]
+                            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                        ]
+                if self.tp.is_first:
+                    out.append(PromptLogprobs(chunk.request_id, start + 1, logprobs, tops))
+            row += chunk.num_new_tokens
+        return out
 
     def _sample(self, hidden: torch.Tensor, request_ids: list[str]) -> SamplerOutput | None:
         """The next token of each row (None on a rank that does not sample). Rows that only need

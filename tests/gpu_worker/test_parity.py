@@ -258,3 +258,49 @@ def test_moe_routes_every_token_as_transformers_does(
     assert len(ours) == len(theirs) == len(routers) * NUM_NEW
     for mine, their in zip(ours, theirs, strict=True):
         assert torch.equal(mine, their.reshape(mine.shape))
+
+
+def hf_prompt_logprobs(model_dir: Path, prompt: list[int], top: int) -> tuple[list, list]:
+    """transformers' log_softmax over one forward of the prompt: each token's logprob after the
+    tokens before it (None for the first), and the `top` most likely ids at each position."""
+    with torch.inference_mode():
+        logits = _hf_model(model_dir)(torch.tensor([prompt])).logits[0].float()
+    scores = torch.log_softmax(logits, dim=-1)
+    chosen = [None, *scores[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()]
+    ids = [[], *scores[:-1].topk(top, dim=-1).indices.tolist()] if top else []
+    return chosen, ids
+
+
+PROMPT_LOGPROBS = SamplingParams(logprobs=True, prompt_logprobs=3)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 7])
+@pytest.mark.parametrize("variant", ["llama3-gqa", "gemma2-capped-window", "mixtral-top2"])
+def test_prompt_logprobs_equal_transformers(
+    variant: str, chunk_size: int | None, model_dirs: dict[str, Path]
+) -> None:
+    """`prompt_logprobs`: each prompt token's logprob equals transformers' log_softmax within
+    1e-4 (fp32), prefilled whole or in chunks, beside requests that do not ask; the top-n ids
+    at each position are transformers' too. A second request with the same prompt is served
+    from the prefix cache for the plain one and still computes every position for the other."""
+    batch = prompts(3, 512, 12, (20, 40))
+    eng = engine(model_dirs[variant], block_size=8)
+    params = [PROMPT_LOGPROBS, GREEDY_WITH_LOGPROBS, PROMPT_LOGPROBS]
+    for attempt in range(2):
+        results = eng.generate(batch, params, max_new_tokens=4, chunk_size=chunk_size)
+        for result, prompt, param in zip(results, batch, params, strict=True):
+            if param.prompt_logprobs is None:
+                assert result.prompt_logprobs == []
+                assert attempt == 0 or result.num_cached_tokens > 0
+                continue
+            chosen, top_ids = hf_prompt_logprobs(model_dirs[variant], prompt, 3)
+            assert result.num_cached_tokens == 0
+            assert result.prompt_logprobs[0] is None and chosen[0] is None
+            torch.testing.assert_close(
+                torch.tensor(result.prompt_logprobs[1:]),
+                torch.tensor(chosen[1:]),
+                atol=LOGPROB_TOL,
+                rtol=0,
+            )
+            ours = [[t.token_id for t in tops] for tops in result.prompt_top_logprobs]
+            assert ours == top_ids
