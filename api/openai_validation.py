@@ -4,6 +4,8 @@ check after tokenization are in `api.validation`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from tgq.api.chat_template import ChatTemplate
 from tgq.api.errors import RouteValidationError, require
 from tgq.api.request_fields import check_openai_fields
@@ -17,6 +19,7 @@ from tgq.api.validation import (
     check_min_p,
     check_min_tokens,
     check_penalty,
+    check_prefill_logprobs,
     check_probability_mass,
     check_repetition_penalty,
     check_stop_count,
@@ -78,8 +81,12 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
     best_of = _completion_best_of(request, num_choices, settings)
     # The candidates are ranked by their cumulative logprob: they need it, asked for or not.
     logprobs = request.logprobs is not None or best_of > num_choices
+    sampling = _openai_sampling(request, logprobs=logprobs, top_n=top_n)
+    if request.echo and request.logprobs is not None:  # the prompt's tokens come back scored
+        check_prefill_logprobs("echo", settings)
+        sampling = dataclasses.replace(sampling, prompt_logprobs=top_n)
     return GenerationParams(
-        sampling=_openai_sampling(request, logprobs=logprobs, top_n=top_n),
+        sampling=sampling,
         max_new_tokens=_max_tokens("max_tokens", request.max_tokens),
         stop_strings=_openai_stop(request.stop, settings),
         best_of=best_of,

@@ -49,6 +49,12 @@ class Settings(BatcherOptions):
     max_queued_requests: int = Field(4096, ge=1, description="requests queued, all replicas")
     max_queued_tokens: int = Field(4_000_000, ge=1, description="tokens in flight per replica")
     max_job_prompts: int = Field(1000, ge=1, description="prompts in one POST /v1/jobs")
+    # TGI's flag: prompt tokens' logprobs (`decoder_input_details`, completions `echo` with
+    # `logprobs`, vLLM's `prompt_logprobs`) cost a full-vocabulary softmax per prompt token and
+    # skip the prefix cache, so they are off unless the server is started with them.
+    enable_prefill_logprobs: bool = Field(
+        False, description="answer requests for prompt tokens' logprobs (else 422)"
+    )
     retry_after_s: int = Field(1, ge=1, description="`Retry-After` of a 429 or 503")
 
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "auto"] = Field(

@@ -100,8 +100,13 @@ def tgi_params(
     _check_tgi_knobs(p)
     _check_tgi_limits(p, best_of, settings)
     needs_logprobs = is_stream or p.details or p.decoder_input_details or best_of > 1
+    if p.decoder_input_details:
+        check_prefill_logprobs("decoder_input_details", settings)
+    sampling = _tgi_sampling(p, logprobs=needs_logprobs)
+    if p.decoder_input_details:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=0)
     return GenerationParams(
-        sampling=_tgi_sampling(p, logprobs=needs_logprobs),
+        sampling=sampling,
         max_new_tokens=p.max_new_tokens,
         stop_strings=non_empty(p.stop),
         ignore_eos=p.ignore_eos,
@@ -114,6 +119,17 @@ def tgi_params(
         top_n_tokens=default(p.top_n_tokens, 0),
         grammar=tgi_grammar(p.grammar),
     )
+
+
+PREFILL_LOGPROBS_OFF = (
+    "prompt logprobs are off on this server (asked by `{param}`): start it with"
+    " --enable-prefill-logprobs (env ENABLE_PREFILL_LOGPROBS=true)"
+)
+
+
+def check_prefill_logprobs(param: str, settings: Settings) -> None:
+    """A request for its prompt tokens' logprobs needs `--enable-prefill-logprobs` (TGI's)."""
+    require(settings.enable_prefill_logprobs, PREFILL_LOGPROBS_OFF.format(param=param), param)
 
 
 def _check_tgi_streaming(p: GenerateParameters, best_of: int, *, is_stream: bool) -> None:

@@ -68,4 +68,10 @@ class ActiveRequest:
             text=self.text if text is not None else None,
             matched_stop=text.matched_stop if text is not None else None,
             logprobs=self.logprobs if wants_logprobs else [],
+            prompt_logprobs=list(request.prompt_logprobs) if request is not None else [],
+            prompt_top_logprobs=[
+                [(t.token_id, t.logprob) for t in tops] for tops in request.prompt_top_logprobs
+            ]
+            if request is not None
+            else [],
         )

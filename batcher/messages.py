@@ -78,6 +78,10 @@ class FinalResult:
     text: str | None = None
     matched_stop: str | None = None  # the stop string that ended it (finish_reason "stop")
     logprobs: list[float | None] = field(default_factory=list)  # per output token, if asked
+    # Per prompt token, if asked (`SamplingParams.prompt_logprobs`): its logprob (None for the
+    # first) and the most likely tokens at its position as (token id, logprob).
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,12 +224,14 @@ def _logprobs(body: dict[str, Any], name: str) -> list[float | None]:
     return list(logprobs)
 
 
-def _top_logprobs(body: dict[str, Any]) -> list[list[tuple[int, float]]]:
-    per_token = body.get("top_logprobs", [])
+def _top_logprobs(
+    body: dict[str, Any], name: str = "top_logprobs"
+) -> list[list[tuple[int, float]]]:
+    per_token = body.get(name, [])
     try:
         return [[(int(i), float(lp)) for i, lp in top] for top in per_token]
     except (TypeError, ValueError):
-        raise MessageError("field 'top_logprobs' must be lists of [token id, logprob]") from None
+        raise MessageError(f"field {name!r} must be lists of [token id, logprob]") from None
 
 
 def _token(body: dict[str, Any]) -> TokenEvent:
@@ -256,6 +262,8 @@ def _final(body: dict[str, Any]) -> FinalResult:
         text=_optional(body, "text", str),
         matched_stop=_optional(body, "matched_stop", str),
         logprobs=_logprobs(body, "logprobs"),
+        prompt_logprobs=_logprobs(body, "prompt_logprobs"),
+        prompt_top_logprobs=_top_logprobs(body, "prompt_top_logprobs"),
     )
 
 

@@ -125,12 +125,41 @@ def completion_choice(
     if with_logprobs:
         events = run.events.get(final.request_id, [])
         logprobs = legacy_logprobs(state, events, offset=len(prefix))
+        if prompt.params.decoder_input_details:  # `echo`: the prompt's tokens first, scored
+            logprobs = echoed_logprobs(state, prompt.prompt_token_ids, final, logprobs)
     return CompletionChoice(
         index=index,
         text=prefix + text,
         logprobs=logprobs,
         finish_reason=finish_reason(final),
     )
+
+
+def echoed_logprobs(
+    state: AppState, prompt_ids: list[int], final: FinalResult, output: CompletionLogprobs
+) -> CompletionLogprobs:
+    """OpenAI's `echo` with `logprobs`: the prompt's tokens (the first with null logprob and
+    top_logprobs, as OpenAI answers), then the output's, offsets counted from the prompt's
+    first character."""
+    result = CompletionLogprobs(top_logprobs=[])
+    assert result.top_logprobs is not None and output.top_logprobs is not None
+    offset = 0
+    for index, token_id in enumerate(prompt_ids):
+        text = state.tokenizer.token_text(token_id)
+        logprob = final.prompt_logprobs[index] if index < len(final.prompt_logprobs) else None
+        tops = final.prompt_top_logprobs[index] if index < len(final.prompt_top_logprobs) else []
+        result.tokens.append(text)
+        result.token_logprobs.append(logprob)
+        result.top_logprobs.append(
+            None if index == 0 else {state.tokenizer.token_text(i): lp for i, lp in tops}
+        )
+        result.text_offset.append(offset)
+        offset += len(text)
+    result.tokens += output.tokens
+    result.token_logprobs += output.token_logprobs
+    result.top_logprobs += output.top_logprobs
+    result.text_offset += output.text_offset
+    return result
 
 
 def legacy_logprobs(

@@ -57,9 +57,10 @@ def _sequence(state: AppState, run: Run, index: int) -> dict[str, Any]:
     tops = [top_tokens(state, t) for event in events for t in event.top_logprobs]
     prefill = []
     if prompt.params.decoder_input_details:
+        scores = final.prompt_logprobs or [None] * len(prompt.prompt_token_ids)
         prefill = [
-            PrefillToken(id=i, text=state.tokenizer.token_text(i), logprob=None)
-            for i in prompt.prompt_token_ids
+            PrefillToken(id=i, text=state.tokenizer.token_text(i), logprob=lp)
+            for i, lp in zip(prompt.prompt_token_ids, scores, strict=False)
         ]
     return {
         "generated_text": tgi_text(state, run, index, final),

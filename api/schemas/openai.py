@@ -301,7 +301,8 @@ class CompletionLogprobs(BaseModel):
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    # null for an echoed prompt's first token, which has no distribution before it
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 

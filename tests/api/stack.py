@@ -46,7 +46,7 @@ BLOCK_SIZE = 16
 # default generations.
 TEST_SETTINGS = {
     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DRAIN_TIMEOUT_S": "5",
-    "MAX_TOTAL_TOKENS": "1024",
+    "MAX_TOTAL_TOKENS": "1024", "ENABLE_PREFILL_LOGPROBS": "true",
 }  # fmt: skip
 # A test batcher's size: a small KV cache, batches of at most 64, a heartbeat that lapses in 4 s.
 TEST_BATCHER_SIZING = (

@@ -36,7 +36,9 @@ from tgq.api.validated import GenerationParams
 from tgq.api.validation import check_inputs, tgi_params, validate_tokens
 from tgq.batcher.request import Priority
 
-SETTINGS = Settings.model_validate({"max_input_tokens": 6, "max_total_tokens": 10})
+SETTINGS = Settings.model_validate(
+    {"max_input_tokens": 6, "max_total_tokens": 10, "enable_prefill_logprobs": True}
+)
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -338,6 +340,7 @@ def test_completion_mappings() -> None:
     assert params.sampling.is_greedy
     assert (params.sampling.logprobs, params.sampling.top_n_logprobs) == (True, 2)
     assert (params.return_full_text, params.decoder_input_details) == (True, True)
+    assert params.sampling.prompt_logprobs == 2  # the echoed prompt's tokens, with their top 2
     assert (params.sampling.repetition_penalty, params.num_choices) == (1.2, 2)
     assert params.add_special_tokens
     plain = _completion()
@@ -645,3 +648,28 @@ def test_stream_error_events() -> None:
         "param": None,
         "code": "overloaded",
     }
+
+
+def test_prompt_logprobs_need_the_flag() -> None:
+    """`decoder_input_details` and completions `echo` with `logprobs` ask for the prompt's
+    logprobs: without --enable-prefill-logprobs (TGI's default) a 422 names the flag; with it
+    the engine computes them (`prompt_logprobs`). Echo without logprobs needs nothing."""
+    off = Settings.model_validate({"max_input_tokens": 6, "max_total_tokens": 10})
+    message = (
+        "prompt logprobs are off on this server (asked by `{}`): start it with"
+        " --enable-prefill-logprobs (env ENABLE_PREFILL_LOGPROBS=true)"
+    )
+    tgi = GenerateRequest.model_validate(
+        {"inputs": "x", "parameters": {"decoder_input_details": True}}
+    )
+    error = _rejection(lambda: tgi_params(tgi.parameters, off, is_stream=False))
+    assert (error.message, error.param) == (
+        message.format("decoder_input_details"),
+        "decoder_input_details",
+    )
+    echo = CompletionRequest.model_validate({"prompt": "hi", "echo": True, "logprobs": 1})
+    error = _rejection(lambda: completion_params(echo, off))
+    assert (error.message, error.param) == (message.format("echo"), "echo")
+    plain_echo = CompletionRequest.model_validate({"prompt": "hi", "echo": True})
+    assert completion_params(plain_echo, off).sampling.prompt_logprobs is None
+    assert _tgi({"decoder_input_details": True}).sampling.prompt_logprobs == 0

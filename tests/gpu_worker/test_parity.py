@@ -260,7 +260,9 @@ def test_moe_routes_every_token_as_transformers_does(
         assert torch.equal(mine, their.reshape(mine.shape))
 
 
-def hf_prompt_logprobs(model_dir: Path, prompt: list[int], top: int) -> tuple[list, list]:
+def hf_prompt_logprobs(
+    model_dir: Path, prompt: list[int], top: int
+) -> tuple[list[float | None], list[list[int]]]:
     """transformers' log_softmax over one forward of the prompt: each token's logprob after the
     tokens before it (None for the first), and the `top` most likely ids at each position."""
     with torch.inference_mode():

@@ -1,0 +1,87 @@
+"""Prompt logprobs through HTTP on the real stack (started with --enable-prefill-logprobs): TGI's
+`decoder_input_details` and OpenAI completions `echo` with `logprobs` score every prompt token as
+transformers' log_softmax does, within 1e-4 (the test model runs in fp32), also when the prompt
+was just served from the prefix cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.api.stack import Stack
+
+pytestmark = pytest.mark.timeout(300)
+TOLERANCE = 1e-4
+PROMPT = "The quick brown fox jumps over the lazy dog and then reads the Python documentation"
+
+
+def reference(model_dir: Path, token_ids: list[int]) -> tuple[list[float], list[int]]:
+    """transformers' log_softmax over one forward of the prompt: each token after the first,
+    scored after the tokens before it; and the most likely id at each of those positions."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
+    scores = torch.log_softmax(logits, dim=-1)
+    chosen = scores.gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
+    return chosen.tolist(), scores.argmax(dim=-1).tolist()
+
+
+def test_tgi_prefill_and_openai_echo_score_the_prompt_as_transformers(
+    stack: Stack, text_model_dir: Path
+) -> None:
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        plain = http.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+        assert plain.status_code == 200  # the prompt's blocks are in the prefix cache now
+        tgi = http.post(
+            "/generate",
+            json={
+                "inputs": PROMPT,
+                "parameters": {"max_new_tokens": 2, "decoder_input_details": True},
+            },
+        )
+        completion = http.post(
+            "/v1/completions",
+            json={
+                "model": "tgq-test",
+                "prompt": PROMPT,
+                "max_tokens": 1,
+                "echo": True,
+                "logprobs": 1,
+                "temperature": 0,
+            },
+        )
+    assert tgi.status_code == 200, tgi.text
+    prefill = tgi.json()["details"]["prefill"]
+    token_ids = [token["id"] for token in prefill]
+    expected, argmax = reference(text_model_dir, token_ids)
+    assert len(token_ids) > 8 and prefill[0]["logprob"] is None
+    torch.testing.assert_close(
+        torch.tensor([token["logprob"] for token in prefill[1:]]),
+        torch.tensor(expected),
+        atol=TOLERANCE,
+        rtol=0,
+    )
+    assert completion.status_code == 200, completion.text
+    logprobs = completion.json()["choices"][0]["logprobs"]
+    count = len(token_ids)  # the echoed prompt's tokens, then the one generated
+    assert len(logprobs["tokens"]) == count + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    torch.testing.assert_close(
+        torch.tensor(logprobs["token_logprobs"][1:count]),
+        torch.tensor(expected),
+        atol=TOLERANCE,
+        rtol=0,
+    )
+    # logprobs=1: each prompt position's most likely token, as lm-eval reads it (is_greedy)
+    tops = logprobs["top_logprobs"][1:count]
+    assert all(len(top) == 1 for top in tops)
+    for position, (top, chosen, best) in enumerate(zip(tops, expected, argmax, strict=True)):
+        (best_logprob,) = top.values()
+        assert best_logprob >= chosen - TOLERANCE
+        if best == token_ids[position + 1]:  # the prompt's token is the model's first choice
+            assert abs(best_logprob - chosen) <= TOLERANCE
