@@ -38,7 +38,7 @@ from tgq.api.settings import Settings
 from tgq.api.submit import job_items, job_params, job_requests, num_copies
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.api.validated import GenerationParams, ValidatedRequest
-from tgq.api.validation import validate_tokens
+from tgq.api.validation import check_token_ids, validate_tokens
 from tgq.batcher.messages import FinalResult, TokenEvent
 from tgq.batcher.request import FAILED_REASONS, Priority
 from tgq.batcher.transport.aio import AsyncApiTransport
@@ -105,20 +105,30 @@ class Generation:
 
     async def validate(
         self,
-        prompts: Sequence[str],
+        given: Sequence[str | list[int]],
         params: GenerationParams,
         *,
         priority: Priority = Priority.INTERACTIVE,
         deadline: float | None = None,
         param: str = "inputs",
     ) -> list[ValidatedRequest]:
-        """Tokenize (on the tokenizer's pool) and check lengths; raises `ValidationError`."""
-        token_ids = await asyncio.gather(
-            *(
-                self.tokenizer.encode(prompt, add_special_tokens=params.add_special_tokens)
-                for prompt in prompts
-            )
-        )
+        """Tokenize (on the tokenizer's pool) and check lengths; raises `ValidationError`. A
+        prompt given as token ids (OpenAI completions) is taken as it is, each id checked
+        against the tokenizer's vocabulary, and its text decoded for the record and `echo`."""
+
+        async def ids_of(prompt: str | list[int]) -> list[int]:
+            if isinstance(prompt, str):
+                return await self.tokenizer.encode(
+                    prompt, add_special_tokens=params.add_special_tokens
+                )
+            check_token_ids(prompt, self.tokenizer.vocab_size, param)
+            return list(prompt)
+
+        token_ids = await asyncio.gather(*(ids_of(prompt) for prompt in given))
+        prompts = [
+            p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
+            for p in given
+        ]
         return [
             validate_tokens(
                 prompt=prompt,

@@ -85,9 +85,14 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
     if request.echo and request.logprobs is not None:  # the prompt's tokens come back scored
         check_prefill_logprobs("echo", settings)
         sampling = dataclasses.replace(sampling, prompt_logprobs=top_n)
+    score_only = request.max_tokens == 0
+    require(request.max_tokens is None or request.max_tokens >= 0, MAX_TOKENS_MESSAGE, "max_tokens")
+    if score_only:
+        require(not request.stream, SCORE_ONLY_STREAM_MESSAGE, "max_tokens")
     return GenerationParams(
         sampling=sampling,
-        max_new_tokens=_max_tokens("max_tokens", request.max_tokens),
+        max_new_tokens=1 if score_only else request.max_tokens,
+        score_only=score_only,
         stop_strings=_openai_stop(request.stop, settings),
         best_of=best_of,
         num_choices=num_choices,
@@ -99,16 +104,33 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
     )
 
 
-def completion_prompts(request: CompletionRequest, settings: Settings) -> list[str]:
-    """The prompts of a `/v1/completions` body (a string or a list of them), each non-empty."""
-    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+MAX_TOKENS_MESSAGE = "`max_tokens` must be >= 0 (0: score the prompt only)"
+SCORE_ONLY_STREAM_MESSAGE = "`max_tokens` 0 (score the prompt only) is not supported when streaming"
+EMPTY_TOKENS_MESSAGE = "A prompt given as token ids needs at least one token."
+
+
+def completion_prompts(request: CompletionRequest, settings: Settings) -> list[str | list[int]]:
+    """The prompts of a `/v1/completions` body, each non-empty: a string or a list of them, or
+    token ids (a list, or a list of lists; the ids are checked against the vocabulary when
+    validated, `Generation.validate`)."""
+    given = request.prompt
+    prompts: list[str | list[int]]
+    if isinstance(given, str):
+        prompts = [given]
+    elif given and all(isinstance(item, int) for item in given):
+        prompts = [[int(item) for item in given if isinstance(item, int)]]
+    else:
+        prompts = [item for item in given if isinstance(item, str | list)]
     require(bool(prompts), EMPTY_PROMPTS_MESSAGE, "prompt")
     limit = settings.max_client_batch_size
     if len(prompts) > limit:
         message = f"Number of prompts exceeds the maximum allowed batch size of {limit}"
         raise RouteValidationError(message, error_type="batch size exceeded", param="prompt")
     for prompt in prompts:
-        check_inputs(prompt, "prompt")
+        if isinstance(prompt, str):
+            check_inputs(prompt, "prompt")
+        else:
+            require(bool(prompt), EMPTY_TOKENS_MESSAGE, "prompt")
     return prompts
 
 

@@ -90,6 +90,12 @@ class ModelTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids below this are tokens (added tokens included)."""
+        size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        return size
+
     def token_text(self, token_id: int) -> str:
         """One token's own text, as TGI reports it in `details.tokens[].text`."""
         return self.decode([token_id], skip_special_tokens=False)

@@ -28,6 +28,9 @@ class GenerationParams:
     include_stop_string: bool = False  # TGI keeps the stop string in `generated_text`
     top_n_tokens: int = 0
     add_special_tokens: bool = True
+    # Completions `max_tokens: 0` (with `echo`, to score a prompt): the engine generates one
+    # token, which the answer leaves out (text, logprobs and usage).
+    score_only: bool = False
     grammar: GrammarSpec | None = None  # structured output: what the output must match
     # Chat tools (`api.tools`): how the output is read for tool calls (None: it is not).
     tool_parser: str | None = None

@@ -127,6 +127,14 @@ PREFILL_LOGPROBS_OFF = (
 )
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    """A prompt given as token ids: each one a token of the vocabulary."""
+    last = vocab_size - 1
+    for token_id in token_ids:
+        message = f"token id {token_id} in `{param}` is not in the vocabulary (ids 0 to {last})"
+        require(0 <= token_id <= last, message, param)
+
+
 def check_prefill_logprobs(param: str, settings: Settings) -> None:
     """A request for its prompt tokens' logprobs needs `--enable-prefill-logprobs` (TGI's)."""
     require(settings.enable_prefill_logprobs, PREFILL_LOGPROBS_OFF.format(param=param), param)

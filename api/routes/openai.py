@@ -68,7 +68,7 @@ DONE = data_event("[DONE]")
 async def _start(
     request: Request,
     ticket: Ticket,
-    prompts: Sequence[str],
+    prompts: Sequence[str | list[int]],
     params: GenerationParams,
     *,
     route: str,

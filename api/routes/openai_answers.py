@@ -55,7 +55,8 @@ def chat_choice(state: AppState, run: Run, index: int) -> ChatCompletionChoice:
 def run_usage(run: Run) -> Usage:
     finals = run.finals.values()
     prompt_tokens = sum(p.num_prompt_tokens for p in run.prompts)
-    completion_tokens = sum(final.num_output_tokens for final in finals)
+    scored_only = bool(run.prompts) and run.prompts[0].params.score_only  # `max_tokens: 0`
+    completion_tokens = 0 if scored_only else sum(final.num_output_tokens for final in finals)
     cached_tokens = sum(_num_cached_tokens(run, p) for p in range(len(run.prompts)))
     return Usage(
         prompt_tokens=prompt_tokens,
@@ -119,11 +120,12 @@ def completion_choice(
 ) -> CompletionChoice:
     prompt = run.prompt_of(item)
     final = run.finals[run.requests[item].request_id]
-    text = output_text(state, final, include_stop=False)
+    scored_only = prompt.params.score_only  # `max_tokens: 0`: the generated token left out
+    text = "" if scored_only else output_text(state, final, include_stop=False)
     prefix = prompt.prompt if prompt.params.return_full_text else ""
     logprobs = None
     if with_logprobs:
-        events = run.events.get(final.request_id, [])
+        events = [] if scored_only else run.events.get(final.request_id, [])
         logprobs = legacy_logprobs(state, events, offset=len(prefix))
         if prompt.params.decoder_input_details:  # `echo`: the prompt's tokens first, scored
             logprobs = echoed_logprobs(state, prompt.prompt_token_ids, final, logprobs)
@@ -131,7 +133,7 @@ def completion_choice(
         index=index,
         text=prefix + text,
         logprobs=logprobs,
-        finish_reason=finish_reason(final),
+        finish_reason="length" if scored_only else finish_reason(final),
     )
 
 

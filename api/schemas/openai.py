@@ -184,7 +184,10 @@ class ChatCompletionRequest(_VllmExtras):
 
 class CompletionRequest(_VllmExtras):
     model: str | None = Field(default=None, examples=["tgi"])
-    prompt: str | list[str] = Field(examples=["My name is Olivier and I"])
+    # a string, a list of strings, a list of token ids, or a list of such lists (as OpenAI)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        examples=["My name is Olivier and I"]
+    )
     max_tokens: int | None = Field(default=None, examples=[32])
     temperature: float | None = Field(default=None, examples=[1.0])
     top_p: float | None = Field(default=None, examples=[0.95])

@@ -263,8 +263,8 @@ VALIDATION_CASES = [
          "`logprobs` must be >= 0 and <= 5. Given: 6", "logprobs"),
     case("default", COMPLETIONS, completion(repetition_penalty=-1),
          "`repetition_penalty` must be strictly positive", "repetition_penalty"),
-    case("default", COMPLETIONS, completion(max_tokens=0),
-         "`max_tokens` must be strictly positive", "max_tokens"),
+    case("default", COMPLETIONS, completion(max_tokens=-1),
+         "`max_tokens` must be >= 0 (0: score the prompt only)", "max_tokens"),
     case("default", COMPLETIONS, completion(temperature=-0.5),
          "`temperature` must be >= 0.0 and <= 2.0", "temperature"),
     # Jobs: TGI's parameters, OpenAI's error shape.

@@ -85,3 +85,60 @@ def test_tgi_prefill_and_openai_echo_score_the_prompt_as_transformers(
         assert best_logprob >= chosen - TOLERANCE
         if best == token_ids[position + 1]:  # the prompt's token is the model's first choice
             assert abs(best_logprob - chosen) <= TOLERANCE
+
+
+def test_a_prompt_of_token_ids_is_scored_as_its_text(stack: Stack) -> None:
+    """lm-eval's `local-completions` sends token ids (`prompt: [[...]]`), `echo`, `logprobs: 1`
+    and `max_tokens: 1`: the ids are scored as they are; an id outside the vocabulary is a 422
+    naming it."""
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        details = {"max_new_tokens": 1, "decoder_input_details": True}
+        tgi = http.post("/generate", json={"inputs": PROMPT, "parameters": details}).json()
+        token_ids = [token["id"] for token in tgi["details"]["prefill"]]
+        body = {"model": "tgq-test", "max_tokens": 1, "echo": True, "logprobs": 1}
+        by_ids = http.post("/v1/completions", json={**body, "prompt": [token_ids]})
+        bad = http.post("/v1/completions", json={**body, "prompt": [3, 10**6]})
+    assert by_ids.status_code == 200, by_ids.text
+    choice = by_ids.json()["choices"][0]
+    scored = choice["logprobs"]["token_logprobs"][: len(token_ids)]
+    assert scored[0] is None
+    torch.testing.assert_close(
+        torch.tensor(scored[1:]),
+        torch.tensor([token["logprob"] for token in tgi["details"]["prefill"][1:]]),
+        atol=TOLERANCE,
+        rtol=0,
+    )
+    assert choice["text"].startswith(PROMPT)  # echo: the ids' text
+    assert bad.status_code == 422
+    assert bad.json()["error"]["message"].startswith("token id 1000000 in `prompt` is not in")
+
+
+def test_max_tokens_zero_scores_the_prompt_only(stack: Stack) -> None:
+    """`max_tokens: 0` with `echo` (OpenAI's way to score a text): the prompt and its logprobs
+    come back, nothing generated, no completion tokens; streaming it is a 422."""
+    body = {"model": "tgq-test", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0}
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        scored = http.post("/v1/completions", json=body)
+        streamed = http.post("/v1/completions", json={**body, "stream": True})
+        tgi = http.post(
+            "/generate",
+            json={
+                "inputs": PROMPT,
+                "parameters": {"max_new_tokens": 1, "decoder_input_details": True},
+            },
+        ).json()
+    assert scored.status_code == 200, scored.text
+    answer = scored.json()
+    choice = answer["choices"][0]
+    prefill = tgi["details"]["prefill"]
+    assert (choice["text"], choice["finish_reason"]) == (PROMPT, "length")
+    assert len(choice["logprobs"]["tokens"]) == len(prefill)
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        [token["logprob"] for token in prefill[1:]], abs=TOLERANCE
+    )
+    assert answer["usage"]["completion_tokens"] == 0
+    assert answer["usage"]["prompt_tokens"] == len(prefill)
+    assert streamed.status_code == 422
+    assert streamed.json()["error"]["message"] == (
+        "`max_tokens` 0 (score the prompt only) is not supported when streaming"
+    )

@@ -326,7 +326,11 @@ def test_completion_suffix_is_rejected_as_tgi_does() -> None:
         ({"logprobs": 6}, "`logprobs` must be >= 0 and <= 5. Given: 6"),
         ({"logprobs": -1}, "`logprobs` must be >= 0 and <= 5. Given: -1"),
         ({"repetition_penalty": 0.0}, "`repetition_penalty` must be strictly positive"),
-        ({"max_tokens": 0}, "`max_tokens` must be strictly positive"),
+        ({"max_tokens": -1}, "`max_tokens` must be >= 0 (0: score the prompt only)"),
+        (
+            {"max_tokens": 0, "stream": True},
+            "`max_tokens` 0 (score the prompt only) is not supported when streaming",
+        ),
         ({"n": 9}, "`n` must be >= 1 and <= 8. Given: 9"),
         ({"temperature": 3}, "`temperature` must be >= 0.0 and <= 2.0"),
     ],
@@ -349,11 +353,15 @@ def test_completion_mappings() -> None:
 
 
 def test_completion_prompts() -> None:
-    def prompts(prompt: str | list[str]) -> list[str]:
+    def prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
         return completion_prompts(CompletionRequest(prompt=prompt), SETTINGS)
 
     assert prompts("a") == ["a"]
     assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([5, 6, 7]) == [[5, 6, 7]]  # token ids, as lm-eval sends them
+    assert prompts([[5, 6], [7]]) == [[5, 6], [7]]
+    error = _rejection(lambda: prompts([[5], []]))
+    assert error.message == "A prompt given as token ids needs at least one token."
     empty = "Empty array detected. Do not use an empty array for the prompt."
     assert _rejection(lambda: prompts([])).message == empty
     assert _rejection(lambda: prompts(["a", ""])).message == "`inputs` cannot be empty"
