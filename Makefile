@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,9 @@ bench-kernels: $(STAMP)
 
 bench-structured: $(STAMP)
 	$(PY) -m bench.bench_structured
+
+bench-families: $(STAMP)
+	$(PY) -m bench.bench_families
 
 gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check
