@@ -37,6 +37,7 @@ __all__ = [
     "is_available",
     "linear_bf16",
     "linear_bf16_packed",
+    "offset_rms_norm",
     "op_program",
     "pack_weight_bf16",
     "paged_decode_attention",
@@ -390,6 +391,13 @@ def write_kv_(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """bf16 RMSNorm of each row of x [T, hidden], bit-identical to the reference torch ops."""
     out: torch.Tensor = _ops().rms_norm(x, weight, eps)
+    return out
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's bf16 RMSNorm of each row of x [T, hidden]: scaled by `1 + weight` in fp32,
+    rounded once (gpu_worker.layers.norm.OffsetRMSNorm)."""
+    out: torch.Tensor = _ops().offset_rms_norm(x, weight, eps)
     return out
 
 

@@ -36,15 +36,21 @@ class RMSNorm(nn.Module):
 
 class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm: the weight is stored as an offset from 1 (scale by `1 + weight`), and the
-    product is taken in fp32 before the cast back (Llama casts, then scales). The CPU kernels
-    implement Llama's order, so this one always runs as torch ops."""
+    product is taken in fp32 before the cast back (Llama casts, then scales). `use_cpu_kernel`
+    (bf16 rows on CPU) runs the same arithmetic as one op (`cpu_ops.offset_rms_norm`); per-head
+    q/k norms ([T, heads, head_dim]) stay torch ops."""
+
+    has_cpu_kernel = True
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        self.use_cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernel and x.dim() == 2:
+            return cpu_ops.offset_rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).type_as(x)

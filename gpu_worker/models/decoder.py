@@ -28,7 +28,7 @@ from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.layers.activation import ACTIVATIONS, FUSED_ON_CPU
 from tgq.gpu_worker.layers.linear import Linear, measure_linears
 from tgq.gpu_worker.layers.moe import SparseMoE
-from tgq.gpu_worker.layers.norm import RMSNorm
+from tgq.gpu_worker.layers.norm import OffsetRMSNorm, RMSNorm
 from tgq.gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
 from tgq.gpu_worker.models.sources import Source, decoder_sources
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
@@ -392,7 +392,7 @@ class DecoderForCausalLM(nn.Module):
                     module.use_kernels([(1, "avx512")], out_fp32=True)
                 else:
                     module.use_kernels(layer_kernels, out_fp32=False)
-            elif isinstance(module, RMSNorm | MLP | Attention):
+            elif isinstance(module, RMSNorm | OffsetRMSNorm | MLP | Attention):
                 module.use_cpu_kernel = module.has_cpu_kernel
             else:
                 continue

@@ -36,9 +36,11 @@ void check_weight(const at::Tensor& weight, int64_t hidden) {
               "weight must be a contiguous bf16 CPU tensor of ", hidden, " values");
 }
 
-// out = w * bf16(x * rsqrt(mean(x^2) + eps)), the product rounded to bf16 as torch does. The sum
-// of squares runs in 8 lanes, as torch's vectorised reduction does (so differs from it, at most,
-// in its last bits' order of addition).
+// Offset = false (Llama): out = w * bf16(x * rsqrt(mean(x^2) + eps)), the product rounded to bf16
+// as torch does. Offset = true (Gemma): out = bf16(x * rsqrt(...) * (1 + w)), all in fp32 and
+// rounded once. The sum of squares runs in 8 lanes, as torch's vectorised reduction does (so
+// differs from it, at most, in its last bits' order of addition).
+template <bool Offset>
 void norm_row(const BFloat16* x, const BFloat16* w, int64_t hidden, float eps, BFloat16* out) {
   using tgq_cpu::load8;
   const auto* xb = reinterpret_cast<const bf16_bits*>(x);
@@ -57,6 +59,17 @@ void norm_row(const BFloat16* x, const BFloat16* w, int64_t hidden, float eps, B
   }
   const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
   const __m256 inv8 = _mm256_set1_ps(inv);
+  if constexpr (Offset) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (i = 0; i + kVec <= hidden; i += kVec) {
+      const __m256 normed = _mm256_mul_ps(load8(xb + i), inv8);
+      tgq_cpu::store8_bf16(ob + i, _mm256_mul_ps(normed, _mm256_add_ps(one, load8(wb + i))));
+    }
+    for (; i < hidden; ++i) {
+      out[i] = BFloat16(static_cast<float>(x[i]) * inv * (1.f + static_cast<float>(w[i])));
+    }
+    return;
+  }
   for (i = 0; i + kVec <= hidden; i += kVec) {
     const __m256 normed = tgq_cpu::round8_bf16(_mm256_mul_ps(load8(xb + i), inv8));
     tgq_cpu::store8_bf16(ob + i, _mm256_mul_ps(load8(wb + i), normed));
@@ -67,6 +80,7 @@ void norm_row(const BFloat16* x, const BFloat16* w, int64_t hidden, float eps, B
   }
 }
 
+template <bool Offset>
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -78,7 +92,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t stride = x.stride(0);
   at::parallel_for(0, rows, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      norm_row(xp + r * stride, wp, hidden, static_cast<float>(eps), op + r * hidden);
+      norm_row<Offset>(xp + r * stride, wp, hidden, static_cast<float>(eps), op + r * hidden);
     }
   });
   return out;
@@ -112,7 +126,7 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor
       for (; i < hidden; ++i) {
         row[i] = BFloat16(static_cast<float>(row[i]) + static_cast<float>(d[i]));
       }
-      norm_row(row, wp, hidden, static_cast<float>(eps), op + r * hidden);
+      norm_row<false>(row, wp, hidden, static_cast<float>(eps), op + r * hidden);
     }
   });
   return out;
@@ -218,7 +232,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm<false>);
+  m.def("offset_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm<true>);
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor",
         &add_rms_norm);
   m.def("rotary_qk_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()",

@@ -16,7 +16,7 @@ import torch
 from tests.gpu_worker.test_parity import hf_generate
 from tests.kernels.markers import requires_kernels
 from tgq.batcher.offline import OfflineEngine
-from tgq.gpu_worker.layers.norm import RMSNorm
+from tgq.gpu_worker.layers.norm import OffsetRMSNorm, RMSNorm
 from tgq.gpu_worker.models import decoder
 from tgq.gpu_worker.plan import (
     NewSequence,
@@ -367,17 +367,19 @@ def test_partial_rotary_rotates_in_torch_not_in_the_fused_kernel(
 def test_gemma2_keeps_torch_for_what_the_cpu_kernels_do_not_compute(
     model_dirs: dict[str, Path],
 ) -> None:
-    """bf16 Gemma 2 on the CPU kernels: its offset norms and GeGLU stay torch ops (the fused
-    kernels compute Llama's norm and SiLU), its soft-capped attention runs as torch's on every
-    step (the own kernels have no cap), so decode steps are not replayed; the linears and the
-    rotary still switch. The steps run, and greedy rows keep the greedy head (a final cap keeps
-    the argmax)."""
+    """bf16 Gemma 2 on the CPU kernels: its offset norms run on their own kernel, GeGLU stays torch
+    ops (the fused activation is SiLU's), its soft-capped attention runs as torch's on every step
+    (the own kernels have no cap), so decode steps are not replayed; the linears and the rotary
+    still switch. The steps run, and greedy rows keep the greedy head (a final cap keeps the
+    argmax)."""
     runner = ModelRunner(
         RunnerConfig(str(model_dirs["gemma2-capped-window"]), dtype="bfloat16", num_blocks=128)
     )
     model = runner.loaded.model
     assert not any(m.use_cpu_kernel for m in model.modules() if isinstance(m, decoder.MLP))
     assert not any(isinstance(m, RMSNorm) for m in model.modules())
+    norms = [m for m in model.modules() if isinstance(m, OffsetRMSNorm)]
+    assert len(norms) == 4 * 2 + 1 and all(m.use_cpu_kernel for m in norms)
     assert all(m.use_cpu_kernel for m in model.modules() if isinstance(m, decoder.Attention))
     assert model.replay is None and model.greedy_head is not None
     calls: list[float | None] = []

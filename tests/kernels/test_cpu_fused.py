@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.kernels.markers import requires_kernels
-from tgq.gpu_worker.layers.norm import RMSNorm
+from tgq.gpu_worker.layers.norm import OffsetRMSNorm, RMSNorm
 from tgq.gpu_worker.layers.rotary import apply_rotary
 from tgq.gpu_worker.loader import load_model
 from tgq.gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan
@@ -33,6 +33,18 @@ def test_rms_norm_is_bit_identical(rows: int) -> None:
     norm = torch_norm(768)
     x = (3 * torch.randn(rows, 768)).bfloat16()
     assert torch.equal(cpu_ops.rms_norm(x, norm.weight, EPS), norm(x))
+
+
+@requires_kernels
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_offset_rms_norm_is_bit_identical(rows: int) -> None:
+    """Gemma's norm (`1 + weight`, in fp32, rounded once) on the kernel equals its torch ops."""
+    torch.manual_seed(rows)
+    norm = OffsetRMSNorm(768, EPS).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(768))
+    x = (3 * torch.randn(rows, 768)).bfloat16()
+    assert torch.equal(cpu_ops.offset_rms_norm(x, norm.weight, EPS), norm(x))
 
 
 @requires_kernels
