@@ -82,8 +82,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def generate(runner: Any, batch: list[list[int]], model_dir: Path) -> list[list[int]]:
-    """Greedy, then seeded sampling (rank 0 samples from the gathered logits)."""
+def generate(
+    runner: Any, batch: list[list[int]], model_dir: Path
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy, then seeded sampling (rank 0 samples from the gathered logits): the tokens; and
+    greedy with the prompts' logprobs (rank 0 scores the gathered logits of every prompt row):
+    those logprobs."""
     engine = LLMEngine(runner, model=ModelConfig.from_dir(model_dir))
     stopping = StoppingParams(max_new_tokens=10, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, seed=7)
@@ -91,7 +95,9 @@ def generate(runner: Any, batch: list[list[int]], model_dir: Path) -> list[list[
         *engine.generate(batch, stopping=stopping),
         *engine.generate(batch, seeded, stopping=stopping),
     ]
-    return [output.token_ids for output in outputs]
+    scored = engine.generate(batch, SamplingParams(prompt_logprobs=2), stopping=stopping)
+    prompt = [[lp for lp in output.prompt_logprobs if lp is not None] for output in scored]
+    return [output.token_ids for output in outputs], prompt
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -106,7 +112,10 @@ def test_two_ranks_generate_what_one_process_does(name: str, tmp_path: Path) -> 
         )
     )
     try:
-        assert generate(sharded, batch, model_dir) == expected
+        tokens, prompt_logprobs = generate(sharded, batch, model_dir)
+        assert tokens == expected[0]
+        for ours, alone in zip(prompt_logprobs, expected[1], strict=True):
+            assert ours == pytest.approx(alone, abs=1e-4)
         assert sharded.num_steps > 0
     finally:
         sharded.close()
