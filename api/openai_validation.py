@@ -85,6 +85,11 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
     if request.echo and request.logprobs is not None:  # the prompt's tokens come back scored
         check_prefill_logprobs("echo", settings)
         sampling = dataclasses.replace(sampling, prompt_logprobs=top_n)
+    if request.prompt_logprobs is not None:  # vLLM's
+        check_prefill_logprobs("prompt_logprobs", settings)
+        check_top_n("prompt_logprobs", request.prompt_logprobs, settings)
+        top = max(request.prompt_logprobs, sampling.prompt_logprobs or 0)
+        sampling = dataclasses.replace(sampling, prompt_logprobs=top)
     score_only = request.max_tokens == 0
     require(request.max_tokens is None or request.max_tokens >= 0, MAX_TOKENS_MESSAGE, "max_tokens")
     if score_only:

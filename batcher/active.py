@@ -74,4 +74,5 @@ class ActiveRequest:
             ]
             if request is not None
             else [],
+            prompt_ranks=list(request.prompt_ranks) if request is not None else [],
         )

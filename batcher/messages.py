@@ -82,6 +82,7 @@ class FinalResult:
     # first) and the most likely tokens at its position as (token id, logprob).
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # each prompt token's rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,6 +225,13 @@ def _logprobs(body: dict[str, Any], name: str) -> list[float | None]:
     return list(logprobs)
 
 
+def _ranks(body: dict[str, Any], name: str) -> list[int | None]:
+    ranks = _field(body, name, list) if name in body else []
+    if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in ranks):
+        raise MessageError(f"field {name!r} must be a list of integers or nulls")
+    return list(ranks)
+
+
 def _top_logprobs(
     body: dict[str, Any], name: str = "top_logprobs"
 ) -> list[list[tuple[int, float]]]:
@@ -264,6 +272,7 @@ def _final(body: dict[str, Any]) -> FinalResult:
         logprobs=_logprobs(body, "logprobs"),
         prompt_logprobs=_logprobs(body, "prompt_logprobs"),
         prompt_top_logprobs=_top_logprobs(body, "prompt_top_logprobs"),
+        prompt_ranks=_ranks(body, "prompt_ranks"),
     )
 
 

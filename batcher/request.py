@@ -128,6 +128,7 @@ class Request:
     # until computed) and the most likely tokens at its position; empty when not asked.
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     num_preemptions: int = 0
@@ -144,12 +145,15 @@ class Request:
         if not self.prompt_logprobs:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
             self.prompt_top_logprobs = [[] for _ in range(self.num_prompt_tokens)]
+            self.prompt_ranks = [None] * self.num_prompt_tokens
         for offset, logprob in enumerate(part.logprobs):
             index = part.start + offset
             if index < self.num_prompt_tokens and self.prompt_logprobs[index] is None:
                 self.prompt_logprobs[index] = logprob
                 if offset < len(part.top_logprobs):
                     self.prompt_top_logprobs[index] = part.top_logprobs[offset]
+                if offset < len(part.ranks):
+                    self.prompt_ranks[index] = part.ranks[offset]
 
     def __post_init__(self) -> None:
         if not 0 < self.num_prompt_tokens <= len(self.token_ids):

@@ -175,13 +175,14 @@ class SampledToken:
 @dataclass(frozen=True, slots=True)
 class PromptLogprobs:
     """A sequence's prompt tokens `[start, start + len(logprobs))` computed in this step, each
-    token's logprob after the tokens before it (`start` >= 1: the first token has none), with
-    the `prompt_logprobs` most likely tokens at each of those positions."""
+    token's logprob after the tokens before it (`start` >= 1: the first token has none) and its
+    rank there, with the `prompt_logprobs` most likely tokens at each of those positions."""
 
     request_id: str
     start: int
     logprobs: list[float]
     top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # each token's rank in its distribution (1: top)
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,7 @@ def result_to_wire(result: StepResult) -> dict[str, list[list[Any]]]:
             [s.request_id, s.token_id, s.logprob, pairs(s.top_logprobs)] for s in result.sampled
         ],
         "prompt_logprobs": [
-            [p.request_id, p.start, p.logprobs, [pairs(tops) for tops in p.top_logprobs]]
+            [p.request_id, p.start, p.logprobs, [pairs(tops) for tops in p.top_logprobs], p.ranks]
             for p in result.prompt_logprobs
         ],
     }
@@ -92,7 +92,9 @@ def result_from_wire(wire: dict[str, list[list[Any]]]) -> StepResult:
             for request_id, token_id, logprob, top in wire["sampled"]
         ],
         [
-            PromptLogprobs(request_id, start, list(logprobs), [tokens(t) for t in tops])
-            for request_id, start, logprobs, tops in wire["prompt_logprobs"]
+            PromptLogprobs(
+                request_id, start, list(logprobs), [tokens(t) for t in tops], list(ranks)
+            )
+            for request_id, start, logprobs, tops, ranks in wire["prompt_logprobs"]
         ],
     )

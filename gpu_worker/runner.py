@@ -171,6 +171,7 @@ class ModelRunner:
                 targets = torch.tensor(seq.token_ids[start + 1 : end + 1], device=self.device)
                 rows = hidden[row : row + end - start]
                 logprobs: list[float] = []
+                ranks: list[int] = []
                 tops: list[list[TokenLogprob]] = []
                 for first in range(0, len(targets), PROMPT_LOGPROB_ROWS):
                     part = slice(first, first + PROMPT_LOGPROB_ROWS)
@@ -178,7 +179,9 @@ class ModelRunner:
                     if logits is None:
                         continue  # another rank's answer
                     scores = torch.log_softmax(logits, dim=-1)
-                    logprobs += scores.gather(1, targets[part, None])[:, 0].tolist()
+                    chosen = scores.gather(1, targets[part, None])
+                    logprobs += chosen[:, 0].tolist()
+                    ranks += ((scores > chosen).sum(dim=-1) + 1).tolist()
                     if top:
                         values, ids = scores.topk(top, dim=-1)
                         tops += [
@@ -186,7 +189,7 @@ class ModelRunner:
                             for i, v in zip(ids.tolist(), values.tolist(), strict=True)
                         ]
                 if self.tp.is_first:
-                    out.append(PromptLogprobs(chunk.request_id, start + 1, logprobs, tops))
+                    out.append(PromptLogprobs(chunk.request_id, start + 1, logprobs, tops, ranks))
             row += chunk.num_new_tokens
         return out
 

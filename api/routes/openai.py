@@ -219,7 +219,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     check_failed(finals)
     with_logprobs = body.logprobs is not None
     choices = [
-        completion_choice(state, run, index, item, with_logprobs=with_logprobs)
+        completion_choice(
+            state,
+            run,
+            index,
+            item,
+            with_logprobs=with_logprobs,
+            prompt_logprobs=body.prompt_logprobs,
+        )
         for index, item in enumerate(chosen_items(run, params.num_choices))
     ]
     return _completion(state, run, choices, run_usage(run))

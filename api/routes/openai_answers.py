@@ -15,6 +15,7 @@ from tgq.api.schemas.openai import (
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
+    PromptLogprob,
     PromptTokensDetails,
     TopLogprob,
     Usage,
@@ -116,8 +117,15 @@ def _cumulative_logprob(run: Run, item: int) -> float:
 
 
 def completion_choice(
-    state: AppState, run: Run, index: int, item: int, *, with_logprobs: bool
+    state: AppState,
+    run: Run,
+    index: int,
+    item: int,
+    *,
+    with_logprobs: bool,
+    prompt_logprobs: int | None = None,
 ) -> CompletionChoice:
+    """`prompt_logprobs`: vLLM's field, as asked (None: not asked)."""
     prompt = run.prompt_of(item)
     final = run.finals[run.requests[item].request_id]
     scored_only = prompt.params.score_only  # `max_tokens: 0`: the generated token left out
@@ -133,8 +141,33 @@ def completion_choice(
         index=index,
         text=prefix + text,
         logprobs=logprobs,
+        prompt_logprobs=None
+        if prompt_logprobs is None
+        else vllm_prompt_logprobs(state, prompt.prompt_token_ids, final, prompt_logprobs),
         finish_reason="length" if scored_only else finish_reason(final),
     )
+
+
+def vllm_prompt_logprobs(
+    state: AppState, prompt_ids: list[int], final: FinalResult, top: int
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: null for the first token; then per position, keyed by token id,
+    the prompt's own token (its logprob and rank) and the `top` most likely tokens there."""
+    entries: list[dict[str, PromptLogprob] | None] = [None]
+    for index in range(1, len(prompt_ids)):
+        token_id = prompt_ids[index]
+        entry: dict[str, PromptLogprob] = {}
+        tops = final.prompt_top_logprobs[index] if index < len(final.prompt_top_logprobs) else []
+        for place, (candidate, value) in enumerate(tops[:top], start=1):
+            text = state.tokenizer.token_text(candidate)
+            entry[str(candidate)] = PromptLogprob(logprob=value, rank=place, decoded_token=text)
+        logprob = final.prompt_logprobs[index] if index < len(final.prompt_logprobs) else None
+        rank = final.prompt_ranks[index] if index < len(final.prompt_ranks) else None
+        if logprob is not None and str(token_id) not in entry:
+            text = state.tokenizer.token_text(token_id)
+            entry[str(token_id)] = PromptLogprob(logprob=logprob, rank=rank, decoded_token=text)
+        entries.append(entry)
+    return entries
 
 
 def echoed_logprobs(

@@ -207,6 +207,11 @@ class CompletionRequest(_VllmExtras):
         description="Legacy: the number of most likely tokens to return at each step.",
     )
     echo: bool = Field(default=False, description="Prepend the prompt to the completion.")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        description="vLLM extension: each prompt token's logprob and rank, and the this many most"
+        " likely tokens at each prompt position (needs --enable-prefill-logprobs).",
+    )
     suffix: str | None = None
     user: str | None = None
 
@@ -309,11 +314,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1: the most likely token there
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's `prompt_logprobs`: per prompt token, null for the first, else token id -> entry for
+    # the prompt's own token and the most likely ones there
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(BaseModel):

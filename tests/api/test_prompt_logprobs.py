@@ -142,3 +142,29 @@ def test_max_tokens_zero_scores_the_prompt_only(stack: Stack) -> None:
     assert streamed.json()["error"]["message"] == (
         "`max_tokens` 0 (score the prompt only) is not supported when streaming"
     )
+
+
+def test_vllm_prompt_logprobs(stack: Stack) -> None:
+    """vLLM's `prompt_logprobs: k` on completions: per prompt position (null first), the prompt's
+    token with its logprob (as TGI's prefill) and rank, and the k most likely tokens ranked 1..k;
+    out of range, a 422 naming it."""
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        details = {"max_new_tokens": 1, "decoder_input_details": True}
+        tgi = http.post("/generate", json={"inputs": PROMPT, "parameters": details}).json()
+        body = {"model": "tgq-test", "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2}
+        answer = http.post("/v1/completions", json=body)
+        bad = http.post("/v1/completions", json={**body, "prompt_logprobs": 9})
+    assert answer.status_code == 200, answer.text
+    entries = answer.json()["choices"][0]["prompt_logprobs"]
+    prefill = tgi["details"]["prefill"]
+    assert len(entries) == len(prefill) and entries[0] is None
+    for entry, token in zip(entries[1:], prefill[1:], strict=True):
+        mine = entry[str(token["id"])]
+        assert mine["logprob"] == pytest.approx(token["logprob"], abs=TOLERANCE)
+        assert mine["decoded_token"] == token["text"]
+        by_rank = {e["rank"]: e for e in entry.values()}
+        assert by_rank[1]["logprob"] >= by_rank[2]["logprob"]  # the top 2, ranked 1 and 2
+        if mine["rank"] > 2:  # the prompt's token past them: an entry of its own, less likely
+            assert len(entry) == 3 and mine["logprob"] <= by_rank[2]["logprob"] + TOLERANCE
+    assert bad.status_code == 422
+    assert bad.json()["error"]["message"] == "`prompt_logprobs` must be >= 0 and <= 5. Given: 9"
