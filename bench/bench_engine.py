@@ -17,101 +17,27 @@ bench/results/.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from bench.harness import (
     RESULTS,
+    Engines,
+    HFEngine,
+    TgqEngine,
+    best_decode_step,
+    best_interleaved,
     medium_llama_2k,
     pyplot,
     random_prompts,
     save_figure,
+    timed,
     write_results,
 )
-from tgq.batcher.offline import OfflineEngine
-from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.gpu_worker.runner import ModelRunner
 
 PROMPT_LEN = 16
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-Engines = dict[str, "HFEngine | TgqEngine"]
-
-
-def best_interleaved(
-    engines: Engines, sample: Callable[[Any, int], float], repeats: int
-) -> dict[str, float]:
-    """Each engine's fastest of `repeats` samples, taken in turns (transformers, tgq, transformers,
-    ...) so that a slow phase of this noisy machine hits both alike. Interference only ever adds
-    time, so the minimum is the most repeatable estimate."""
-    best = {name: float("inf") for name in engines}
-    for repeat in range(repeats):
-        for name, engine in engines.items():
-            best[name] = min(best[name], sample(engine, repeat))
-    return best
-
-
-def best_decode_step(
-    engines: Engines, batch: list[list[int]], n1: int, n2: int, repeats: int
-) -> dict[str, float]:
-    """Each engine's seconds per decode step: (fastest run of n2 new tokens - fastest run of n1)
-    / (n2 - n1), so the prompt's processing cancels out; the runs taken in turns, as in
-    `best_interleaved`. The minimum of each length, not of each pair's difference: a pair whose
-    shorter run a slow moment hit has a difference too small, and the minimum of differences
-    picks exactly that pair (it once gave batch 64 at 45x transformers)."""
-    best = {name: {n1: float("inf"), n2: float("inf")} for name in engines}
-    for _ in range(repeats):
-        for name, engine in engines.items():
-            for n in (n2, n1):
-                best[name][n] = min(best[name][n], timed(partial(engine.generate, batch, n)))
-    return {name: (runs[n2] - runs[n1]) / (n2 - n1) for name, runs in best.items()}
-
-
-class HFEngine:
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-        self.model.generation_config.eos_token_id = None
-
-    def generate(self, batch: list[list[int]], num_new: int) -> None:
-        ids = torch.tensor(batch)
-        with torch.inference_mode():
-            self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=num_new,
-                pad_token_id=0,
-            )
-
-    def prefill(self, batch: list[list[int]]) -> None:
-        with torch.inference_mode():
-            self.model(torch.tensor(batch), logits_to_keep=1)
-
-
-class TgqEngine:
-    def __init__(self, model_dir: Path, backend: str) -> None:
-        self.runner = ModelRunner(
-            RunnerConfig(str(model_dir), num_blocks=2200, block_size=16, attention_backend=backend)
-        )
-        self.engine = OfflineEngine(self.runner)
-
-    def generate(self, batch: list[list[int]], num_new: int) -> None:
-        self.engine.generate(batch, max_new_tokens=num_new)
-
-    def prefill(self, batch: list[list[int]]) -> None:
-        self.engine.generate(batch, max_new_tokens=1)
 
 
 def measure(engines: Engines, args: argparse.Namespace) -> dict[str, dict[str, float]]:

@@ -20,8 +20,17 @@ from typing import Any
 
 import torch
 
-from bench.bench_engine import Engines, HFEngine, TgqEngine, best_decode_step
-from bench.harness import RESULTS, pyplot, random_prompts, save_figure, write_results
+from bench.harness import (
+    RESULTS,
+    Engines,
+    HFEngine,
+    TgqEngine,
+    best_decode_step,
+    pyplot,
+    random_prompts,
+    save_figure,
+    write_results,
+)
 from tgq.devtools.random_model import make_config, write_model
 
 PROMPT_LEN = 16

@@ -58,7 +58,8 @@ OPENAI_CHAT = (
 )  # fmt: skip
 OPENAI_COMPLETIONS = (
     "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
-    "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+    "max_tokens", "n", "presence_penalty", "prompt_logprobs", "seed", "stop", "stream",
+    "stream_options", "suffix",
     "temperature", "top_p", "user",
 )  # fmt: skip
 EXTRAS = ("ignore_eos", "min_tokens", "min_p", "top_k", "repetition_penalty")  # vLLM's, tgq's
@@ -550,6 +551,9 @@ COMPLETION_CASES: dict[str, Case | tuple[Case, ...]] = {
         Rejected({"best_of": 2, "stream": True}, "`best_of` > `n` is not supported when streaming"),
     ),
     "echo": Works({"echo": True}, lambda b, m: _eq(_text(b), "Hello")),
+    "prompt_logprobs": Works(
+        {"prompt_logprobs": 1}, lambda b, m: _eq(b["choices"][0]["prompt_logprobs"][0], None)
+    ),
     "logprobs": Works(
         {"logprobs": 2}, lambda b, m: _eq(len(_choice(b)["logprobs"]["top_logprobs"][0]), 2)
     ),
