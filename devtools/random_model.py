@@ -90,33 +90,25 @@ def make_config(architecture: str, shape: str = "tiny", **overrides: Any) -> dic
         )
     if architecture == "Phi3ForCausalLM":
         config["pad_token_id"] = 0  # transformers' default (32000) lies past a small vocabulary
-    if architecture == "Gemma2ForCausalLM":
+    if architecture in OFFSET_NORMS:  # Gemma 2 and 3
         head_dim = config["hidden_size"] // config["num_attention_heads"]
+        del config["hidden_act"]  # Gemma names it `hidden_activation`
         config.update(
             pad_token_id=0,
             hidden_activation="gelu_pytorch_tanh",
             head_dim=head_dim,
             query_pre_attn_scalar=head_dim,
-            attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0,
             sliding_window=4096,
             tie_word_embeddings=True,
         )
-        del config["hidden_act"]
+    if architecture == "Gemma2ForCausalLM":
+        config.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
     if architecture == "Gemma3ForCausalLM":
-        head_dim = config["hidden_size"] // config["num_attention_heads"]
         config.update(
-            pad_token_id=0,
-            hidden_activation="gelu_pytorch_tanh",
-            head_dim=head_dim,
-            query_pre_attn_scalar=head_dim,
-            sliding_window=4096,
             sliding_window_pattern=2,  # both kinds of layer in a two-layer model
             rope_theta=1_000_000.0,
             rope_local_base_freq=10_000.0,
-            tie_word_embeddings=True,
         )
-        del config["hidden_act"]
     config.update(overrides)
     return config
 
