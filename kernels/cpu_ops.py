@@ -37,6 +37,7 @@ __all__ = [
     "is_available",
     "linear_bf16",
     "linear_bf16_packed",
+    "moe_experts_bf16",
     "offset_rms_norm",
     "op_program",
     "pack_weight_bf16",
@@ -274,6 +275,23 @@ def linear_bf16_packed(
     M: `kernel` "avx512" (needs AVX512_BF16) or "amx" (AMX tiles over the same packed weights;
     needs `has_amx_bf16()` and K % 32 == 0)."""
     out: torch.Tensor = _ops().linear_bf16_packed(x, packed, out_features, bias, out_fp32, kernel)
+    return out
+
+
+def moe_experts_bf16(
+    x: torch.Tensor,  # [T, K] bf16
+    experts: torch.Tensor,  # [T, k] int64: each token's chosen experts
+    weights: torch.Tensor,  # [T, k] fp32 or bf16: their weights
+    gate_up: torch.Tensor,  # [E, ...]: each expert's pack_weight_bf16([2I, K]), stacked
+    down: torch.Tensor,  # [E, ...]: each expert's pack_weight_bf16([K, I]), stacked
+    intermediate: int,  # I, a multiple of 16
+) -> torch.Tensor:  # [T, K] bf16
+    """A sparse MoE block's SiLU experts in one call (needs AVX512_BF16; K even): for each token
+    the sum, in expert order, of `bf16(down(silu_mul(gate_up(x))) * weight)` over its choices,
+    each partial sum rounded to bf16, as `index_add_` over the experts' outputs adds them. The
+    same values as the experts run one by one on `linear_bf16_packed` (kernel "avx512") and
+    `silu_mul`; each chosen expert's weights are read once."""
+    out: torch.Tensor = _ops().moe_experts_bf16(x, experts, weights, gate_up, down, intermediate)
     return out
 
 

@@ -35,6 +35,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         return self.matmul(x, self.weight, self.bias)
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether `weight` holds the packed layout (`use_kernels` with a packed kernel)."""
+        return isinstance(self.matmul, _ChosenMatmul)
+
     def use_kernels(self, thresholds: Sequence[tuple[int, str]], *, out_fp32: bool) -> None:
         """Runs a call of M rows on the kernel of the first `(largest rows, kernel)` entry with
         M <= largest rows (the last entry past them all; `kernels.choice.Choices.thresholds`).

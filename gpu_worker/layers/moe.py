@@ -8,6 +8,12 @@ token picked is not read at all. The weighted outputs are summed per token in ex
 the model's dtype, as the reference does. A shared expert (Qwen2-MoE) runs on every token, scaled
 by a sigmoid gate.
 
+On a CPU with AVX512_BF16 whose experts are SiLU MLPs over packed weights, a step whose
+experts would each get few rows runs them all in one kernel call (`cpu_ops.moe_experts_bf16`,
+the same values as one by one): a batch-16 decode step of 32 experts picks ~28 of them per
+layer, and the Python and thread start-ups around ~56 small linears a layer cost more than their
+weights take to read.
+
 With tensor parallelism each rank holds a slice of every expert's intermediate size (as of a dense
 MLP); the router is whole on each rank, so every rank routes alike, and one all-reduce sums the
 partial outputs.
@@ -16,7 +22,8 @@ partial outputs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,6 +31,12 @@ from torch import nn
 from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
+from tgq.kernels import cpu_ops
+from tgq.kernels.choice import kernel_for
+
+# The one-call experts kernel runs a step where each expert gets at most this many rows on
+# average (decode steps; a prefill's experts go one by one, on the kernel measured for their rows).
+FUSED_MAX_ROWS_PER_EXPERT = 16
 
 
 class SparseMoE(nn.Module):
@@ -53,6 +66,52 @@ class SparseMoE(nn.Module):
             )
             self.shared_expert = expert(shared)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        self.intermediate_size = config.moe_intermediate_size
+        # Where the experts run in one kernel call (`use_fused_experts`): each expert's packed
+        # gate_up and down weights stacked (the experts' own weights become views of them), and
+        # the linears' kernel per row count.
+        self.fused_gate_up: torch.Tensor | None
+        self.fused_down: torch.Tensor | None
+        self.register_buffer("fused_gate_up", None, persistent=False)
+        self.register_buffer("fused_down", None, persistent=False)
+        self.fused_thresholds: list[tuple[int, str]] = []
+
+    def use_fused_experts(self, thresholds: Sequence[tuple[int, str]]) -> bool:
+        """After the experts' linears switched to their kernels (`thresholds`, as
+        `Linear.use_kernels`): where every expert is a SiLU MLP with packed weights, no bias, an
+        even hidden size and an intermediate size a multiple of 16, and this CPU has
+        AVX512_BF16, stacks their packed weights so that decode steps run all of them in one
+        call. Returns whether it did."""
+        by_name: dict[str, list[Linear]] = {"gate_up_proj": [], "down_proj": []}
+        for expert in self.experts:
+            if not getattr(expert, "use_cpu_kernel", False):  # SiLU on the fused kernel
+                return False
+            for name, linears in by_name.items():
+                linear = getattr(expert, name, None)
+                if not isinstance(linear, Linear):
+                    return False
+                if not linear.is_packed or linear.bias is not None:
+                    return False
+                linears.append(linear)
+        hidden = by_name["down_proj"][0].out_features
+        if not cpu_ops.has_avx512_bf16() or self.intermediate_size % 16 or hidden % 2:
+            return False
+        for name, linears in by_name.items():
+            stacked = torch.stack([linear.weight.detach() for linear in linears])
+            for linear, weight in zip(linears, stacked, strict=True):
+                linear.weight = nn.Parameter(weight, requires_grad=False)
+            setattr(self, "fused_" + name.removesuffix("_proj"), stacked)
+        self.fused_thresholds = list(thresholds)
+        return True
+
+    def _runs_fused(self, tokens: int) -> bool:
+        if self.fused_gate_up is None:
+            return False
+        rows = math.ceil(tokens * self.top_k / len(self.experts))
+        return (
+            rows <= FUSED_MAX_ROWS_PER_EXPERT
+            and kernel_for(self.fused_thresholds, rows) == "avx512"
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, hidden] -> each token's top-k expert ids [T, k] and weights [T, k]."""
@@ -66,11 +125,23 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        if self._runs_fused(x.shape[0]):
+            assert self.fused_gate_up is not None and self.fused_down is not None
+            out = cpu_ops.moe_experts_bf16(
+                x, experts, weights, self.fused_gate_up, self.fused_down, self.intermediate_size
+            )
+        else:
+            out = self._experts_one_by_one(x, experts, weights)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce_(out)
+
+    def _experts_one_by_one(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         # Each token's k choices, grouped by expert (a stable sort keeps each group's tokens in
-        # order): one gather of their rows, each expert on its slice, one weighted scatter-add.
-        # A token's k outputs are added in expert order, each rounded to the model's dtype first,
-        # as the reference adds them expert by expert (per-expert gathers, multiplies and adds
-        # took a fifth of a batch-16 step of 32 experts).
+        # order): one gather of their rows, each expert on its slice (per-expert gathers,
+        # multiplies and adds took a fifth of a batch-16 step of 32 experts).
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -83,8 +154,14 @@ class SparseMoE(nn.Module):
                 part = slice(start, start + count)
                 outputs[part] = self.experts[index](rows[part])
                 start += count
+        # A token's k outputs, each scaled and rounded to the model's dtype, are added in expert
+        # order with each partial sum rounded, as the reference adds them expert by expert (one
+        # index_add_ over all of them would sum in fp32 and round once).
         scaled = (outputs * weights.flatten()[order][:, None]).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, tokens, scaled)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.tp.all_reduce_(out)
+        row_of_pick = torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
+        by_expert = torch.argsort(experts, dim=1) + torch.arange(0, len(order), self.top_k)[:, None]
+        picks = scaled[row_of_pick[by_expert]]  # [T, k, hidden]: each token's in expert order
+        out = picks[:, 0]
+        for rank in range(1, self.top_k):
+            out = out + picks[:, rank]
+        return out

@@ -397,12 +397,18 @@ class DecoderForCausalLM(nn.Module):
             else:
                 continue
             switched += 1
+        # Experts in one kernel call at decode sizes, where they can.
+        fused = [
+            m.use_fused_experts(layer_kernels)
+            for m in self.modules()
+            if pack and isinstance(m, SparseMoE)
+        ]
         single = self.tp.world_size == 1
         # Steps the backend can key (decode-only ones on the CPU kernels) run as recorded ops;
         # not where the attention soft-caps its scores (it runs as torch's, whose gathered
-        # blocks change shape from step to step) nor with experts (which run depends on the
-        # tokens).
-        if single and self.config.attn_logit_softcapping is None and not self.config.num_experts:
+        # blocks change shape from step to step) nor with experts one by one (which run
+        # depends on the tokens; the one-call kernel's ops do not).
+        if single and self.config.attn_logit_softcapping is None and all(fused):
             self.replay = OpReplay(self)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
         if greedy_head and pack and single:

@@ -16,6 +16,8 @@
 // each 3 weight rows (measured in turns on a Zen 4 EPYC, weights from DRAM); at M = 1-8 0.96-1.0x.
 #include "linear_kernels.h"
 
+#include "fused_kernels.h"
+
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -222,6 +224,93 @@ void linear_bf16_packed_avx512(const PackedLinear& a) {
     }
     linear_pass(a, m0, m1, xs, dense_rows);
   }
+}
+
+namespace {
+
+// One unit of an experts pass: one packed tile of output columns of one expert's linear.
+struct ExpertTile {
+  int64_t expert, tile;
+};
+
+// Every (expert, tile) of one of the experts' linears over the rows grouped by expert (rows
+// offsets[e]..offsets[e + 1] of x and out are expert e's), all in one parallel loop: each expert
+// is only a few rows and a few hundred KiB of weights, so a loop per expert would spend more on
+// the threads' start and join than on the weights.
+void experts_pass(const bf16_bits* x, int64_t x_stride, const bf16_bits* packed, int64_t N,
+                  const std::vector<int64_t>& offsets, bf16_bits* out) {
+  const int64_t pairs = x_stride / 2, tiles = (N + kLanes - 1) / kLanes;
+  const int64_t expert_values = tiles * pairs * kLine;
+  std::vector<ExpertTile> units;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e) {
+    if (offsets[e + 1] == offsets[e]) continue;
+    for (int64_t t = 0; t < tiles; ++t) units.push_back({e, t});
+  }
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t e = units[u].expert, row = offsets[e], rows = offsets[e + 1] - row;
+      const PackedLinear a{x + row * x_stride, packed + e * expert_values, nullptr, rows, N,
+                           x_stride, out + row * N, nullptr};
+      const bf16_bits* tile = a.w + units[u].tile * pairs * kLine;
+      const TileOut tile_out(a, units[u].tile);
+      for (int64_t m = 0; m < rows; m += 8) {
+        few_rows_for(std::min<int64_t>(8, rows - m))(a, tile, m, tile_out);
+      }
+    }
+  });
+}
+
+// bf16 bits in each 32-bit lane -> fp32 (exact).
+inline __m512 widen_bits(__m512i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)); }
+
+}  // namespace
+
+void moe_experts_bf16_avx512(const PackedExperts& p) {
+  const int64_t picks = p.T * p.top_k, K = p.K, I = p.I;
+  // Group the picks by expert, each group in (token, choice) order.
+  std::vector<int64_t> offsets(p.E + 1, 0);
+  for (int64_t i = 0; i < picks; ++i) ++offsets[p.experts[i] + 1];
+  std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+  std::vector<int64_t> pick_row(picks);
+  {
+    std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+    for (int64_t i = 0; i < picks; ++i) pick_row[i] = next[p.experts[i]]++;
+  }
+  std::vector<bf16_bits> xs(picks * K), gate_up(picks * 2 * I), hidden(picks * I), ys(picks * K);
+  for (int64_t i = 0; i < picks; ++i) {
+    std::memcpy(xs.data() + pick_row[i] * K, p.x + i / p.top_k * K, K * sizeof(bf16_bits));
+  }
+  experts_pass(xs.data(), K, p.gate_up, 2 * I, offsets, gate_up.data());
+  at::parallel_for(0, picks, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const bf16_bits* g = gate_up.data() + r * 2 * I;
+      silu_mul_row_avx512(g, g + I, I, hidden.data() + r * I);
+    }
+  });
+  experts_pass(hidden.data(), I, p.down, K, offsets, ys.data());
+  // Each token's picks in expert order, as index_add_ over the grouped rows adds them.
+  at::parallel_for(0, p.T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> order(p.top_k);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t* chosen = p.experts + t * p.top_k;
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        return chosen[a] < chosen[b];
+      });
+      for (int64_t c = 0; c < K; c += kLanes) {
+        const auto lanes = static_cast<__mmask16>((1u << std::min<int64_t>(kLanes, K - c)) - 1);
+        __m512 sum = _mm512_setzero_ps();
+        for (const int64_t j : order) {
+          const bf16_bits* y = ys.data() + pick_row[t * p.top_k + j] * K + c;
+          const __m512 v = widen_bits(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, y)));
+          const __m512 scaled = widen_bits(
+              bf16_bits_rne16(_mm512_mul_ps(v, _mm512_set1_ps(p.weights[t * p.top_k + j]))));
+          sum = widen_bits(bf16_bits_rne16(_mm512_add_ps(sum, scaled)));
+        }
+        _mm256_mask_storeu_epi16(p.out + t * K + c, lanes, to_bf16_rne(sum));
+      }
+    }
+  });
 }
 
 }  // namespace tgq_cpu

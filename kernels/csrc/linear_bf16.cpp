@@ -309,6 +309,51 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
+// The experts of a sparse MoE block in one call (moe_experts_bf16_avx512, linear_kernels.h):
+// gate_up [E, ...] and down [E, ...] are each expert's pack_weight_bf16 layout, stacked.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+                       const at::Tensor& gate_up, const at::Tensor& down, int64_t intermediate) {
+  TORCH_CHECK(cpu_has_avx512_bf16(), "moe_experts_bf16: needs a CPU with AVX512_BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "moe_experts_bf16: x must be [T, K] bf16, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t T = x.size(0), K = x.size(1), I = intermediate;
+  TORCH_CHECK(K > 0 && K % 2 == 0, "moe_experts_bf16: K must be even, got ", K);
+  TORCH_CHECK(I > 0 && I % 16 == 0, "moe_experts_bf16: the intermediate size must be a multiple "
+              "of 16, got ", I);
+  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == T && experts.scalar_type() == at::kLong,
+              "moe_experts_bf16: experts must be [T, k] int64, got ", experts.sizes(), " ",
+              experts.scalar_type());
+  TORCH_CHECK(weights.sizes() == experts.sizes(), "moe_experts_bf16: weights ", weights.sizes(),
+              " do not match experts ", experts.sizes());
+  const int64_t E = gate_up.size(0);
+  const std::vector<int64_t> gate_up_shape{E, ceil_div(2 * I, kPackColumns), K / 2, kPackColumns, 2};
+  const std::vector<int64_t> down_shape{E, ceil_div(K, kPackColumns), I / 2, kPackColumns, 2};
+  TORCH_CHECK(gate_up.sizes() == c10::IntArrayRef(gate_up_shape), "moe_experts_bf16: gate_up ",
+              gate_up.sizes(), " is not ", c10::IntArrayRef(gate_up_shape));
+  TORCH_CHECK(down.sizes() == c10::IntArrayRef(down_shape), "moe_experts_bf16: down ",
+              down.sizes(), " is not ", c10::IntArrayRef(down_shape));
+  for (const at::Tensor* t : {&gate_up, &down}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+                "moe_experts_bf16: packed experts must be contiguous bf16");
+  }
+  for (const at::Tensor* t : {&x, &experts, &weights, &gate_up, &down}) {
+    TORCH_CHECK(t->device().is_cpu(), "moe_experts_bf16: CPU tensors only");
+  }
+  const at::Tensor ids = experts.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < E, "moe_experts_bf16: expert id ", id[i], " not in [0, ",
+                E, ")");
+  }
+  const at::Tensor xc = x.contiguous(), w32 = weights.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({T, K}, x.options());
+  if (T == 0) return out;
+  moe_experts_bf16_avx512({data_as<bf16_bits>(xc), id, w32.data_ptr<float>(),
+                           data_as<bf16_bits>(gate_up), data_as<bf16_bits>(down), T,
+                           experts.size(1), E, K, I, mutable_data_as<bf16_bits>(out)});
+  return out;
+}
+
 at::Tensor linear_native(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_bf16: path 'native' needs bf16 x");
@@ -372,5 +417,9 @@ TORCH_LIBRARY(tgq_cpu_ops, m) {
       "linear_bf16_packed(Tensor x, Tensor packed, int out_features, Tensor? bias,"
       " bool out_fp32=False, str kernel='avx512') -> Tensor",
       &linear_packed);
+  m.def(
+      "moe_experts_bf16(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down,"
+      " int intermediate) -> Tensor",
+      &moe_experts);
   m.def("has_amx_bf16() -> bool", [] { return cpu_has_amx_bf16(); });
 }

@@ -27,6 +27,24 @@ bool cpu_has_avx512_bf16();
 // Requires cpu_has_avx512_bf16(); any M (decode steps and prefill chunks).
 void linear_bf16_packed_avx512(const PackedLinear& args);
 
+// The experts of a sparse mixture-of-experts block with SiLU MLPs, weights packed and stacked:
+// out[t] = sum over token t's k choices, in expert order, of bf16(expert(x[t]) * weight), each
+// partial sum rounded to bf16 (as index_add_ adds them expert by expert); expert(v) =
+// down(bf16(silu(gate)) * up) with [gate, up] = gate_up(v), every value rounded to bf16 as the
+// unfused MLP rounds it. Each expert some token picked reads its weights once.
+struct PackedExperts {
+  const bf16_bits* x;        // [T, K]
+  const int64_t* experts;    // [T, k]: expert ids in [0, E)
+  const float* weights;      // [T, k]
+  const bf16_bits* gate_up;  // [E] x packed [2I, K]
+  const bf16_bits* down;     // [E] x packed [K, I]
+  int64_t T, top_k, E, K, I;  // K and I even, I % 16 == 0
+  bf16_bits* out;             // [T, K]
+};
+
+// Requires cpu_has_avx512_bf16().
+void moe_experts_bf16_avx512(const PackedExperts& args);
+
 // True where cpu_has_avx512_bf16() and the CPU has AMX-TILE and AMX-BF16 that this process may
 // use (asked of Linux on the first call); checked once.
 bool cpu_has_amx_bf16();

@@ -15,7 +15,9 @@ import torch
 
 from tests.gpu_worker.test_parity import hf_generate
 from tests.kernels.markers import requires_kernels
+from tgq.batcher.engine import RequestResult
 from tgq.batcher.offline import OfflineEngine
+from tgq.gpu_worker.layers.moe import SparseMoE
 from tgq.gpu_worker.layers.norm import OffsetRMSNorm, RMSNorm
 from tgq.gpu_worker.models import decoder
 from tgq.gpu_worker.plan import (
@@ -398,23 +400,47 @@ def test_gemma2_keeps_torch_for_what_the_cpu_kernels_do_not_compute(
 
 
 @requires_kernels
-def test_moe_models_run_their_experts_on_the_kernels_without_replay(
-    model_dirs: dict[str, Path],
+@pytest.mark.parametrize("family", ["qwen3moe-top3-norm", "mixtral-top2"])
+def test_moe_models_run_their_experts_in_one_call_and_replay_decode_steps(
+    model_dirs: dict[str, Path], family: str
 ) -> None:
-    """bf16 Qwen3-MoE on the CPU kernels: each expert's linears and SiLU run on the kernels, but
-    decode steps are not replayed (which experts run depends on the tokens, which a recording
-    would fix); greedy tokens come from the greedy head."""
-    runner = ModelRunner(
-        RunnerConfig(str(model_dirs["qwen3moe-top3-norm"]), dtype="bfloat16", num_blocks=128)
-    )
+    """bf16 MoE on the CPU kernels: each expert's linears and SiLU run on the kernels; with
+    AVX512_BF16 a decode step runs all experts of a layer in one call, and the steps are
+    replayed (the experts' choice happens inside the call, so the recorded ops hold for any
+    tokens). Tokens and logprobs are bit-identical to the experts run one by one without replay.
+    Greedy tokens come from the greedy head."""
+
+    def generate(one_by_one: bool) -> tuple[ModelRunner, list[RequestResult]]:
+        runner = ModelRunner(
+            RunnerConfig(str(model_dirs[family]), dtype="bfloat16", num_blocks=128)
+        )
+        model = runner.loaded.model
+        if one_by_one:
+            model.replay = None
+            for moe in model.modules():
+                if isinstance(moe, SparseMoE):
+                    moe.fused_gate_up = moe.fused_down = None
+        prompts = [PROMPT, [5, 9, 2, 7, 7, 1], [3] * 11]
+        out = OfflineEngine(runner).generate(
+            prompts, SamplingParams(logprobs=True), max_new_tokens=6
+        )
+        return runner, out
+
+    runner, fused = generate(one_by_one=False)
     model = runner.loaded.model
     experts = [m for m in model.modules() if isinstance(m, decoder.MLP)]
-    assert len(experts) == 2 * 8 and all(m.use_cpu_kernel for m in experts)
-    assert model.replay is None and model.greedy_head is not None
-    [out] = OfflineEngine(runner).generate(
-        [PROMPT], SamplingParams(logprobs=True), max_new_tokens=6
-    )
-    assert len(out.token_ids) == 6
+    assert experts and all(m.use_cpu_kernel for m in experts)
+    assert model.greedy_head is not None
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if cpu_ops.has_avx512_bf16():
+        assert all(m.fused_gate_up is not None for m in blocks)
+        assert model.replay is not None and model.replay.keys
+    else:
+        assert all(m.fused_gate_up is None for m in blocks) and model.replay is None
+    _, one_by_one = generate(one_by_one=True)
+    for a, b in zip(fused, one_by_one, strict=True):
+        assert len(a.token_ids) == 6
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 def test_the_block_size_follows_the_attention_backend(model_dirs: dict[str, Path]) -> None:

@@ -363,6 +363,79 @@ def test_packed_linear_rejects_bad_inputs(
         cpu_ops.linear_bf16_packed(x, packed, n, bias)
 
 
+def _experts_one_by_one(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: list[torch.Tensor],
+    down: list[torch.Tensor],
+) -> torch.Tensor:
+    """The experts as transformers' Mixtral and Qwen-MoE run them, on the packed linear and
+    `silu_mul`: expert by expert, each on its tokens, scaled, rounded and `index_add_`-ed into
+    the bf16 result."""
+    inter = down[0].shape[1]
+    out = torch.zeros_like(x)
+    for index in range(len(gate_up)):
+        tokens, rank = torch.nonzero(experts == index, as_tuple=True)
+        packed_gate_up = cpu_ops.pack_weight_bf16(gate_up[index])
+        hidden = cpu_ops.silu_mul(cpu_ops.linear_bf16_packed(x[tokens], packed_gate_up, 2 * inter))
+        y = cpu_ops.linear_bf16_packed(hidden, cpu_ops.pack_weight_bf16(down[index]), x.shape[1])
+        out.index_add_(0, tokens, (y * weights[tokens, rank, None]).to(x.dtype))
+    return out
+
+
+def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([cpu_ops.pack_weight_bf16(w) for w in weights])
+
+
+@requires_kernels
+@_PACKED
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "hidden", "inter"),
+    [(1, 8, 2, 96, 48), (13, 8, 2, 96, 48), (16, 32, 4, 130, 64), (40, 5, 1, 768, 16)],
+)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_in_one_call_equal_the_experts_one_by_one(
+    tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, weight_dtype: torch.dtype
+) -> None:
+    """Bit for bit, with experts no token picked, one row and many per expert (past the 8 rows
+    of one register form), a hidden size past the 16-column tiles, Mixtral's fp32 and
+    Qwen-MoE's bf16 routing weights."""
+    gen = torch.Generator().manual_seed(tokens * 7 + top_k)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    gate_up = [torch.randn(2 * inter, hidden, generator=gen).bfloat16() for _ in range(num_experts)]
+    down = [torch.randn(hidden, inter, generator=gen).bfloat16() for _ in range(num_experts)]
+    experts = torch.stack(
+        [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]
+    )
+    weights = torch.rand(tokens, top_k, generator=gen).to(weight_dtype)
+    out = cpu_ops.moe_experts_bf16(x, experts, weights, _stacked(gate_up), _stacked(down), inter)
+    assert torch.equal(out, _experts_one_by_one(x, experts, weights, gate_up, down))
+    empty = cpu_ops.moe_experts_bf16(
+        x[:0], experts[:0], weights[:0], _stacked(gate_up), _stacked(down), inter
+    )
+    assert empty.shape == (0, hidden)
+
+
+@requires_kernels
+@_PACKED
+@pytest.mark.parametrize(
+    ("experts", "inter", "message"),
+    [
+        (torch.tensor([[0, 4]]), 16, "expert id 4 not in \\[0, 4\\)"),
+        (torch.tensor([[0, -1]]), 16, "expert id -1 not in \\[0, 4\\)"),
+        (torch.tensor([[0, 1]]), 24, "multiple of 16, got 24"),
+        (torch.tensor([[0, 1], [2, 3]]), 16, "experts must be \\[T, k\\] int64"),
+    ],
+)
+def test_moe_experts_refuse_bad_inputs(experts: torch.Tensor, inter: int, message: str) -> None:
+    gate_up = _stacked([torch.randn(32, 8).bfloat16() for _ in range(4)])
+    down = _stacked([torch.randn(8, 16).bfloat16() for _ in range(4)])
+    x, weights = torch.randn(1, 8).bfloat16(), torch.ones(experts.shape)
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops.moe_experts_bf16(x, experts, weights, gate_up, down, inter)
+
+
 @requires_kernels
 @pytest.mark.parametrize("tokens", [1, 16, 700])  # 700: spread over both threads
 def test_write_kv_matches_the_torch_op_from_qkv_views(tokens: int) -> None:
