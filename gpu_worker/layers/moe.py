@@ -9,10 +9,11 @@ the model's dtype, as the reference does. A shared expert (Qwen2-MoE) runs on ev
 by a sigmoid gate.
 
 On a CPU with AVX512_BF16 whose experts are SiLU MLPs over packed weights, a step whose
-experts would each get few rows runs them all in one kernel call (`cpu_ops.moe_experts_bf16`,
+experts would each get few rows can run them all in one kernel call (`cpu_ops.moe_experts_bf16`,
 the same values as one by one): a batch-16 decode step of 32 experts picks ~28 of them per
-layer, and the Python and thread start-ups around ~56 small linears a layer cost more than their
-weights take to read.
+layer, and the Python and thread start-ups around ~56 small linears a layer can cost more than
+their weights take to read. Which of the two runs a step of T tokens is measured on this CPU
+with the model's shapes (`measure_experts`, op "moe_experts", kernels.choice).
 
 With tensor parallelism each rank holds a slice of every expert's intermediate size (as of a dense
 MLP); the router is whole on each rank, so every rank routes alike, and one all-reduce sums the
@@ -22,7 +23,6 @@ partial outputs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,11 +32,14 @@ from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.kernels import cpu_ops
-from tgq.kernels.choice import kernel_for
+from tgq.kernels.choice import Choices, choose, kernel_for, measure
 
-# The one-call experts kernel runs a step where each expert gets at most this many rows on
+# The one-call experts kernel may run a step where each expert gets at most this many rows on
 # average (decode steps; a prefill's experts go one by one, on the kernel measured for their rows).
 FUSED_MAX_ROWS_PER_EXPERT = 16
+# The candidates of op "moe_experts": all experts in one call, or one by one.
+FUSED = "one_call"
+ONE_BY_ONE = "one_by_one"
 
 
 class SparseMoE(nn.Module):
@@ -76,12 +79,12 @@ class SparseMoE(nn.Module):
         self.register_buffer("fused_down", None, persistent=False)
         self.fused_thresholds: list[tuple[int, str]] = []
 
-    def use_fused_experts(self, thresholds: Sequence[tuple[int, str]]) -> bool:
-        """After the experts' linears switched to their kernels (`thresholds`, as
-        `Linear.use_kernels`): where every expert is a SiLU MLP with packed weights, no bias, an
-        even hidden size and an intermediate size a multiple of 16, and this CPU has
-        AVX512_BF16, stacks their packed weights so that decode steps run all of them in one
-        call. Returns whether it did."""
+    def stack_experts(self) -> bool:
+        """After the experts' linears switched to their kernels: where every expert is a SiLU
+        MLP with packed weights, no bias, an even hidden size and an intermediate size a
+        multiple of 16, and this CPU has AVX512_BF16, stacks their packed weights (the experts'
+        own become views of them) so that a step can run all of them in one call, from
+        `use_thresholds` on. Returns whether it did."""
         by_name: dict[str, list[Linear]] = {"gate_up_proj": [], "down_proj": []}
         for expert in self.experts:
             if not getattr(expert, "use_cpu_kernel", False):  # SiLU on the fused kernel
@@ -101,16 +104,53 @@ class SparseMoE(nn.Module):
             for linear, weight in zip(linears, stacked, strict=True):
                 linear.weight = nn.Parameter(weight, requires_grad=False)
             setattr(self, "fused_" + name.removesuffix("_proj"), stacked)
-        self.fused_thresholds = list(thresholds)
         return True
 
+    def max_fused_tokens(self) -> int:
+        """The most tokens a step may have for the one-call kernel (FUSED_MAX_ROWS_PER_EXPERT
+        rows per expert on average)."""
+        return FUSED_MAX_ROWS_PER_EXPERT * len(self.experts) // self.top_k
+
+    def measure_experts(self) -> Choices:
+        """One call against one by one (on the experts' own kernels), at each bucket of tokens
+        up to `max_fused_tokens`, with this block's weights and random routing; cached per CPU
+        and shapes (kernels.choice). Needs `stack_experts`."""
+        assert self.fused_gate_up is not None and self.fused_down is not None
+        gate_up, down = self.fused_gate_up, self.fused_down
+        hidden = self.gate.in_features
+        gen = torch.Generator().manual_seed(0)
+        largest = self.max_fused_tokens()
+        buckets = [t for t in (1, 4, 16, 64, 256) if t <= largest] or [largest]
+
+        def inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+            return x, *self.route(x)
+
+        def one_call(tokens: int) -> Callable[[], object]:
+            x, experts, weights = inputs(tokens)
+            inter = self.intermediate_size
+            return lambda: cpu_ops.moe_experts_bf16(x, experts, weights, gate_up, down, inter)
+
+        def one_by_one(tokens: int) -> Callable[[], object]:
+            x, experts, weights = inputs(tokens)
+            return lambda: self._experts_one_by_one(x, experts, weights)
+
+        shapes = {"moe_experts": [len(self.experts), hidden, self.intermediate_size, self.top_k]}
+        return choose(
+            shapes,
+            lambda: measure("moe_experts", {FUSED: one_call, ONE_BY_ONE: one_by_one}, buckets),
+        )
+
+    def use_thresholds(self, thresholds: Sequence[tuple[int, str]]) -> None:
+        """Steps of T tokens run the candidate `kernel_for(thresholds, T)` picks
+        (`Choices.thresholds("moe_experts")`), one call only up to `max_fused_tokens`."""
+        self.fused_thresholds = list(thresholds)
+
     def _runs_fused(self, tokens: int) -> bool:
-        if self.fused_gate_up is None:
-            return False
-        rows = math.ceil(tokens * self.top_k / len(self.experts))
         return (
-            rows <= FUSED_MAX_ROWS_PER_EXPERT
-            and kernel_for(self.fused_thresholds, rows) == "avx512"
+            self.fused_gate_up is not None
+            and tokens <= self.max_fused_tokens()
+            and kernel_for(self.fused_thresholds, tokens) == FUSED
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -317,6 +317,7 @@ class DecoderForCausalLM(nn.Module):
             )
         )
         self.greedy_head: GreedyHead | None = None  # set by use_cpu_kernels where it can run
+        self.experts_choices: Choices | None = None  # set by use_cpu_kernels for fused experts
         self.replay: OpReplay | None = None  # likewise
         self.kernel_choices: Choices | None = None  # set by linear_kernels
 
@@ -397,18 +398,13 @@ class DecoderForCausalLM(nn.Module):
             else:
                 continue
             switched += 1
-        # Experts in one kernel call at decode sizes, where they can.
-        fused = [
-            m.use_fused_experts(layer_kernels)
-            for m in self.modules()
-            if pack and isinstance(m, SparseMoE)
-        ]
+        fused = self._fuse_experts() if pack else not self.config.num_experts
         single = self.tp.world_size == 1
         # Steps the backend can key (decode-only ones on the CPU kernels) run as recorded ops;
         # not where the attention soft-caps its scores (it runs as torch's, whose gathered
         # blocks change shape from step to step) nor with experts one by one (which run
         # depends on the tokens; the one-call kernel's ops do not).
-        if single and self.config.attn_logit_softcapping is None and all(fused):
+        if single and self.config.attn_logit_softcapping is None and fused:
             self.replay = OpReplay(self)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
         if greedy_head and pack and single:
@@ -416,6 +412,19 @@ class DecoderForCausalLM(nn.Module):
                 self.lm_head.weight.detach(), head, pick_kernels=True
             )
         return switched
+
+    def _fuse_experts(self) -> bool:
+        """Experts in one kernel call at the step sizes where that measured faster
+        (`SparseMoE.stack_experts`); whether every block can (True without experts)."""
+        blocks = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        if not blocks:
+            return True
+        if not all([block.stack_experts() for block in blocks]):
+            return False
+        self.experts_choices = blocks[0].measure_experts()
+        for block in blocks:
+            block.use_thresholds(self.experts_choices.thresholds("moe_experts"))
+        return True
 
     def linear_kernels(self) -> Choices:
         """Which kernel runs the decoder layers' linears at each call size, measured on this CPU

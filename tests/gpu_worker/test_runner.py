@@ -17,7 +17,7 @@ from tests.gpu_worker.test_parity import hf_generate
 from tests.kernels.markers import requires_kernels
 from tgq.batcher.engine import RequestResult
 from tgq.batcher.offline import OfflineEngine
-from tgq.gpu_worker.layers.moe import SparseMoE
+from tgq.gpu_worker.layers.moe import FUSED, ONE_BY_ONE, SparseMoE
 from tgq.gpu_worker.layers.norm import OffsetRMSNorm, RMSNorm
 from tgq.gpu_worker.models import decoder
 from tgq.gpu_worker.plan import (
@@ -405,21 +405,21 @@ def test_moe_models_run_their_experts_in_one_call_and_replay_decode_steps(
     model_dirs: dict[str, Path], family: str
 ) -> None:
     """bf16 MoE on the CPU kernels: each expert's linears and SiLU run on the kernels; with
-    AVX512_BF16 a decode step runs all experts of a layer in one call, and the steps are
-    replayed (the experts' choice happens inside the call, so the recorded ops hold for any
-    tokens). Tokens and logprobs are bit-identical to the experts run one by one without replay.
-    Greedy tokens come from the greedy head."""
+    AVX512_BF16 a decode step can run all experts of a layer in one call (where measured faster;
+    here forced), and the steps are replayed (the experts' choice happens inside the call, so
+    the recorded ops hold for any tokens). Tokens and logprobs are bit-identical to the experts
+    run one by one without replay. Greedy tokens come from the greedy head."""
 
     def generate(one_by_one: bool) -> tuple[ModelRunner, list[RequestResult]]:
         runner = ModelRunner(
             RunnerConfig(str(model_dirs[family]), dtype="bfloat16", num_blocks=128)
         )
         model = runner.loaded.model
+        for moe in model.modules():
+            if isinstance(moe, SparseMoE):  # whatever this CPU measured faster
+                moe.use_thresholds([(moe.max_fused_tokens(), ONE_BY_ONE if one_by_one else FUSED)])
         if one_by_one:
             model.replay = None
-            for moe in model.modules():
-                if isinstance(moe, SparseMoE):
-                    moe.fused_gate_up = moe.fused_down = None
         prompts = [PROMPT, [5, 9, 2, 7, 7, 1], [3] * 11]
         out = OfflineEngine(runner).generate(
             prompts, SamplingParams(logprobs=True), max_new_tokens=6
@@ -434,6 +434,8 @@ def test_moe_models_run_their_experts_in_one_call_and_replay_decode_steps(
     blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
     if cpu_ops.has_avx512_bf16():
         assert all(m.fused_gate_up is not None for m in blocks)
+        assert model.experts_choices is not None
+        assert {m.rows for m in model.experts_choices.measured} <= {1, 4, 16, 64, 256}
         assert model.replay is not None and model.replay.keys
     else:
         assert all(m.fused_gate_up is None for m in blocks) and model.replay is None
