@@ -28,6 +28,7 @@ __all__ = [
     "apply_token_mask_",
     "argmax",
     "avx512_attention_serves",
+    "gelu_tanh_mul",
     "greedy_head_argmax",
     "hardware_unsupported_reason",
     "has_amx_bf16",
@@ -361,6 +362,8 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int = 0,  # > 0: attend only to the last `sliding_window` positions
     path: str = "auto",
+    *,
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [B, H, D] in query's dtype
     """Softmax attention of each query over its sequence's cached K/V, read through the table.
 
@@ -370,7 +373,7 @@ def paged_decode_attention(
     Tests name paths to check each one.
     """
     out: torch.Tensor = _ops().paged_decode_attention(
-        query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window, path
+        query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window, softcap, path
     )
     return out
 
@@ -430,6 +433,14 @@ def add_rms_norm(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] bf16 -> [T, I]
     """`F.silu(gate) * up` for `gate, up = gate_up.split(I, -1)`, in one pass; bf16."""
     out: torch.Tensor = _ops().silu_mul(gate_up)
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] bf16 -> [T, I]
+    """`F.gelu(gate, approximate="tanh") * up` (GeGLU) for `gate, up = gate_up.split(I, -1)`, in
+    one pass; bf16. The GELU as `gate * sigmoid(2y)` (= 0.5 gate (1 + tanh(y))), agreeing with
+    torch's to fp32 rounding: the bf16 results match it but for rare 1-ulp differences."""
+    out: torch.Tensor = _ops().gelu_tanh_mul(gate_up)
     return out
 
 

@@ -115,8 +115,7 @@ class CpuPagedAttention(TorchPagedAttention):
         sliding_window: int | None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        # The own kernels have no soft cap (Gemma 2): torch's attention computes those.
-        if softcap is not None or self._torch_decode(query.shape[0]):
+        if self._torch_decode(query.shape[0]):
             return super()._attend_single(
                 query, k_cache, v_cache, meta, scale, sliding_window, softcap
             )
@@ -128,6 +127,7 @@ class CpuPagedAttention(TorchPagedAttention):
             meta.single_kv_lens,
             scale,
             sliding_window or 0,
+            softcap=softcap or 0.0,
         )
 
     def _attend_multi(

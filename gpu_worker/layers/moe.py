@@ -87,7 +87,8 @@ class SparseMoE(nn.Module):
         `use_thresholds` on. Returns whether it did."""
         by_name: dict[str, list[Linear]] = {"gate_up_proj": [], "down_proj": []}
         for expert in self.experts:
-            if not getattr(expert, "use_cpu_kernel", False):  # SiLU on the fused kernel
+            fused_silu = getattr(expert, "activation", None) == "silu"
+            if not fused_silu or not getattr(expert, "use_cpu_kernel", False):
                 return False
             for name, linears in by_name.items():
                 linear = getattr(expert, name, None)

@@ -163,11 +163,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.activation = config.hidden_act
         self.act = ACTIVATIONS[config.hidden_act]
-        self.use_cpu_kernel = False  # one fused pass for silu(gate) * up (`has_cpu_kernel`)
+        self.use_cpu_kernel = False  # one fused pass for act(gate) * up (`has_cpu_kernel`)
 
     @property
     def has_cpu_kernel(self) -> bool:
-        """Whether `cpu_ops.silu_mul` computes this MLP's activation (SiLU only)."""
+        """Whether a fused CPU kernel computes this MLP's activation (`FUSED_ON_CPU`)."""
         return self.activation in FUSED_ON_CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +189,7 @@ class MLP(nn.Module):
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_cpu_kernel:
-            return self.down_proj(cpu_ops.silu_mul(gate_up))
+            return self.down_proj(FUSED_ON_CPU[self.activation](gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -400,11 +400,10 @@ class DecoderForCausalLM(nn.Module):
             switched += 1
         fused = self._fuse_experts() if pack else not self.config.num_experts
         single = self.tp.world_size == 1
-        # Steps the backend can key (decode-only ones on the CPU kernels) run as recorded ops;
-        # not where the attention soft-caps its scores (it runs as torch's, whose gathered
-        # blocks change shape from step to step) nor with experts one by one (which run
-        # depends on the tokens; the one-call kernel's ops do not).
-        if single and self.config.attn_logit_softcapping is None and fused:
+        # Steps the backend can key (decode-only ones on the CPU kernels, soft-capped or not)
+        # run as recorded ops; not with experts one by one (which run depends on the tokens;
+        # the one-call kernel's ops do not).
+        if single and fused:
             self.replay = OpReplay(self)
         # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
         if greedy_head and pack and single:

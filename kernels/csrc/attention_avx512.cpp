@@ -114,10 +114,11 @@ inline void weighted_values(const float* weights, const bf16_bits* v, int64_t st
 }
 
 // The scaled scores q . k of `count` <= 16 tokens (k points at the first one's row of this kv
-// head; rows `stride` apart) in lanes 0 .. count - 1, -inf in the rest.
+// head; rows `stride` apart), soft-capped where softcap > 0, in lanes 0 .. count - 1, -inf in
+// the rest.
 template <int L>
 inline __m512 chunk_scores(const __m512bh (&q)[L], const bf16_bits* k, int64_t stride, int count,
-                           float scale) {
+                           float scale, float softcap) {
   __m512 part[kLanes];
 #pragma GCC unroll 16
   for (int t = 0; t < kLanes; ++t) {
@@ -129,8 +130,13 @@ inline __m512 chunk_scores(const __m512bh (&q)[L], const bf16_bits* k, int64_t s
     }
   }
   const auto valid = static_cast<__mmask16>((1u << count) - 1);
-  return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                            sum_each(part), _mm512_set1_ps(scale));
+  __m512 scores = _mm512_mul_ps(sum_each(part), _mm512_set1_ps(scale));
+  if (softcap > 0.0f) {
+    const __m512 cap = _mm512_set1_ps(softcap);
+    scores = _mm512_mul_ps(tanh16(_mm512_div_ps(scores, cap)), cap);
+  }
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                            scores);
 }
 
 // Online softmax over one block's scores (`chunks` vectors of 16): raises the running max, turns
@@ -333,7 +339,7 @@ void decode_task(const DecodeArgs& a, TaskScratch<L>& scratch, const Task& task,
         for (int64_t c = 0; c < chunks; ++c) {
           const int count = static_cast<int>(std::min<int64_t>(kLanes, t1 - t0 - c * kLanes));
           const __m512 sc = chunk_scores<L>(q, a.k_cache + base + c * kLanes * stride + kh * d,
-                                            stride, count, s.scale);
+                                            stride, count, s.scale, s.softcap);
           _mm512_storeu_ps(scratch.scores.data() + j * row + c * kLanes, sc);
         }
       }

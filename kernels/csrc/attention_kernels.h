@@ -12,6 +12,7 @@ struct DecodeShape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t sliding_window;  // 0 = attend to the whole sequence
   float scale;
+  float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2)
 };
 
 // One bf16 call, checked: tables [batch, max_blocks] and kv_lens [batch] int64, every block id a

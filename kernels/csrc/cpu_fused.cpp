@@ -1,12 +1,14 @@
 // Fused elementwise ops for bf16 on CPU: RMSNorm (optionally after the residual add), the rotary
-// embedding applied in place to the q and k heads of a fused qkv row, and the MLP's SiLU(gate) * up
-// over a fused gate_up row.
+// embedding applied in place to the q and k heads of a fused qkv row, and the MLP's act(gate) * up
+// over a fused gate_up row (SiLU, or GeGLU's tanh-approximated GELU).
 //
 // At batch 1 a decode step runs ~25 norms and 12 rotary embeddings over 768 values each; as
 // chains of torch ops they cost more in dispatch than in arithmetic. Each op here rounds to bf16
 // exactly where the torch expression it replaces does, so outputs are bit-identical to it.
 #include "fused_kernels.h"
 #include "linear_kernels.h"  // cpu_has_avx512_bf16
+
+#include <type_traits>
 
 namespace {
 
@@ -187,20 +189,37 @@ void rotary_qk_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
   });
 }
 
-// silu(g) = g * sigmoid(g), with e = e^-|g| <= 1 so the exponential never overflows:
-// sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0.
-inline __m256 silu(__m256 g) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  const __m256 e = tgq_cpu::exp_nonpositive(_mm256_or_ps(g, sign_bit));  // e^-|g|
+// g * sigmoid(z), with e = e^-|z| <= 1 so the exponential never overflows: sigmoid(z) = 1 / (1 + e)
+// for z >= 0, e / (1 + e) for z < 0.
+inline __m256 times_sigmoid(__m256 g, __m256 z) {
+  const __m256 e = tgq_cpu::exp_nonpositive(_mm256_or_ps(z, _mm256_set1_ps(-0.0f)));  // e^-|z|
   const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 numerator = _mm256_blendv_ps(one, e, g);  // sign of g picks e
+  const __m256 numerator = _mm256_blendv_ps(one, e, z);  // sign of z picks e
   return _mm256_mul_ps(g, _mm256_div_ps(numerator, _mm256_add_ps(one, e)));
 }
 
-// out[t, :] = silu(gate) * up for gate_up[t] = [gate | up], each of `inter` values; silu rounded
-// to bf16 before the product, as torch's F.silu(gate) * up in bf16 does (silu itself agrees with
+// The gate activations as g * sigmoid(z(g)): SiLU's z = g; the tanh-approximated GELU's
+// 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2 / pi) (g + 0.044715 g^3), so z = 2y.
+struct Silu {
+  static __m256 z(__m256 g) { return g; }
+  static float z(float g) { return g; }
+};
+
+struct GeluTanh {
+  static constexpr float kLinear = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+  static constexpr float kCubic = kLinear * 0.044715f;
+  static __m256 z(__m256 g) {
+    const __m256 g2 = _mm256_mul_ps(g, g);
+    return _mm256_mul_ps(g, _mm256_fmadd_ps(g2, _mm256_set1_ps(kCubic), _mm256_set1_ps(kLinear)));
+  }
+  static float z(float g) { return g * (g * g * kCubic + kLinear); }
+};
+
+// out[t, :] = act(gate) * up for gate_up[t] = [gate | up], each of `inter` values; act rounded
+// to bf16 before the product, as torch's act(gate) * up in bf16 does (act itself agrees with
 // torch's to fp32 rounding, so outputs match it up to rare 1-ulp bf16 differences).
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+template <typename Act>
+at::Tensor act_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
@@ -209,20 +228,24 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   auto* op = reinterpret_cast<bf16_bits*>(out.mutable_data_ptr<BFloat16>());
   const int64_t stride = gate_up.stride(0);
   const bool wide = tgq_cpu::cpu_has_avx512_bf16();
+  constexpr bool kGelu = std::is_same_v<Act, GeluTanh>;
   at::parallel_for(0, rows, rows_per_task(inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const bf16_bits* g = gp + r * stride;
       const bf16_bits* u = g + inter;
       bf16_bits* o = op + r * inter;
-      int64_t i = wide ? tgq_cpu::silu_mul_row_avx512(g, u, inter, o) : 0;
+      int64_t i = !wide ? 0
+                  : kGelu ? tgq_cpu::gelu_tanh_mul_row_avx512(g, u, inter, o)
+                          : tgq_cpu::silu_mul_row_avx512(g, u, inter, o);
       for (; i + kVec <= inter; i += kVec) {
-        const __m256 s = tgq_cpu::round8_bf16(silu(tgq_cpu::load8(g + i)));
-        tgq_cpu::store8_bf16(o + i, _mm256_mul_ps(s, tgq_cpu::load8(u + i)));
+        const __m256 gv = tgq_cpu::load8(g + i);
+        const __m256 a = tgq_cpu::round8_bf16(times_sigmoid(gv, Act::z(gv)));
+        tgq_cpu::store8_bf16(o + i, _mm256_mul_ps(a, tgq_cpu::load8(u + i)));
       }
       for (; i < inter; ++i) {
         const float gv = tgq_cpu::to_f32(g[i]);
-        const float s = round_bf16(gv / (1.0f + std::exp(-gv)));
-        o[i] = BFloat16(s * tgq_cpu::to_f32(u[i])).x;
+        const float a = round_bf16(gv / (1.0f + std::exp(-Act::z(gv))));
+        o[i] = BFloat16(a * tgq_cpu::to_f32(u[i])).x;
       }
     }
   });
@@ -238,5 +261,6 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
         &add_rms_norm);
   m.def("rotary_qk_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()",
         &rotary_qk_);
-  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &act_mul<Silu>);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &act_mul<GeluTanh>);
 }

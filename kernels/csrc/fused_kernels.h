@@ -11,4 +11,8 @@ namespace tgq_cpu {
 int64_t silu_mul_row_avx512(const bf16_bits* gate, const bf16_bits* up, int64_t count,
                             bf16_bits* out);
 
+// The same with GeGLU's tanh-approximated GELU in place of SiLU.
+int64_t gelu_tanh_mul_row_avx512(const bf16_bits* gate, const bf16_bits* up, int64_t count,
+                                 bf16_bits* out);
+
 }  // namespace tgq_cpu

@@ -117,6 +117,7 @@ struct BlockSpan {
   int64_t row_stride;  // elements between consecutive tokens of a block
   int64_t head_dim;
   int64_t block_size;  // stride of st.scores rows
+  float softcap;  // > 0: scores soft-capped (DecodeShape)
 };
 
 // Folds one block's tokens into the state of all the task's query heads. Tokens are visited in
@@ -134,6 +135,11 @@ void attend_block(HeadState& st, const BlockSpan& b, const T* k, const T* v) {
   }
   for (int64_t j = 0; j < num_q; ++j) {
     float* scores = st.scores.data() + j * b.block_size;
+    if (b.softcap > 0.0f) {
+      for (int64_t t = 0; t < b.num_tokens; ++t) {
+        scores[t] = std::tanh(scores[t] / b.softcap) * b.softcap;
+      }
+    }
     const float new_max = std::max(st.max[j], *std::max_element(scores, scores + b.num_tokens));
     if (new_max > st.max[j]) {
       const float corr = std::exp(st.max[j] - new_max);  // 0 on the first block (max = -inf)
@@ -171,8 +177,8 @@ void decode_task(const DecodeShape& s, HeadState& st, const T* query, const T* k
   for (int64_t bi = first / bs; bi * bs < kv_len; ++bi) {
     const int64_t t0 = std::max(first, bi * bs), t1 = std::min(kv_len, (bi + 1) * bs);
     const int64_t base = ((table[bi] * bs + (t0 - bi * bs)) * s.num_kv_heads + h0) * d;
-    attend_block(st, BlockSpan{t1 - t0, h1 - h0, g, row_stride, d, bs}, k_cache + base,
-                 v_cache + base);
+    attend_block(st, BlockSpan{t1 - t0, h1 - h0, g, row_stride, d, bs, s.softcap},
+                 k_cache + base, v_cache + base);
   }
   for (int64_t j = 0; j < num_q; ++j) {
     const float inv = 1.0f / st.sum[j];
@@ -248,7 +254,8 @@ bool use_avx512(std::string_view path, const at::Tensor& query) {
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& kv_lens, double scale,
-                                  int64_t sliding_window, c10::string_view path_arg) {
+                                  int64_t sliding_window, double softcap,
+                                  c10::string_view path_arg) {
   const std::string_view path(path_arg.data(), path_arg.size());
   TORCH_CHECK(query.dim() == 3, "paged_decode_attention: query must be [B, H, D], got ",
               query.sizes());
@@ -281,11 +288,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(kv_lens.dim() == 1 && kv_lens.size(0) == batch,
               "paged_decode_attention: kv_lens must be [", batch, "], got ", kv_lens.sizes());
   TORCH_CHECK(sliding_window >= 0, "paged_decode_attention: sliding_window must be >= 0");
+  TORCH_CHECK(softcap >= 0.0, "paged_decode_attention: softcap must be >= 0 (0: none)");
   at::Tensor tables = block_tables.to(at::kLong).contiguous();
   at::Tensor lens = kv_lens.to(at::kLong).contiguous();
   check_block_tables(tables, lens, k_cache.size(1), k_cache.size(0));
   DecodeShape shape{heads, kv_heads, d, k_cache.size(1), tables.size(1), sliding_window,
-                    static_cast<float>(scale)};
+                    static_cast<float>(scale), static_cast<float>(softcap)};
   at::Tensor out = at::empty(query.sizes(), query.options());  // contiguous, whatever query is
   if (use_avx512(path, query)) {
     paged_decode_bf16_avx512(DecodeArgs{shape, batch, query.stride(0), data_as<bf16_bits>(query),
@@ -360,6 +368,7 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
       &paged_prefill_attention);
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor kv_lens, float scale, int sliding_window, str path='auto') -> Tensor",
+      "Tensor kv_lens, float scale, int sliding_window, float softcap=0.0, str path='auto')"
+      " -> Tensor",
       &paged_decode_attention);
 }

@@ -366,37 +366,53 @@ def test_partial_rotary_rotates_in_torch_not_in_the_fused_kernel(
 
 
 @requires_kernels
-def test_gemma2_keeps_torch_for_what_the_cpu_kernels_do_not_compute(
+def test_gemma2_runs_on_the_cpu_kernels_and_replays_its_soft_capped_decode_steps(
     model_dirs: dict[str, Path],
 ) -> None:
-    """bf16 Gemma 2 on the CPU kernels: its offset norms run on their own kernel, GeGLU stays torch
-    ops (the fused activation is SiLU's), its soft-capped attention runs as torch's on every step
-    (the own kernels have no cap), so decode steps are not replayed; the linears and the rotary
-    still switch. The steps run, and greedy rows keep the greedy head (a final cap keeps the
-    argmax)."""
-    runner = ModelRunner(
-        RunnerConfig(str(model_dirs["gemma2-capped-window"]), dtype="bfloat16", num_blocks=128)
-    )
+    """bf16 Gemma 2 on the CPU kernels: its offset norms on their own kernel, GeGLU on the fused
+    activation kernel, its soft-capped decode attention on the own kernel (the cap passed on),
+    so decode steps are replayed where this CPU picked the own decode kernel; tokens and
+    logprobs are bit-identical to the same steps without replay. Greedy rows keep the greedy
+    head (a final cap keeps the argmax)."""
+
+    def generate(replay: bool) -> tuple[ModelRunner, list[RequestResult], list[float]]:
+        runner = ModelRunner(
+            RunnerConfig(str(model_dirs["gemma2-capped-window"]), dtype="bfloat16", num_blocks=128)
+        )
+        if not replay:
+            runner.loaded.model.replay = None
+        caps: list[float] = []
+        kernel = cpu_ops.paged_decode_attention
+
+        def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+            caps.append(kwargs["softcap"])
+            return kernel(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_ops, "paged_decode_attention", spy)
+            out = OfflineEngine(runner).generate(
+                [PROMPT, [4, 8, 15, 16, 23, 42]], SamplingParams(logprobs=True), max_new_tokens=6
+            )
+        return runner, out, caps
+
+    runner, replayed, caps = generate(replay=True)
     model = runner.loaded.model
-    assert not any(m.use_cpu_kernel for m in model.modules() if isinstance(m, decoder.MLP))
+    mlps = [m for m in model.modules() if isinstance(m, decoder.MLP)]
+    assert mlps and all(m.use_cpu_kernel and m.activation == "gelu_pytorch_tanh" for m in mlps)
     assert not any(isinstance(m, RMSNorm) for m in model.modules())
     norms = [m for m in model.modules() if isinstance(m, OffsetRMSNorm)]
     assert len(norms) == 4 * 2 + 1 and all(m.use_cpu_kernel for m in norms)
     assert all(m.use_cpu_kernel for m in model.modules() if isinstance(m, decoder.Attention))
-    assert model.replay is None and model.greedy_head is not None
-    calls: list[float | None] = []
+    assert model.replay is not None and model.greedy_head is not None
     backend = runner.backend
-    attend = backend.attend
-
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(kwargs["softcap"])
-        return attend(*args, **kwargs)
-
-    backend.attend = spy  # type: ignore[method-assign]
-    [out] = OfflineEngine(runner).generate(
-        [PROMPT], SamplingParams(logprobs=True), max_new_tokens=6
-    )
-    assert len(out.token_ids) == 6 and set(calls) == {2.0}
+    assert isinstance(backend, CpuPagedAttention)
+    own_decode = not backend._torch_decode(2)
+    assert bool(model.replay.keys) == own_decode
+    assert set(caps) == ({2.0} if own_decode else set())
+    _, plain, _ = generate(replay=False)
+    for a, b in zip(replayed, plain, strict=True):
+        assert len(a.token_ids) == 6
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
 @requires_kernels

@@ -24,6 +24,7 @@ def _reference_decode(
     kv_lens: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     block_size = k_cache.shape[1]
     group = query.shape[1] // k_cache.shape[2]
@@ -34,6 +35,8 @@ def _reference_decode(
         keys = k_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
         values = v_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", query[b].float(), keys) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         if sliding_window > 0:
             scores[:, positions <= kv_len - 1 - sliding_window] = float("-inf")
         outs.append(torch.einsum("ht,thd->hd", scores.softmax(dim=-1), values))
@@ -75,14 +78,18 @@ def _decode_inputs(
 
 
 def _check_decode(
-    inputs: tuple[torch.Tensor, ...], sliding_window: int, path: str, tolerance: float
+    inputs: tuple[torch.Tensor, ...],
+    sliding_window: int,
+    path: str,
+    tolerance: float,
+    softcap: float = 0.0,
 ) -> None:
     query, k_cache, v_cache, tables, lens = inputs
     scale = query.shape[-1] ** -0.5
     out = cpu_ops.paged_decode_attention(
-        query, k_cache, v_cache, tables, lens, scale, sliding_window, path
+        query, k_cache, v_cache, tables, lens, scale, sliding_window, path, softcap=softcap
     )
-    ref = _reference_decode(query, k_cache, v_cache, tables, lens, scale, sliding_window)
+    ref = _reference_decode(query, k_cache, v_cache, tables, lens, scale, sliding_window, softcap)
     assert out.dtype == query.dtype
     assert out.shape == query.shape
     assert rel_err(out, ref) < tolerance
@@ -114,6 +121,37 @@ def test_paged_decode_matches_reference(
     kv_lens = [1, 16, 17, 5, 100, 128, 33]
     inputs = _decode_inputs(gen, kv_lens, num_heads, num_kv_heads, dtype, table_dtype=table_dtype)
     _check_decode(inputs, sliding_window, path, 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@requires_kernels
+@pytest.mark.parametrize(
+    ("dtype", "path"),
+    [
+        (torch.bfloat16, "avx2"),
+        pytest.param(torch.bfloat16, "avx512", marks=_AVX512),
+        (torch.float32, "avx2"),
+    ],
+)
+@pytest.mark.parametrize("sliding_window", [0, 37])
+def test_paged_decode_soft_caps_the_scores(
+    dtype: torch.dtype, path: str, sliding_window: int
+) -> None:
+    """Gemma 2's cap * tanh(score / cap) on the scaled scores, before the window's mask: with
+    scores of several times the cap (queries scaled up), the capped output matches the capped
+    reference and is far from the uncapped one."""
+    gen = torch.Generator().manual_seed(13)
+    query, k, v, tables, lens = _decode_inputs(gen, [1, 16, 17, 5, 100, 128, 33], 12, 4, dtype)
+    query = query * 4
+    inputs = (query, k, v, tables, lens)
+    _check_decode(inputs, sliding_window, path, 1e-2 if dtype == torch.bfloat16 else 1e-5, 2.0)
+    scale = query.shape[-1] ** -0.5
+    capped = cpu_ops.paged_decode_attention(
+        query, k, v, tables, lens, scale, sliding_window, path, softcap=2.0
+    )
+    uncapped = _reference_decode(query, k, v, tables, lens, scale, sliding_window)
+    assert rel_err(capped, uncapped) > 0.1
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        cpu_ops.paged_decode_attention(query, k, v, tables, lens, scale, 0, path, softcap=-1.0)
 
 
 @requires_kernels
