@@ -19,7 +19,7 @@ from typing import Any
 from huggingface_hub import try_to_load_from_cache
 
 from tgq.batcher.options import BatcherOptions
-from tgq.gpu_worker.config import resolve_dtype
+from tgq.gpu_worker.config import resolve_dtype, text_config
 from tgq.kernels import resolve_block_size
 
 FALLBACK_CONTEXT = 4096
@@ -44,7 +44,9 @@ def read_model_config(model_path: str, revision: str | None = None) -> dict[str,
         config: dict[str, Any] = json.loads(Path(found).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return config.get("text_config") or config
+    view = text_config(config)  # a multimodal Gemma 3's text model, with its defaults
+    text: dict[str, Any] = view.get("text_config") or view
+    return text
 
 
 def context_length(config: dict[str, Any] | None) -> int:

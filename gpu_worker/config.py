@@ -48,7 +48,9 @@ _ROPE_OPTIONAL_KEYS: dict[str, dict[str, type]] = {
 }
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # Families whose configs leave `tie_word_embeddings` out because theirs are tied.
-TIED_BY_DEFAULT = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Gemma 3 text alone, and the text part of the multimodal checkpoints (4B and up).
+GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+TIED_BY_DEFAULT = ("Gemma2ForCausalLM", *GEMMA3)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = text_config(d)
         num_heads = int(_require(d, "num_attention_heads"))
         hidden_size = int(_require(d, "hidden_size"))
         rope_theta, rope_scaling = _parse_rope(_global_rope_view(d))
@@ -181,6 +184,48 @@ class ModelConfig:
         return int(scaling.get("original_max_position_embeddings", self.max_position_embeddings))
 
 
+# Gemma3TextConfig's defaults, which the `text_config` of a multimodal Gemma 3 checkpoint relies
+# on: gemma-3-4b-it's sets only a few fields (hidden and intermediate size, layers, window,
+# rope scaling). The rope bases and the window pattern have their own defaults above.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+# What a multimodal config keeps at its top level that describes the text model too.
+_TOP_LEVEL_TEXT_KEYS = (
+    "eos_token_id",
+    "bos_token_id",
+    "dtype",
+    "torch_dtype",
+    "tie_word_embeddings",
+)
+
+
+def text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """The config of the text model a checkpoint holds: `d` itself, or for a multimodal Gemma 3
+    (`Gemma3ForConditionalGeneration`, whose text tgq serves; the vision tower is not loaded)
+    its `text_config` over Gemma3TextConfig's defaults, with the top level's token ids, dtype
+    and tying where the text config lacks them, under the multimodal architecture's name.
+    Torch-free (the api reads it)."""
+    if _architecture(d) != "Gemma3ForConditionalGeneration":
+        return d
+    text = {**GEMMA3_TEXT_DEFAULTS, **(d.get("text_config") or {})}
+    for key in _TOP_LEVEL_TEXT_KEYS:
+        if text.get(key) is None and d.get(key) is not None:
+            text[key] = d[key]
+    return {**text, "architectures": ["Gemma3ForConditionalGeneration"]}
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     with path.open(encoding="utf-8") as f:
         data: dict[str, Any] = json.load(f)
@@ -247,7 +292,7 @@ def _global_rope_view(d: dict[str, Any]) -> dict[str, Any]:
     per_type = _rope_per_layer_type(d)
     if per_type is not None:
         return {**d, "rope_parameters": dict(per_type.get("full_attention") or {})}
-    if _architecture(d) == "Gemma3ForCausalLM" and d.get("rope_theta") is None:
+    if _architecture(d) in GEMMA3 and d.get("rope_theta") is None:
         return {**d, "rope_theta": GEMMA3_ROPE_THETA}
     return d
 
@@ -265,7 +310,7 @@ def _parse_local_rope_theta(d: dict[str, Any]) -> float | None:
                 " take plain rope"
             )
         return float(local.get("rope_theta") or GEMMA3_LOCAL_ROPE_THETA)
-    if _architecture(d) == "Gemma3ForCausalLM":
+    if _architecture(d) in GEMMA3:
         return float(d.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA)
     return None
 
@@ -329,7 +374,7 @@ def _parse_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
         return ("full_attention",) * num_layers
     if _architecture(d) == "Gemma2ForCausalLM":
         return tuple(LAYER_TYPES[i % 2 == 0] for i in range(num_layers))
-    if _architecture(d) == "Gemma3ForCausalLM":
+    if _architecture(d) in GEMMA3:
         pattern = int(d.get("sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN)
         return tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(num_layers))
     first_sliding = int(d.get("max_window_layers") or 0)

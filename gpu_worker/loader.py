@@ -69,7 +69,7 @@ def load_model(
     model.rotary.to(device)
     if model.local_rotary is not None:
         model.local_rotary.to(device)
-    with Checkpoint.open(model_dir) as checkpoint:
+    with Checkpoint.open(model_dir, rename=cls.stored_name) as checkpoint:
         fill_parameters(model, checkpoint)
     model.eval().requires_grad_(False)
     num_fast = model.use_cpu_kernels(greedy_head=greedy_head) if cpu_kernels else 0

@@ -8,6 +8,7 @@ materialised and a tensor-parallel rank reads only its shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +19,29 @@ from tgq.gpu_worker.hub import weight_files
 
 
 class Checkpoint:
-    """Memory-mapped safetensors files of one model; each file is opened once and kept open."""
+    """Memory-mapped safetensors files of one model; each file is opened once and kept open.
+    Tensors go by the model's names for them (`rename` at `open`), each read under the name it
+    is stored by."""
 
-    def __init__(self, handle_by_name: dict[str, Any], handles: list[Any]) -> None:
-        self._handle_by_name = handle_by_name
+    def __init__(self, handle_by_name: dict[str, tuple[Any, str]], handles: list[Any]) -> None:
+        self._handle_by_name = handle_by_name  # our name -> (file handle, stored name)
         self._handles = handles
 
     @classmethod
-    def open(cls, model_dir: str | Path) -> Checkpoint:
+    def open(cls, model_dir: str | Path, rename: Callable[[str], str | None] = str) -> Checkpoint:
+        """`rename`: a stored tensor name -> ours, or None for a tensor the model does not use
+        (a multimodal checkpoint's vision tower)."""
         paths = weight_files(Path(model_dir))
         handles: list[Any] = [safe_open(str(path), framework="pt") for path in paths]
-        handle_by_name: dict[str, Any] = {}
+        handle_by_name: dict[str, tuple[Any, str]] = {}
         for handle in handles:
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+            for stored in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                name = rename(stored)
+                if name is None:
+                    continue
                 if name in handle_by_name:
                     raise ValueError(f"tensor {name!r} is stored in more than one file")
-                handle_by_name[name] = handle
+                handle_by_name[name] = (handle, stored)
         return cls(handle_by_name, handles)
 
     def names(self) -> list[str]:
@@ -47,7 +55,8 @@ class Checkpoint:
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A whole tensor, read into fresh memory: for small tensors only."""
-        tensor: torch.Tensor = self._handle(name).get_tensor(name)
+        handle, stored = self._handle(name)
+        tensor: torch.Tensor = handle.get_tensor(stored)
         return tensor.to(dtype)
 
     def copy_into(
@@ -80,13 +89,14 @@ class Checkpoint:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _handle(self, name: str) -> Any:
+    def _handle(self, name: str) -> tuple[Any, str]:
         if name not in self._handle_by_name:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
         return self._handle_by_name[name]
 
     def _slice(self, name: str) -> Any:
-        return self._handle(name).get_slice(name)
+        handle, stored = self._handle(name)
+        return handle.get_slice(stored)
 
 
 def _slice_plan(

@@ -11,6 +11,7 @@ from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 _ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",

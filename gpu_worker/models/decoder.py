@@ -345,6 +345,12 @@ class DecoderForCausalLM(nn.Module):
         """Our checkpoint-side tensor name -> this family's (Mixtral renames its experts')."""
         return name
 
+    @classmethod
+    def stored_name(cls, stored: str) -> str | None:
+        """A tensor name as the checkpoint stores it -> ours (the names `checkpoint_name`
+        gives), or None for a tensor this model does not load (`weights.Checkpoint.open`)."""
+        return stored
+
     def _attention(self, config: ModelConfig, index: int) -> Attention:
         qkv_bias, o_bias = self.attention_biases(config)
         is_sliding = self.uses_sliding_window and config.layer_types[index] == "sliding_attention"
