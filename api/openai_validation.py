@@ -55,8 +55,9 @@ def chat_params(
         max_new_tokens = _max_tokens("max_tokens", request.max_tokens)
     grammar = _grammar(request)
     tools = tool_use(request, parser_setting=settings.tool_call_parser, template=template)
+    sampling = _openai_sampling(request, logprobs=request.logprobs is True, top_n=top_n)
     return GenerationParams(
-        sampling=_openai_sampling(request, logprobs=request.logprobs is True, top_n=top_n),
+        sampling=_vllm_prompt_logprobs(request, sampling, settings),
         max_new_tokens=max_new_tokens,
         stop_strings=_openai_stop(request.stop, settings),
         num_choices=_num_choices(request.n, settings),
@@ -85,11 +86,7 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
     if request.echo and request.logprobs is not None:  # the prompt's tokens come back scored
         check_prefill_logprobs("echo", settings)
         sampling = dataclasses.replace(sampling, prompt_logprobs=top_n)
-    if request.prompt_logprobs is not None:  # vLLM's
-        check_prefill_logprobs("prompt_logprobs", settings)
-        check_top_n("prompt_logprobs", request.prompt_logprobs, settings)
-        top = max(request.prompt_logprobs, sampling.prompt_logprobs or 0)
-        sampling = dataclasses.replace(sampling, prompt_logprobs=top)
+    sampling = _vllm_prompt_logprobs(request, sampling, settings)
     score_only = request.max_tokens == 0
     require(request.max_tokens is None or request.max_tokens >= 0, MAX_TOKENS_MESSAGE, "max_tokens")
     if score_only:
@@ -110,6 +107,24 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
 
 
 MAX_TOKENS_MESSAGE = "`max_tokens` must be >= 0 (0: score the prompt only)"
+PROMPT_LOGPROBS_STREAM_MESSAGE = "`prompt_logprobs` is not supported when streaming"
+
+
+def _vllm_prompt_logprobs(
+    request: ChatCompletionRequest | CompletionRequest, sampling: SamplingParams, settings: Settings
+) -> SamplingParams:
+    """vLLM's `prompt_logprobs: k` (both routes): the prompt's tokens scored, with the k most
+    likely at each position; needs --enable-prefill-logprobs; not with `stream` (the scores
+    arrive with the final result)."""
+    if request.prompt_logprobs is None:
+        return sampling
+    check_prefill_logprobs("prompt_logprobs", settings)
+    check_top_n("prompt_logprobs", request.prompt_logprobs, settings)
+    require(not request.stream, PROMPT_LOGPROBS_STREAM_MESSAGE, "prompt_logprobs")
+    top = max(request.prompt_logprobs, sampling.prompt_logprobs or 0)
+    return dataclasses.replace(sampling, prompt_logprobs=top)
+
+
 SCORE_ONLY_STREAM_MESSAGE = "`max_tokens` 0 (score the prompt only) is not supported when streaming"
 EMPTY_TOKENS_MESSAGE = "A prompt given as token ids needs at least one token."
 

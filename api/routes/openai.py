@@ -38,6 +38,7 @@ from tgq.api.routes.openai_answers import (
     finish_reason,
     legacy_logprobs,
     run_usage,
+    vllm_prompt_logprobs,
 )
 from tgq.api.run import Run, check_failed
 from tgq.api.schemas.openai import (
@@ -106,6 +107,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     finals = await state.generation.wait_finals(run, request.receive)
     check_failed(finals)
     choices = [chat_choice(state, run, index) for index in range(len(run.requests))]
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:  # the prompt's, the same for every choice
+        final = run.finals[run.requests[0].request_id]
+        token_ids = run.prompt_of(0).prompt_token_ids
+        prompt_logprobs = vllm_prompt_logprobs(state, token_ids, final, body.prompt_logprobs)
     return ChatCompletion(
         id=f"chatcmpl-{run.job_id}",
         created=int(run.started_at),
@@ -113,6 +119,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         system_fingerprint=FINGERPRINT,
         choices=choices,
         usage=run_usage(run),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

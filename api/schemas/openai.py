@@ -104,6 +104,11 @@ class _VllmExtras(_Body):
         default=None, description="vLLM/TGI extension; 1: off.", examples=[1.03]
     )
     ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS.")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        description="vLLM extension: each prompt token's logprob and rank, and the this many most"
+        " likely tokens at each prompt position (needs --enable-prefill-logprobs).",
+    )
     # vLLM's structured output (see `api.structured`)
     guided_json: dict[str, Any] | str | None = Field(
         default=None, description="vLLM extension: the output follows this JSON schema."
@@ -207,11 +212,6 @@ class CompletionRequest(_VllmExtras):
         description="Legacy: the number of most likely tokens to return at each step.",
     )
     echo: bool = Field(default=False, description="Prepend the prompt to the completion.")
-    prompt_logprobs: int | None = Field(
-        default=None,
-        description="vLLM extension: each prompt token's logprob and rank, and the this many most"
-        " likely tokens at each prompt position (needs --enable-prefill-logprobs).",
-    )
     suffix: str | None = None
     user: str | None = None
 
@@ -257,6 +257,14 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1: the most likely token there
+    decoded_token: str | None = None
+
+
 class ChatCompletion(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -265,6 +273,11 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
+    # vLLM's `prompt_logprobs` (asked for only): the rendered prompt's, shared by the choices;
+    # each entry as in `CompletionChoice.prompt_logprobs`
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=_is_none
+    )
 
 
 class DeltaFunction(BaseModel):
@@ -312,14 +325,6 @@ class CompletionLogprobs(BaseModel):
     # null for an echoed prompt's first token, which has no distribution before it
     top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's entry for one token at one prompt position."""
-
-    logprob: float
-    rank: int | None = None  # 1: the most likely token there
-    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):

@@ -168,3 +168,30 @@ def test_vllm_prompt_logprobs(stack: Stack) -> None:
             assert len(entry) == 3 and mine["logprob"] <= by_rank[2]["logprob"] + TOLERANCE
     assert bad.status_code == 422
     assert bad.json()["error"]["message"] == "`prompt_logprobs` must be >= 0 and <= 5. Given: 9"
+
+
+def test_vllm_prompt_logprobs_on_chat(stack: Stack, text_model_dir: Path) -> None:
+    """vLLM's `prompt_logprobs` on chat completions: the rendered prompt's tokens (as
+    transformers' chat template renders them), each scored as transformers' log_softmax within
+    1e-4, once for all the choices, beside them; off by default."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {"model": "tgq-test", "messages": messages, "max_tokens": 2, "n": 2}
+    with httpx.Client(base_url=stack.url, timeout=60) as http:
+        answer = http.post("/v1/chat/completions", json={**body, "prompt_logprobs": 0})
+        plain = http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert "prompt_logprobs" not in plain.json()
+    result = answer.json()
+    entries = result["prompt_logprobs"]
+    assert len(result["choices"]) == 2
+    assert len(entries) == result["usage"]["prompt_tokens"] and entries[0] is None
+    tokenizer = AutoTokenizer.from_pretrained(text_model_dir)
+    token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(token_ids, list):  # transformers 5: a BatchEncoding
+        token_ids = token_ids["input_ids"]
+    assert [int(next(iter(entry))) for entry in entries[1:]] == token_ids[1:]
+    expected, _ = reference(text_model_dir, token_ids)
+    ours = [next(iter(entry.values()))["logprob"] for entry in entries[1:]]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(expected), atol=TOLERANCE, rtol=0)

@@ -443,6 +443,13 @@ OPENAI_SHARED: dict[str, Case | tuple[Case, ...]] = {
 }
 CHAT_CASES: dict[str, Case | tuple[Case, ...]] = {
     **OPENAI_SHARED,
+    "prompt_logprobs": (  # vLLM's: the rendered prompt's, beside the choices
+        Works({"prompt_logprobs": 1}, lambda b, m: _eq(b["prompt_logprobs"][0], None)),
+        Rejected(
+            {"prompt_logprobs": 1, "stream": True},
+            "`prompt_logprobs` is not supported when streaming",
+        ),
+    ),
     "messages": Works(
         {}, lambda b, m: _eq((_content(b), _choice(b)["finish_reason"]), ("", "stop"))
     ),
@@ -551,8 +558,14 @@ COMPLETION_CASES: dict[str, Case | tuple[Case, ...]] = {
         Rejected({"best_of": 2, "stream": True}, "`best_of` > `n` is not supported when streaming"),
     ),
     "echo": Works({"echo": True}, lambda b, m: _eq(_text(b), "Hello")),
-    "prompt_logprobs": Works(
-        {"prompt_logprobs": 1}, lambda b, m: _eq(b["choices"][0]["prompt_logprobs"][0], None)
+    "prompt_logprobs": (
+        Works(
+            {"prompt_logprobs": 1}, lambda b, m: _eq(b["choices"][0]["prompt_logprobs"][0], None)
+        ),
+        Rejected(
+            {"prompt_logprobs": 1, "stream": True},
+            "`prompt_logprobs` is not supported when streaming",
+        ),
     ),
     "logprobs": Works(
         {"logprobs": 2}, lambda b, m: _eq(len(_choice(b)["logprobs"]["top_logprobs"][0]), 2)
@@ -631,7 +644,11 @@ def _check_openai(result: tuple[int, Any], case: Case) -> None:
             TGI_PARAMETERS + TGI_REQUEST + EXTRAS[:3],
             (GenerateParameters, CompatGenerateRequest),
         ),
-        (CHAT_CASES, OPENAI_CHAT + EXTRAS + STRUCTURED, (ChatCompletionRequest,)),
+        (
+            CHAT_CASES,
+            (*OPENAI_CHAT, *EXTRAS, *STRUCTURED, "prompt_logprobs"),
+            (ChatCompletionRequest,),
+        ),
         (
             COMPLETION_CASES,
             (*OPENAI_COMPLETIONS, *EXTRAS, *STRUCTURED, "response_format"),
