@@ -62,7 +62,8 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> No
     (model_dir / "config.json").write_text(json.dumps(config))
     expected = (
         "unsupported architecture 'GPT2LMHeadModel'; tgq supports: Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, "
+        "MistralForCausalLM, MixtralForCausalLM, "
         "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
         "Qwen3MoeForCausalLM"
     )
