@@ -386,13 +386,14 @@ def paged_prefill_attention(
     kv_len: int,  # the queries sit at positions kv_len - Q .. kv_len - 1
     scale: float,
     sliding_window: int = 0,  # > 0: each query attends only its last `sliding_window` positions
+    kernel: str = "avx512",
 ) -> torch.Tensor:  # [Q, H, D] bf16
     """Causal softmax attention of a prefill chunk over its sequence's cached K/V (any cached
     prefix included), read through the block table. AVX512_BF16 CPUs, head sizes a multiple of 32
     up to 256; products exact, sums fp32, p rounded to bf16 before p @ v (as torch's flash
-    kernel does)."""
+    kernel does). `kernel` "amx": both products on AMX tiles (needs `has_amx_bf16()`)."""
     out: torch.Tensor = _ops().paged_prefill_attention(
-        query, k_cache, v_cache, block_ids, kv_len, scale, sliding_window
+        query, k_cache, v_cache, block_ids, kv_len, scale, sliding_window, kernel
     )
     return out
 

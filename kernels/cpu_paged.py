@@ -69,16 +69,15 @@ class CpuPagedAttention(TorchPagedAttention):
             "torch": decode(TorchPagedAttention._attend_single),
         }
         prefill_candidates = {
-            "avx512": prefill(CpuPagedAttention._attend_multi),
-            "torch": prefill(lambda _, *args: attend_multi(*args)),
-        }
+            kernel: prefill(_own_prefill(kernel)) for kernel in own_prefill_kernels()
+        } | {"torch": prefill(lambda _, *args: attend_multi(*args))}
         decode_choices = choose(
             {"decode_attention": heads},
             lambda: measure("decode_attention", decode_candidates, DECODE_BUCKETS),
         )
         if cpu_ops.avx512_attention_serves(dtype, head_dim):
             self.prefill_choices = choose(
-                {"prefill_attention": heads},
+                {"prefill_attention": heads, "candidates": sorted(prefill_candidates)},
                 lambda: measure("prefill_attention", prefill_candidates, PREFILL_BUCKETS),
             )
         self.decode_choices = decode_choices
@@ -140,12 +139,11 @@ class CpuPagedAttention(TorchPagedAttention):
         sliding_window: int | None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        torch_picked = (
-            self.prefill_choices is not None
-            and self.prefill_choices.pick("prefill_attention", seq.query_len) == "torch"
-        )
+        kernel = "avx512"
+        if self.prefill_choices is not None:
+            kernel = self.prefill_choices.pick("prefill_attention", seq.query_len)
         if (
-            torch_picked
+            kernel == "torch"
             or softcap is not None
             or k_cache.dtype != query.dtype
             or not cpu_ops.avx512_attention_serves(query.dtype, query.shape[-1])
@@ -154,8 +152,32 @@ class CpuPagedAttention(TorchPagedAttention):
                 query, k_cache, v_cache, seq, scale, sliding_window, softcap
             )
         return cpu_ops.paged_prefill_attention(
-            query, k_cache, v_cache, seq.block_ids, seq.kv_len, scale, sliding_window or 0
+            query, k_cache, v_cache, seq.block_ids, seq.kv_len, scale, sliding_window or 0, kernel
         )
+
+
+def own_prefill_kernels() -> list[str]:
+    """The own prefill kernels this CPU runs: AVX-512, and AMX where it has AMX-BF16."""
+    return ["avx512", "amx"] if cpu_ops.has_amx_bf16() else ["avx512"]
+
+
+def _own_prefill(kernel: str) -> Callable[..., torch.Tensor]:
+    """`CpuPagedAttention._attend_multi`'s call of one own kernel, for `choose_kernels`."""
+
+    def attend(
+        _: object,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: MultiQuery,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return cpu_ops.paged_prefill_attention(
+            query, k_cache, v_cache, seq.block_ids, seq.kv_len, scale, sliding_window or 0, kernel
+        )
+
+    return attend
 
 
 class _Cases:

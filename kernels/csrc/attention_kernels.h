@@ -75,4 +75,7 @@ struct PrefillArgs {
 // Requires cpu_has_avx512_bf16() and avx512_attention_supports(head_dim).
 void paged_prefill_bf16_avx512(const PrefillArgs& args);
 
+// The same on AMX tiles: requires cpu_has_amx_bf16() (linear_kernels.h) too.
+void paged_prefill_bf16_amx(const PrefillArgs& args);
+
 }  // namespace tgq_cpu

@@ -314,8 +314,14 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_ids,
-                                   int64_t kv_len, double scale, int64_t sliding_window) {
+                                   int64_t kv_len, double scale, int64_t sliding_window,
+                                   c10::string_view kernel_arg) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "paged_prefill_attention: needs a CPU with AVX512_BF16");
+  const std::string_view kernel(kernel_arg.data(), kernel_arg.size());
+  TORCH_CHECK(kernel == "avx512" || kernel == "amx", "paged_prefill_attention: unknown kernel '",
+              kernel, "' (avx512, amx)");
+  TORCH_CHECK(kernel != "amx" || cpu_has_amx_bf16(), "paged_prefill_attention: kernel 'amx' "
+              "needs a CPU with AMX-BF16 that Linux lets us use");
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.device().is_cpu(),
               "paged_prefill_attention: query must be a [Q, H, D] bf16 CPU tensor");
   const int64_t num_queries = query.size(0), heads = query.size(1), d = query.size(2);
@@ -349,7 +355,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
                 i, "] = ", id[i], " is outside the cache's ", k_cache.size(0), " blocks");
   }
   at::Tensor out = at::empty({num_queries, heads, d}, query.options());
-  paged_prefill_bf16_avx512(PrefillArgs{
+  (kernel == "amx" ? paged_prefill_bf16_amx : paged_prefill_bf16_avx512)(PrefillArgs{
       heads, kv_heads, d, block_size, num_queries, kv_len, sliding_window,
       static_cast<float>(scale), data_as<bf16_bits>(query), query.stride(0),
       data_as<bf16_bits>(k_cache), data_as<bf16_bits>(v_cache), id,
@@ -364,7 +370,7 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
         &avx512_attention_serves);
   m.def(
       "paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_ids, "
-      "int kv_len, float scale, int sliding_window) -> Tensor",
+      "int kv_len, float scale, int sliding_window, str kernel='avx512') -> Tensor",
       &paged_prefill_attention);
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

@@ -211,3 +211,161 @@ void paged_prefill_bf16_avx512(const PrefillArgs& a) {
 }
 
 }  // namespace tgq_cpu
+
+// ----------------------------------------------------------------------------------------------
+// The same attention on AMX tiles (runs only where cpu_has_amx_bf16()): per query head and tile
+// of 16 queries, the keys go by 32 at a time. Scores: TDPBF16PS of the queries (A: 16 queries x
+// 32 head values, copied once per tile) and the keys transposed once per call into B tiles
+// (`Kt`: per kv head, 16 keys and 32 head values, the 16 keys' pairs side by side), 16 x 16 fp32
+// per tile; the online softmax runs row by row in AVX-512 (a row: one query's 32 scores); p
+// rounded to bf16 is the A tile of p * v, whose B tiles are `Vp` (interleave_values) as it lies:
+// 16 pairs of keys x 16 head values. The output accumulates in fp32 rows, rescaled per row.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+#include "amx_common.h"
+
+namespace tgq_cpu {
+namespace {
+
+constexpr int64_t kKeysPerStep = 32;  // two chunks of 16
+
+// Kt[h][c][l]: for kv head h, keys [16c, 16c + 16) and head values [32l, 32l + 32), a 1 KiB B
+// tile: row p holds the 16 keys' values (32l + 2p, 32l + 2p + 1). Keys past kv_len are zeros.
+void transpose_keys(const PrefillArgs& a, int64_t num_chunks, bf16_bits* kt) {
+  const int64_t lines = a.head_dim / kLineValues;
+  at::parallel_for(0, a.num_kv_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / num_chunks, c = task % num_chunks;
+      for (int64_t l = 0; l < lines; ++l) {
+        __m512 r[kLanes];
+        for (int n = 0; n < kLanes; ++n) {
+          const int64_t pos = c * kLanes + n;
+          r[n] = pos < a.kv_len
+                     ? _mm512_loadu_ps(reinterpret_cast<const float*>(
+                           cache_row(a, a.k_cache, pos, h) + l * kLineValues))
+                     : _mm512_setzero_ps();
+        }
+        transpose16(r);  // r[p] lane n: pair p of key n
+        float* tile = reinterpret_cast<float*>(kt + ((task * lines) + l) * kLanes * kLineValues);
+        for (int p = 0; p < kLanes; ++p) _mm512_storeu_ps(tile + p * kLanes, r[p]);
+      }
+    }
+  });
+}
+
+// Tiles: 0-1 scores (keys 0-15, 16-31 of the step), 2 queries, 3-4 keys, 5 p, 6 values, 7 p * v.
+void attend_tile_amx(const PrefillArgs& a, const Tile& tile, const bf16_bits* kt,
+                     const bf16_bits* vp, int64_t num_chunks) {
+  const int64_t d = a.head_dim, lines = d / kLineValues;
+  const int64_t h = tile.head / (a.num_heads / a.num_kv_heads);
+  alignas(64) bf16_bits queries[kLanes * 2 * kMaxPairs] = {};  // [16][d], zeros past count
+  for (int64_t q = 0; q < tile.count; ++q) {
+    std::memcpy(queries + q * d, a.query + (tile.first_query + q) * a.q_stride + tile.head * d,
+                d * sizeof(bf16_bits));
+  }
+  alignas(64) float scores[kLanes * kKeysPerStep];   // [16 queries][32 keys]
+  alignas(64) bf16_bits probs[kLanes * kKeysPerStep];  // the same, bf16: p * v's A tile
+  alignas(64) float part[kLanes * kLanes];            // [16 queries][16 values] of p * v
+  alignas(64) float acc[kLanes * 2 * kMaxPairs] = {};  // [16 queries][d]
+  float row_max[kLanes], row_sum[kLanes], corr[kLanes];
+  std::fill_n(row_max, kLanes, -std::numeric_limits<float>::infinity());
+  std::fill_n(row_sum, kLanes, 0.0f);
+  const int64_t first_pos = a.kv_len - a.num_queries + tile.first_query;
+  const int64_t last_pos = first_pos + tile.count - 1;
+  const int64_t first_key =
+      a.sliding_window > 0 ? std::max<int64_t>(0, first_pos - a.sliding_window + 1) : 0;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t q_bytes = d * static_cast<int64_t>(sizeof(bf16_bits));
+  const int64_t v_bytes = 2 * d * static_cast<int64_t>(sizeof(bf16_bits));  // a pair row of Vp
+  for (int64_t step = first_key / kKeysPerStep; step * kKeysPerStep <= last_pos; ++step) {
+    const int64_t c = 2 * step;  // the step's first chunk of 16 keys
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t l = 0; l < lines; ++l) {
+      _tile_loadd(2, queries + l * kLineValues, q_bytes);
+      _tile_loadd(3, kt + ((h * num_chunks + c) * lines + l) * kLanes * kLineValues, 64);
+      _tile_loadd(4, kt + ((h * num_chunks + c + 1) * lines + l) * kLanes * kLineValues, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, scores, kKeysPerStep * sizeof(float));
+    _tile_stored(1, scores + kLanes, kKeysPerStep * sizeof(float));
+    // Row q: the query at first_pos + q attends key k iff k <= its position and (no window or
+    // its position < k + window).
+    for (int q = 0; q < kLanes; ++q) {
+      const int32_t pos = static_cast<int32_t>(std::min(first_pos + q, last_pos));
+      __m512 s[2];
+      for (int half = 0; half < 2; ++half) {
+        const __m512i key = _mm512_add_epi32(
+            lane, _mm512_set1_epi32(static_cast<int32_t>(step * kKeysPerStep + half * kLanes)));
+        __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
+        if (a.sliding_window > 0) {
+          valid &= _mm512_cmpgt_epi32_mask(
+              _mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int32_t>(a.sliding_window))),
+              _mm512_set1_epi32(pos));
+        }
+        s[half] = _mm512_mask_mul_ps(neg_inf, valid, _mm512_loadu_ps(scores + q * 32 + half * 16),
+                                     _mm512_set1_ps(a.scale));
+      }
+      const float top = std::max(row_max[q], _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1])));
+      const float shift = top == -std::numeric_limits<float>::infinity() ? 0.0f : top;
+      corr[q] = _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(row_max[q] - shift)));
+      const __m512 p0 = exp_nonpositive16(_mm512_sub_ps(s[0], _mm512_set1_ps(shift)));
+      const __m512 p1 = exp_nonpositive16(_mm512_sub_ps(s[1], _mm512_set1_ps(shift)));
+      row_max[q] = top;
+      row_sum[q] = row_sum[q] * corr[q] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + q * 32), to_bf16_rne(p0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + q * 32 + 16), to_bf16_rne(p1));
+    }
+    _tile_loadd(5, probs, kKeysPerStep * sizeof(bf16_bits));
+    const bf16_bits* values = vp + (h * num_chunks + c) * kLanes * d;
+    for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
+      _tile_zero(7);
+      _tile_loadd(6, values + 2 * e0, v_bytes);
+      _tile_dpbf16ps(7, 5, 6);
+      _tile_stored(7, part, kLanes * sizeof(float));
+      for (int q = 0; q < kLanes; ++q) {
+        float* row = acc + q * d + e0;
+        _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_loadu_ps(row), _mm512_set1_ps(corr[q]),
+                                              _mm512_loadu_ps(part + q * kLanes)));
+      }
+    }
+  }
+  for (int64_t q = 0; q < tile.count; ++q) {
+    const __m512 inv = _mm512_set1_ps(1.0f / row_sum[q]);
+    bf16_bits* out = a.out + ((tile.first_query + q) * a.num_heads + tile.head) * d;
+    for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e0),
+                          to_bf16_rne(_mm512_mul_ps(_mm512_loadu_ps(acc + q * d + e0), inv)));
+    }
+  }
+}
+
+}  // namespace
+
+void paged_prefill_bf16_amx(const PrefillArgs& a) {
+  // Whole steps of 32 keys: an even number of chunks, the last one zeros where kv_len ends.
+  const int64_t num_chunks = ((a.kv_len + kLanes - 1) / kLanes + 1) / 2 * 2;
+  const int64_t chunk_values = a.num_kv_heads * num_chunks * kLanes * a.head_dim;
+  const auto vp = std::make_unique_for_overwrite<bf16_bits[]>(static_cast<size_t>(chunk_values));
+  const auto kt = std::make_unique_for_overwrite<bf16_bits[]>(static_cast<size_t>(chunk_values));
+  interleave_values(a, num_chunks, vp.get());
+  transpose_keys(a, num_chunks, kt.get());
+  const int64_t num_tiles = (a.num_queries + kLanes - 1) / kLanes;
+  at::parallel_for(0, num_tiles * a.num_heads, 1, [&](int64_t begin, int64_t end) {
+    load_amx_tile_config();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t turn = task / a.num_heads;
+      const int64_t t = turn % 2 == 0 ? turn / 2 : num_tiles - 1 - turn / 2;
+      const int64_t first = t * kLanes;
+      const Tile tile{task % a.num_heads, first, std::min<int64_t>(kLanes, a.num_queries - first)};
+      attend_tile_amx(a, tile, kt.get(), vp.get(), num_chunks);
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace tgq_cpu
+
+#pragma GCC pop_options

@@ -16,7 +16,12 @@ from tests.kernels.markers import requires_kernels
 from tgq.gpu_worker.layers.linear import TORCH, Linear, linear_candidates, measure_linears
 from tgq.kernels import choice, cpu_ops
 from tgq.kernels.choice import Choices, Measured, choose, cpu_key
-from tgq.kernels.cpu_paged import DECODE_BUCKETS, PREFILL_BUCKETS, CpuPagedAttention
+from tgq.kernels.cpu_paged import (
+    DECODE_BUCKETS,
+    PREFILL_BUCKETS,
+    CpuPagedAttention,
+    own_prefill_kernels,
+)
 from tgq.kernels.greedy_head import GreedyHead, screen_kernels
 from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention, attend_multi
 
@@ -219,8 +224,9 @@ def test_the_greedy_heads_screen_choice_is_within_10_percent_of_the_fastest() ->
 def test_prefill_attention_runs_the_kernel_measured_for_the_chunk_length(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`choose_kernels` times both prefill kernels at each bucket and keeps the choices; a chunk
-    then runs the pick for its length, bit for bit that kernel's result."""
+    """`choose_kernels` times the prefill kernels (AVX-512, AMX where the CPU has it, torch's
+    SDPA) at each bucket and keeps the choices; a chunk then runs the pick for its length, bit
+    for bit that kernel's result."""
     if not cpu_ops.avx512_attention_serves(torch.bfloat16, 64):
         pytest.skip("this CPU lacks the AVX-512 prefill kernel")
     monkeypatch.setenv("TGQ_KERNEL_CACHE", str(tmp_path))
@@ -228,27 +234,33 @@ def test_prefill_attention_runs_the_kernel_measured_for_the_chunk_length(
     backend.choose_kernels(4, 2, 64, torch.bfloat16)
     assert backend.prefill_choices is not None and backend.decode_choices is not None
     assert [m.rows for m in backend.prefill_choices.measured] == list(PREFILL_BUCKETS)
+    own = own_prefill_kernels()
+    assert set(backend.prefill_choices.measured[0].timings_ms) == {*own, "torch"}
     assert [m.rows for m in backend.decode_choices.measured] == list(DECODE_BUCKETS)
     odd = CpuPagedAttention()
     odd.choose_kernels(4, 2, 48, torch.bfloat16)  # not a multiple of 32: no AVX-512 prefill
     assert odd.prefill_choices is None and odd.decode_choices is not None
+    middle = own[-1]  # AMX where the CPU has it
     backend.prefill_choices = _choices(
-        (64, {"avx512": 1.0, "torch": 2.0}),
-        (4096, {"avx512": 2.0, "torch": 1.0}),
+        (16, {"avx512": 1.0, middle: 1.5, "torch": 2.0}),
+        (64, {"avx512": 2.0, middle: 1.0, "torch": 2.0}),
+        (4096, {"avx512": 2.0, middle: 2.0, "torch": 1.0}),
         op="prefill_attention",
     )
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(16, 16, 2, 64, generator=gen).bfloat16()
     v_cache = torch.randn(16, 16, 2, 64, generator=gen).bfloat16()
     block_ids = torch.randperm(16, generator=gen)
-    for tokens, own in [(40, True), (200, False)]:
+    for tokens, kernel in [(10, "avx512"), (40, middle), (200, "torch")]:
         query = torch.randn(tokens, 4, 64, generator=gen).bfloat16()
         seq = MultiQuery(0, tokens, tokens, block_ids)
         got = backend._attend_multi(query, k_cache, v_cache, seq, 0.125, None)
         want = (
-            cpu_ops.paged_prefill_attention(query, k_cache, v_cache, block_ids, tokens, 0.125, 0)
-            if own
-            else attend_multi(query, k_cache, v_cache, seq, 0.125, None)
+            attend_multi(query, k_cache, v_cache, seq, 0.125, None)
+            if kernel == "torch"
+            else cpu_ops.paged_prefill_attention(
+                query, k_cache, v_cache, block_ids, tokens, 0.125, 0, kernel
+            )
         )
         assert torch.equal(got, want), tokens
 

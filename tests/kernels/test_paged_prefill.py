@@ -1,4 +1,5 @@
-"""paged_prefill_attention (the AVX-512 bf16 prefill kernel) against the torch backend's oracle."""
+"""paged_prefill_attention (the AVX-512 and AMX bf16 prefill kernels) against the torch backend's
+oracle."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ pytestmark = [
     requires_kernels,
     pytest.mark.skipif(
         not cpu_ops.has_avx512_bf16(), reason="this CPU lacks AVX512_BF16 (the prefill kernel)"
+    ),
+]
+
+# The kernels this CPU runs: AVX-512 wherever these tests run, AMX where the CPU has it.
+KERNELS = [
+    "avx512",
+    pytest.param(
+        "amx",
+        marks=pytest.mark.skipif(
+            not cpu_ops.has_amx_bf16(), reason="this CPU lacks AMX-BF16 (or Linux refuses it)"
+        ),
     ),
 ]
 
@@ -46,12 +58,15 @@ def _check(
     head_dim: int,
     window: int,
     block_size: int = 16,
+    kernel: str = "avx512",
 ) -> None:
     query, k_cache, v_cache, block_ids = _sequence(
         gen, num_queries, kv_len, heads, head_dim, block_size
     )
     scale = head_dim**-0.5
-    out = cpu_ops.paged_prefill_attention(query, k_cache, v_cache, block_ids, kv_len, scale, window)
+    out = cpu_ops.paged_prefill_attention(
+        query, k_cache, v_cache, block_ids, kv_len, scale, window, kernel
+    )
     seq = MultiQuery(0, num_queries, kv_len, block_ids)
     ref = attend_multi(query.float(), k_cache.float(), v_cache.float(), seq, scale, window or None)
     assert out.dtype == torch.bfloat16
@@ -60,39 +75,52 @@ def _check(
 
 
 # (queries, kv_len): a whole prompt shorter than a tile, one tile, tiles with a partial last one,
-# and chunks after a cached prefix (one of them a single query).
-SHAPES = [(5, 5), (16, 16), (40, 40), (17, 60), (1, 33), (100, 130)]
+# and chunks after a cached prefix (one of them a single query); 70 / 97 and 33: key counts past
+# a step of 32 keys (AMX) by an odd chunk and less.
+SHAPES = [(5, 5), (16, 16), (40, 40), (17, 60), (1, 33), (100, 130), (70, 97)]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("window", [0, 7, 50])
 def test_prefill_matches_the_torch_oracle(
-    head_dim: int, heads: tuple[int, int], window: int
+    head_dim: int, heads: tuple[int, int], window: int, kernel: str
 ) -> None:
     gen = torch.Generator().manual_seed(head_dim + window)
     for num_queries, kv_len in SHAPES:
-        _check(gen, num_queries, kv_len, heads, head_dim, window)
+        _check(gen, num_queries, kv_len, heads, head_dim, window, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("block_size", [4, 8, 48])  # blocks smaller and larger than a chunk of 16
-def test_prefill_reads_any_block_size(block_size: int) -> None:
+def test_prefill_reads_any_block_size(block_size: int, kernel: str) -> None:
     gen = torch.Generator().manual_seed(block_size)
-    _check(gen, 37, 90, (6, 2), 64, 0, block_size)
-    _check(gen, 37, 90, (6, 2), 64, 20, block_size)
+    _check(gen, 37, 90, (6, 2), 64, 0, block_size, kernel)
+    _check(gen, 37, 90, (6, 2), 64, 20, block_size, kernel)
 
 
-def test_prefill_reads_query_heads_out_of_the_fused_qkv_rows() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_prefill_reads_query_heads_out_of_the_fused_qkv_rows(kernel: str) -> None:
     gen = torch.Generator().manual_seed(5)
     _, k_cache, v_cache, block_ids = _sequence(gen, 20, 40, (8, 2), 64)
     qkv = torch.randn(20, (8 + 2 * 2) * 64, generator=gen).bfloat16()
     query = qkv[:, : 8 * 64].reshape(20, 8, 64)
     assert not query.is_contiguous()
-    out = cpu_ops.paged_prefill_attention(query, k_cache, v_cache, block_ids, 40, 0.125, 0)
+    out = cpu_ops.paged_prefill_attention(query, k_cache, v_cache, block_ids, 40, 0.125, 0, kernel)
     copied = cpu_ops.paged_prefill_attention(
-        query.contiguous(), k_cache, v_cache, block_ids, 40, 0.125, 0
+        query.contiguous(), k_cache, v_cache, block_ids, 40, 0.125, 0, kernel
     )
     assert torch.equal(out, copied)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_long_prompt_on_each_kernel(kernel: str) -> None:
+    """A 600-token prompt with a 100-token window: many steps of keys, most tiles skipping the
+    keys before their window."""
+    gen = torch.Generator().manual_seed(600)
+    _check(gen, 600, 600, (12, 4), 64, 0, kernel=kernel)
+    _check(gen, 600, 600, (12, 4), 64, 100, kernel=kernel)
 
 
 def test_the_cpu_backend_sends_bf16_prefill_chunks_to_the_kernel() -> None:
@@ -151,3 +179,13 @@ def test_the_kernels_serve_bf16_with_whole_lines_of_head_size_up_to_256() -> Non
     assert not cpu_ops.avx512_attention_serves(torch.float32, 64)
     assert not cpu_ops.avx512_attention_serves(torch.bfloat16, 48)
     assert not cpu_ops.avx512_attention_serves(torch.bfloat16, 288)
+
+
+def test_prefill_refuses_an_unknown_kernel_and_amx_where_it_cannot_run() -> None:
+    cache = torch.randn(4, 16, 1, 64).bfloat16()
+    query, block_ids = torch.randn(5, 2, 64).bfloat16(), torch.tensor([2, 1])
+    with pytest.raises(RuntimeError, match=r"unknown kernel 'sse' \(avx512, amx\)"):
+        cpu_ops.paged_prefill_attention(query, cache, cache, block_ids, 20, 1.0, 0, "sse")
+    if not cpu_ops.has_amx_bf16():
+        with pytest.raises(RuntimeError, match="kernel 'amx' needs a CPU with AMX-BF16"):
+            cpu_ops.paged_prefill_attention(query, cache, cache, block_ids, 20, 1.0, 0, "amx")
