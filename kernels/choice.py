@@ -152,6 +152,27 @@ def time_ms(fn: Callable[[], object], repeats: int = REPEATS, budget_s: float = 
     return min(samples)
 
 
+def time_in_turns(
+    calls: Mapping[str, Callable[[], object]], repeats: int = REPEATS, budget_s: float = 0.25
+) -> dict[str, float]:
+    """Each call's fastest wall time (ms) over `repeats` calls, the candidates taking turns call
+    by call (A, B, A, B, ...) after one warm-up call each, so that a burst of other work on the
+    machine slows a call of each rather than all the calls of one; past `budget_s` per
+    candidate, two calls each are enough."""
+    for call in calls.values():
+        call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    begin = time.perf_counter()
+    done = 0
+    while done < repeats and (done < 2 or time.perf_counter() - begin < budget_s * len(calls)):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+        done += 1
+    return {name: min(times) for name, times in samples.items()}
+
+
 def measure(
     op: str,
     candidates: Mapping[str, Callable[[int], Callable[[], object]]],
@@ -172,8 +193,8 @@ def measure(
         # MIN_ROUNDS of them (or at once with one candidate).
         timings = {name: float("inf") for name in calls}
         for done in range(1, ROUNDS + 1):
-            for name, call in calls.items():
-                timings[name] = min(timings[name], time_ms(call))
+            for name, ms in time_in_turns(calls).items():
+                timings[name] = min(timings[name], ms)
             ranked = sorted(timings.values())
             if len(ranked) < 2 or (done >= MIN_ROUNDS and ranked[1] > 1.25 * ranked[0]):
                 break
