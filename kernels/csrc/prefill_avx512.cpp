@@ -214,10 +214,10 @@ void paged_prefill_bf16_avx512(const PrefillArgs& a) {
 
 // ----------------------------------------------------------------------------------------------
 // The same attention on AMX tiles (runs only where cpu_has_amx_bf16()): per query head and tile
-// of 16 queries, the keys go by 32 at a time. Scores: TDPBF16PS of the queries (A: 16 queries x
+// of 16 queries, the keys go by 64 at a time. Scores: TDPBF16PS of the queries (A: 16 queries x
 // 32 head values, copied once per tile) and the keys transposed once per call into B tiles
 // (`Kt`: per kv head, 16 keys and 32 head values, the 16 keys' pairs side by side), 16 x 16 fp32
-// per tile; the online softmax runs row by row in AVX-512 (a row: one query's 32 scores); p
+// per tile; the online softmax runs row by row in AVX-512 (a row: one query's 64 scores); p
 // rounded to bf16 is the A tile of p * v, whose B tiles are `Vp` (interleave_values) as it lies:
 // 16 pairs of keys x 16 head values. The output accumulates in fp32 rows, rescaled per row.
 #pragma GCC push_options
@@ -227,7 +227,8 @@ void paged_prefill_bf16_avx512(const PrefillArgs& a) {
 namespace tgq_cpu {
 namespace {
 
-constexpr int64_t kKeysPerStep = 32;  // two chunks of 16
+constexpr int64_t kChunksPerStep = 4;  // chunks of 16 keys per step
+constexpr int64_t kKeysPerStep = kChunksPerStep * kLanes;
 
 // Kt[h][c][l]: for kv head h, keys [16c, 16c + 16) and head values [32l, 32l + 32), a 1 KiB B
 // tile: row p holds the 16 keys' values (32l + 2p, 32l + 2p + 1). Keys past kv_len are zeros.
@@ -253,7 +254,8 @@ void transpose_keys(const PrefillArgs& a, int64_t num_chunks, bf16_bits* kt) {
   });
 }
 
-// Tiles: 0-1 scores (keys 0-15, 16-31 of the step), 2 queries, 3-4 keys, 5 p, 6 values, 7 p * v.
+// Tiles: 0-3 scores (the step's four chunks of 16 keys), 4 queries then p (keys 0-31), 5 keys
+// then p (keys 32-63), 6 values, 7 p * v.
 void attend_tile_amx(const PrefillArgs& a, const Tile& tile, const bf16_bits* kt,
                      const bf16_bits* vp, int64_t num_chunks) {
   const int64_t d = a.head_dim, lines = d / kLineValues;
@@ -263,9 +265,9 @@ void attend_tile_amx(const PrefillArgs& a, const Tile& tile, const bf16_bits* kt
     std::memcpy(queries + q * d, a.query + (tile.first_query + q) * a.q_stride + tile.head * d,
                 d * sizeof(bf16_bits));
   }
-  alignas(64) float scores[kLanes * kKeysPerStep];   // [16 queries][32 keys]
-  alignas(64) bf16_bits probs[kLanes * kKeysPerStep];  // the same, bf16: p * v's A tile
-  alignas(64) float part[kLanes * kLanes];            // [16 queries][16 values] of p * v
+  alignas(64) float scores[kLanes * kKeysPerStep];     // [16 queries][64 keys]
+  alignas(64) bf16_bits probs[kLanes * kKeysPerStep];  // the same, bf16: p * v's A tiles
+  alignas(64) float part[kLanes * kLanes];             // [16 queries][16 values] of p * v
   alignas(64) float acc[kLanes * 2 * kMaxPairs] = {};  // [16 queries][d]
   float row_max[kLanes], row_sum[kLanes], corr[kLanes];
   std::fill_n(row_max, kLanes, -std::numeric_limits<float>::infinity());
@@ -278,51 +280,72 @@ void attend_tile_amx(const PrefillArgs& a, const Tile& tile, const bf16_bits* kt
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int64_t q_bytes = d * static_cast<int64_t>(sizeof(bf16_bits));
   const int64_t v_bytes = 2 * d * static_cast<int64_t>(sizeof(bf16_bits));  // a pair row of Vp
+  constexpr int64_t kScoreBytes = kKeysPerStep * sizeof(float);
+  constexpr int64_t kProbBytes = kKeysPerStep * sizeof(bf16_bits);
+  const int64_t tile_values = kLanes * kLineValues;  // one Kt tile
   for (int64_t step = first_key / kKeysPerStep; step * kKeysPerStep <= last_pos; ++step) {
-    const int64_t c = 2 * step;  // the step's first chunk of 16 keys
+    const int64_t c = kChunksPerStep * step;  // the step's first chunk of 16 keys
+    const bf16_bits* keys = kt + (h * num_chunks + c) * lines * tile_values;
     _tile_zero(0);
     _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     for (int64_t l = 0; l < lines; ++l) {
-      _tile_loadd(2, queries + l * kLineValues, q_bytes);
-      _tile_loadd(3, kt + ((h * num_chunks + c) * lines + l) * kLanes * kLineValues, 64);
-      _tile_loadd(4, kt + ((h * num_chunks + c + 1) * lines + l) * kLanes * kLineValues, 64);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_dpbf16ps(1, 2, 4);
+      _tile_loadd(4, queries + l * kLineValues, q_bytes);
+      _tile_loadd(5, keys + (0 * lines + l) * tile_values, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, keys + (1 * lines + l) * tile_values, 64);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, keys + (2 * lines + l) * tile_values, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, keys + (3 * lines + l) * tile_values, 64);
+      _tile_dpbf16ps(3, 4, 5);
     }
-    _tile_stored(0, scores, kKeysPerStep * sizeof(float));
-    _tile_stored(1, scores + kLanes, kKeysPerStep * sizeof(float));
+    _tile_stored(0, scores, kScoreBytes);
+    _tile_stored(1, scores + kLanes, kScoreBytes);
+    _tile_stored(2, scores + 2 * kLanes, kScoreBytes);
+    _tile_stored(3, scores + 3 * kLanes, kScoreBytes);
     // Row q: the query at first_pos + q attends key k iff k <= its position and (no window or
     // its position < k + window).
     for (int q = 0; q < kLanes; ++q) {
-      const int32_t pos = static_cast<int32_t>(std::min(first_pos + q, last_pos));
-      __m512 s[2];
-      for (int half = 0; half < 2; ++half) {
+      const __m512i pos = _mm512_set1_epi32(static_cast<int32_t>(std::min(first_pos + q, last_pos)));
+      __m512 s[kChunksPerStep];
+      __m512 top_v = neg_inf;
+      for (int j = 0; j < kChunksPerStep; ++j) {
         const __m512i key = _mm512_add_epi32(
-            lane, _mm512_set1_epi32(static_cast<int32_t>(step * kKeysPerStep + half * kLanes)));
-        __mmask16 valid = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(pos));
+            lane, _mm512_set1_epi32(static_cast<int32_t>(step * kKeysPerStep + j * kLanes)));
+        __mmask16 valid = _mm512_cmple_epi32_mask(key, pos);
         if (a.sliding_window > 0) {
           valid &= _mm512_cmpgt_epi32_mask(
               _mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int32_t>(a.sliding_window))),
-              _mm512_set1_epi32(pos));
+              pos);
         }
-        s[half] = _mm512_mask_mul_ps(neg_inf, valid, _mm512_loadu_ps(scores + q * 32 + half * 16),
-                                     _mm512_set1_ps(a.scale));
+        s[j] = _mm512_mask_mul_ps(neg_inf, valid, _mm512_loadu_ps(scores + q * kKeysPerStep + j * kLanes),
+                                  _mm512_set1_ps(a.scale));
+        top_v = _mm512_max_ps(top_v, s[j]);
       }
-      const float top = std::max(row_max[q], _mm512_reduce_max_ps(_mm512_max_ps(s[0], s[1])));
+      const float top = std::max(row_max[q], _mm512_reduce_max_ps(top_v));
       const float shift = top == -std::numeric_limits<float>::infinity() ? 0.0f : top;
       corr[q] = _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(row_max[q] - shift)));
-      const __m512 p0 = exp_nonpositive16(_mm512_sub_ps(s[0], _mm512_set1_ps(shift)));
-      const __m512 p1 = exp_nonpositive16(_mm512_sub_ps(s[1], _mm512_set1_ps(shift)));
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < kChunksPerStep; ++j) {
+        const __m512 pj = exp_nonpositive16(_mm512_sub_ps(s[j], _mm512_set1_ps(shift)));
+        sum = _mm512_add_ps(sum, pj);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + q * kKeysPerStep + j * kLanes),
+                            to_bf16_rne(pj));
+      }
       row_max[q] = top;
-      row_sum[q] = row_sum[q] * corr[q] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + q * 32), to_bf16_rne(p0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + q * 32 + 16), to_bf16_rne(p1));
+      row_sum[q] = row_sum[q] * corr[q] + _mm512_reduce_add_ps(sum);
     }
-    _tile_loadd(5, probs, kKeysPerStep * sizeof(bf16_bits));
+    _tile_loadd(4, probs, kProbBytes);                   // keys 0-31
+    _tile_loadd(5, probs + kKeysPerStep / 2, kProbBytes);  // keys 32-63
     const bf16_bits* values = vp + (h * num_chunks + c) * kLanes * d;
+    const bf16_bits* values_hi = values + 2 * kLanes * d;  // chunks c + 2, c + 3
     for (int64_t e0 = 0; e0 < d; e0 += kLanes) {
       _tile_zero(7);
       _tile_loadd(6, values + 2 * e0, v_bytes);
+      _tile_dpbf16ps(7, 4, 6);
+      _tile_loadd(6, values_hi + 2 * e0, v_bytes);
       _tile_dpbf16ps(7, 5, 6);
       _tile_stored(7, part, kLanes * sizeof(float));
       for (int q = 0; q < kLanes; ++q) {
@@ -345,8 +368,9 @@ void attend_tile_amx(const PrefillArgs& a, const Tile& tile, const bf16_bits* kt
 }  // namespace
 
 void paged_prefill_bf16_amx(const PrefillArgs& a) {
-  // Whole steps of 32 keys: an even number of chunks, the last one zeros where kv_len ends.
-  const int64_t num_chunks = ((a.kv_len + kLanes - 1) / kLanes + 1) / 2 * 2;
+  // Whole steps of 64 keys: a multiple of four chunks, zeros where kv_len ends.
+  const int64_t num_chunks =
+      ((a.kv_len + kLanes - 1) / kLanes + kChunksPerStep - 1) / kChunksPerStep * kChunksPerStep;
   const int64_t chunk_values = a.num_kv_heads * num_chunks * kLanes * a.head_dim;
   const auto vp = std::make_unique_for_overwrite<bf16_bits[]>(static_cast<size_t>(chunk_values));
   const auto kt = std::make_unique_for_overwrite<bf16_bits[]>(static_cast<size_t>(chunk_values));
