@@ -269,7 +269,8 @@ void attend_tile_amx(const PrefillArgs& a, const Tile& tile, const bf16_bits* kt
   alignas(64) bf16_bits probs[kLanes * kKeysPerStep];  // the same, bf16: p * v's A tiles
   alignas(64) float part[kLanes * kLanes];             // [16 queries][16 values] of p * v
   alignas(64) float acc[kLanes * 2 * kMaxPairs] = {};  // [16 queries][d]
-  float row_max[kLanes], row_sum[kLanes], corr[kLanes];
+  float row_max[kLanes], row_sum[kLanes];
+  alignas(64) float corr[kLanes], shift[kLanes];
   std::fill_n(row_max, kLanes, -std::numeric_limits<float>::infinity());
   std::fill_n(row_sum, kLanes, 0.0f);
   const int64_t first_pos = a.kv_len - a.num_queries + tile.first_query;
@@ -306,10 +307,10 @@ void attend_tile_amx(const PrefillArgs& a, const Tile& tile, const bf16_bits* kt
     _tile_stored(2, scores + 2 * kLanes, kScoreBytes);
     _tile_stored(3, scores + 3 * kLanes, kScoreBytes);
     // Row q: the query at first_pos + q attends key k iff k <= its position and (no window or
-    // its position < k + window).
+    // its position < k + window). Two passes over the rows (scaled, masked scores and each
+    // row's max; then the exponentials), each row's work short and independent of the others'.
     for (int q = 0; q < kLanes; ++q) {
       const __m512i pos = _mm512_set1_epi32(static_cast<int32_t>(std::min(first_pos + q, last_pos)));
-      __m512 s[kChunksPerStep];
       __m512 top_v = neg_inf;
       for (int j = 0; j < kChunksPerStep; ++j) {
         const __m512i key = _mm512_add_epi32(
@@ -320,21 +321,27 @@ void attend_tile_amx(const PrefillArgs& a, const Tile& tile, const bf16_bits* kt
               _mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int32_t>(a.sliding_window))),
               pos);
         }
-        s[j] = _mm512_mask_mul_ps(neg_inf, valid, _mm512_loadu_ps(scores + q * kKeysPerStep + j * kLanes),
-                                  _mm512_set1_ps(a.scale));
-        top_v = _mm512_max_ps(top_v, s[j]);
+        float* at = scores + q * kKeysPerStep + j * kLanes;
+        const __m512 sj =
+            _mm512_mask_mul_ps(neg_inf, valid, _mm512_loadu_ps(at), _mm512_set1_ps(a.scale));
+        _mm512_storeu_ps(at, sj);
+        top_v = _mm512_max_ps(top_v, sj);
       }
       const float top = std::max(row_max[q], _mm512_reduce_max_ps(top_v));
-      const float shift = top == -std::numeric_limits<float>::infinity() ? 0.0f : top;
-      corr[q] = _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(row_max[q] - shift)));
+      shift[q] = top == -std::numeric_limits<float>::infinity() ? 0.0f : top;
+      corr[q] = row_max[q] - shift[q];  // exponentiated below, 16 rows at once
+      row_max[q] = top;
+    }
+    _mm512_storeu_ps(corr, exp_nonpositive16(_mm512_loadu_ps(corr)));
+    for (int q = 0; q < kLanes; ++q) {
       __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < kChunksPerStep; ++j) {
-        const __m512 pj = exp_nonpositive16(_mm512_sub_ps(s[j], _mm512_set1_ps(shift)));
+        const __m512 sj = _mm512_loadu_ps(scores + q * kKeysPerStep + j * kLanes);
+        const __m512 pj = exp_nonpositive16(_mm512_sub_ps(sj, _mm512_set1_ps(shift[q])));
         sum = _mm512_add_ps(sum, pj);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + q * kKeysPerStep + j * kLanes),
                             to_bf16_rne(pj));
       }
-      row_max[q] = top;
       row_sum[q] = row_sum[q] * corr[q] + _mm512_reduce_add_ps(sum);
     }
     _tile_loadd(4, probs, kProbBytes);                   // keys 0-31
