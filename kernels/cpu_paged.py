@@ -20,7 +20,7 @@ from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttenti
 
 # Prompt chunk lengths the prefill kernels are timed at, and decode batch sizes (at a context of
 # DECODE_CONTEXT tokens) the decode kernels are (kernels.choice).
-PREFILL_BUCKETS = (16, 64, 256, 1024, 4096)
+PREFILL_BUCKETS = (16, 64, 256, 1024, 2048, 4096)
 DECODE_BUCKETS = (1, 16, 64, 256)
 DECODE_CONTEXT = 512
 
