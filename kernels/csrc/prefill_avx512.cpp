@@ -383,14 +383,15 @@ void paged_prefill_bf16_amx(const PrefillArgs& a) {
   const auto kt = std::make_unique_for_overwrite<bf16_bits[]>(static_cast<size_t>(chunk_values));
   interleave_values(a, num_chunks, vp.get());
   transpose_keys(a, num_chunks, kt.get());
+  // Head by head (a head's tiles one after another, the heads of one kv head next to each
+  // other): the kv head's Kt and Vp stay in L2 across its tiles. Every head has the same work,
+  // so contiguous ranges of heads balance the threads.
   const int64_t num_tiles = (a.num_queries + kLanes - 1) / kLanes;
   at::parallel_for(0, num_tiles * a.num_heads, 1, [&](int64_t begin, int64_t end) {
     load_amx_tile_config();
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t turn = task / a.num_heads;
-      const int64_t t = turn % 2 == 0 ? turn / 2 : num_tiles - 1 - turn / 2;
-      const int64_t first = t * kLanes;
-      const Tile tile{task % a.num_heads, first, std::min<int64_t>(kLanes, a.num_queries - first)};
+      const int64_t first = task % num_tiles * kLanes;
+      const Tile tile{task / num_tiles, first, std::min<int64_t>(kLanes, a.num_queries - first)};
       attend_tile_amx(a, tile, kt.get(), vp.get(), num_chunks);
     }
     _tile_release();
