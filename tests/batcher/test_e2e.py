@@ -27,8 +27,8 @@ GREEDY_LOGPROBS = SamplingParams(logprobs=True)
 
 
 @functools.cache
-def _loaded(model_dir: Path) -> LoadedModel:
-    return load_model(str(model_dir), device=torch.device("cpu"))
+def _loaded(model_dir: Path, dtype: str | None) -> LoadedModel:
+    return load_model(str(model_dir), device=torch.device("cpu"), dtype=dtype)
 
 
 @functools.cache
@@ -37,11 +37,13 @@ def _reference(model_dir: Path, prompt: tuple[int, ...]) -> RequestResult:
     return hf_generate(model_dir, list(prompt), NUM_NEW)
 
 
-def make_engine(model_dir: Path, num_blocks: int = 512, **limits: Any) -> LLMEngine:
-    """The runner as served ("auto": the CPU kernels here); the torch oracle itself is checked
-    against transformers in tests/gpu_worker."""
-    config = RunnerConfig(str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    runner = ModelRunner(config, _loaded(model_dir))
+def make_engine(
+    model_dir: Path, num_blocks: int = 512, *, dtype: str | None = None, **limits: Any
+) -> LLMEngine:
+    """The runner as served ("auto": the CPU kernels here), in the checkpoint's dtype or
+    `dtype`; the torch oracle itself is checked against transformers in tests/gpu_worker."""
+    config = RunnerConfig(str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype)
+    runner = ModelRunner(config, _loaded(model_dir, dtype))
     return LLMEngine(runner, SchedulerConfig(**limits), model=runner.model_config)
 
 

@@ -22,20 +22,18 @@ from typing import Any
 import pytest
 import torch
 
-from tests.batcher.test_e2e import mixed_prompts
+from tests.batcher.test_e2e import (
+    BLOCK_SIZE,
+    GREEDY_LOGPROBS,
+    NUM_NEW,
+    STOPPING,
+    make_engine,
+    mixed_prompts,
+)
 from tests.conftest import VARIANTS
-from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine, RequestResult
-from tgq.batcher.request import StoppingParams
-from tgq.gpu_worker.loader import LoadedModel, load_model
-from tgq.gpu_worker.plan import SamplingParams
-from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
 BF16_LOGPROB_TOL = 0.02
-NUM_NEW = 8
-BLOCK_SIZE = 8
-STOPPING = StoppingParams(max_new_tokens=NUM_NEW)
-GREEDY_LOGPROBS = SamplingParams(logprobs=True)
 
 
 @functools.cache
@@ -58,19 +56,6 @@ def assert_within_bf16_tolerance(model_dir: Path, results: list[RequestResult]) 
             assert ours is not None and abs(ours - theirs[token].item()) <= BF16_LOGPROB_TOL
 
 
-@functools.cache
-def _loaded(model_dir: Path) -> LoadedModel:
-    return load_model(str(model_dir), device=torch.device("cpu"), dtype="bfloat16")
-
-
-def make_engine(model_dir: Path, num_blocks: int = 512, **limits: Any) -> LLMEngine:
-    config = RunnerConfig(
-        str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype="bfloat16"
-    )
-    runner = ModelRunner(config, _loaded(model_dir))
-    return LLMEngine(runner, SchedulerConfig(**limits), model=runner.model_config)
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_schedule_in_bf16_is_what_transformers_would_pick(
     variant: str, model_dirs: dict[str, Path]
@@ -79,12 +64,13 @@ def test_every_schedule_in_bf16_is_what_transformers_would_pick(
     again (every full prompt block a prefix hit); at 512 a step, prefix cache off; one at a time,
     one token a step; and through a pool small enough to preempt."""
     model_dir, batch = model_dirs[variant], mixed_prompts()
+    bf16_engine = functools.partial(make_engine, model_dir, dtype="bfloat16")
 
     def run(engine: LLMEngine, prompts: list[list[int]]) -> None:
         assert_within_bf16_tolerance(model_dir, engine.generate(prompts, GREEDY_LOGPROBS, STOPPING))
         engine.scheduler.kv.check_integrity()
 
-    chunked = make_engine(model_dir, max_batch_prefill_tokens=16, max_batch_size=16)
+    chunked = bf16_engine(max_batch_prefill_tokens=16, max_batch_size=16)
     run(chunked, batch)
     again = chunked.generate(batch, GREEDY_LOGPROBS, STOPPING)
     assert_within_bf16_tolerance(model_dir, again)
@@ -92,8 +78,8 @@ def test_every_schedule_in_bf16_is_what_transformers_would_pick(
         r.num_cached_tokens == (len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE
         for p, r in zip(batch, again, strict=True)
     )
-    run(make_engine(model_dir, max_batch_prefill_tokens=512, enable_prefix_cache=False), batch)
-    run(make_engine(model_dir, max_batch_prefill_tokens=1, max_batch_size=1), batch[:4])
-    tight = make_engine(model_dir, num_blocks=24, max_batch_prefill_tokens=64, max_batch_size=32)
+    run(bf16_engine(max_batch_prefill_tokens=512, enable_prefix_cache=False), batch)
+    run(bf16_engine(max_batch_prefill_tokens=1, max_batch_size=1), batch[:4])
+    tight = bf16_engine(num_blocks=24, max_batch_prefill_tokens=64, max_batch_size=32)
     run(tight, batch)
     assert tight.scheduler.num_preemptions > 0
