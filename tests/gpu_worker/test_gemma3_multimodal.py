@@ -6,21 +6,19 @@ multimodal model given the same text, token for token (fp32)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.gpu_worker.test_parity import LOGPROB_TOL, prompts
+from tests.gpu_worker.test_parity import NUM_NEW, assert_matches, generate_greedy, prompts
 from tgq.batcher.offline import OfflineEngine
 from tgq.devtools.random_model import make_config
 from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
-NUM_NEW = 12
 VISION = {
     "model_type": "siglip_vision_model",
     "hidden_size": 32,
@@ -62,24 +60,6 @@ def transformers5_layout(hub: Path, out: Path) -> Path:
     return out
 
 
-def _hf_generate(model: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-        do_sample=False,
-        max_new_tokens=NUM_NEW,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].float(), -1)[token].item()
-        for step, token in zip(out.logits, tokens, strict=True)
-    ]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("layout", ["hub", "transformers5"])
 def test_text_generation_equals_transformers_multimodal_model(
     hub_layout: Path, layout: str, tmp_path: Path
@@ -96,11 +76,7 @@ def test_text_generation_equals_transformers_multimodal_model(
         batch, SamplingParams(logprobs=True), max_new_tokens=NUM_NEW
     )
     for result, prompt in zip(results, batch, strict=True):
-        tokens, logprobs = _hf_generate(hf, prompt)
-        assert result.token_ids == tokens
-        torch.testing.assert_close(
-            torch.tensor(result.logprobs), torch.tensor(logprobs), atol=LOGPROB_TOL, rtol=0
-        )
+        assert_matches(result, generate_greedy(hf, prompt, NUM_NEW))
 
 
 def test_a_sparse_text_config_takes_gemma3_text_defaults() -> None:

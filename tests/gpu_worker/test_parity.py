@@ -33,7 +33,12 @@ def _hf_model(model_dir: Path) -> Any:
 
 
 def hf_generate(model_dir: Path, prompt: list[int], num_new: int = NUM_NEW) -> RequestResult:
-    out = _hf_model(model_dir).generate(
+    return generate_greedy(_hf_model(model_dir), prompt, num_new)
+
+
+def generate_greedy(model: Any, prompt: list[int], num_new: int = NUM_NEW) -> RequestResult:
+    """A transformers model's greedy `generate` of `num_new` tokens, with their logprobs."""
+    out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
         do_sample=False,
