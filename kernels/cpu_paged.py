@@ -151,9 +151,7 @@ class CpuPagedAttention(TorchPagedAttention):
             return super()._attend_multi(
                 query, k_cache, v_cache, seq, scale, sliding_window, softcap
             )
-        return cpu_ops.paged_prefill_attention(
-            query, k_cache, v_cache, seq.block_ids, seq.kv_len, scale, sliding_window or 0, kernel
-        )
+        return _own_prefill(kernel)(self, query, k_cache, v_cache, seq, scale, sliding_window)
 
 
 def own_prefill_kernels() -> list[str]:
@@ -162,7 +160,7 @@ def own_prefill_kernels() -> list[str]:
 
 
 def _own_prefill(kernel: str) -> Callable[..., torch.Tensor]:
-    """`CpuPagedAttention._attend_multi`'s call of one own kernel, for `choose_kernels`."""
+    """One own prefill kernel as `_attend_multi` calls it (and `choose_kernels` times it)."""
 
     def attend(
         _: object,

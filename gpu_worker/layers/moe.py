@@ -70,9 +70,10 @@ class SparseMoE(nn.Module):
             self.shared_expert = expert(shared)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.intermediate_size = config.moe_intermediate_size
-        # Where the experts run in one kernel call (`use_fused_experts`): each expert's packed
-        # gate_up and down weights stacked (the experts' own weights become views of them), and
-        # the linears' kernel per row count.
+        # Where the experts can run in one kernel call (`stack_experts`): each expert's packed
+        # gate_up and down weights stacked (the experts' own weights become views of them); and
+        # which of one call / one by one runs a step of T tokens (`use_thresholds`; empty: one
+        # by one always).
         self.fused_gate_up: torch.Tensor | None
         self.fused_down: torch.Tensor | None
         self.register_buffer("fused_gate_up", None, persistent=False)
@@ -144,12 +145,14 @@ class SparseMoE(nn.Module):
 
     def use_thresholds(self, thresholds: Sequence[tuple[int, str]]) -> None:
         """Steps of T tokens run the candidate `kernel_for(thresholds, T)` picks
-        (`Choices.thresholds("moe_experts")`), one call only up to `max_fused_tokens`."""
+        (`Choices.thresholds("moe_experts")`), one call only up to `max_fused_tokens` and
+        only once `stack_experts` did."""
         self.fused_thresholds = list(thresholds)
 
     def _runs_fused(self, tokens: int) -> bool:
         return (
             self.fused_gate_up is not None
+            and bool(self.fused_thresholds)
             and tokens <= self.max_fused_tokens()
             and kernel_for(self.fused_thresholds, tokens) == FUSED
         )

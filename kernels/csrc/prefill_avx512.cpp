@@ -217,9 +217,10 @@ void paged_prefill_bf16_avx512(const PrefillArgs& a) {
 // of 16 queries, the keys go by 64 at a time. Scores: TDPBF16PS of the queries (A: 16 queries x
 // 32 head values, copied once per tile) and the keys transposed once per call into B tiles
 // (`Kt`: per kv head, 16 keys and 32 head values, the 16 keys' pairs side by side), 16 x 16 fp32
-// per tile; the online softmax runs row by row in AVX-512 (a row: one query's 64 scores); p
-// rounded to bf16 is the A tile of p * v, whose B tiles are `Vp` (interleave_values) as it lies:
-// 16 pairs of keys x 16 head values. The output accumulates in fp32 rows, rescaled per row.
+// per tile; the online softmax in AVX-512, a row (one query's 64 scores) at a time, in two passes
+// over the tile's rows (attend_tile_amx); p rounded to bf16 is the A tile of p * v, whose B tiles
+// are `Vp` (interleave_values) as it lies: 16 pairs of keys x 16 head values. The output
+// accumulates in fp32 rows, rescaled per row. Tiles go head by head (paged_prefill_bf16_amx).
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
 #include "amx_common.h"
