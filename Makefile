@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-quant gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,9 @@ bench-structured: $(STAMP)
 
 bench-families: $(STAMP)
 	$(PY) -m bench.bench_families
+
+bench-quant: $(STAMP)
+	$(PY) -m bench.bench_quant
 
 gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check

@@ -65,6 +65,7 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
         model_dir, device=options.device, dtype=dtype, block_size=options.block_size,
         num_blocks=options.num_blocks, kv_cache_bytes=kv_cache_bytes,
         greedy_head=options.greedy_head, custom_kernels=custom_kernels,
+        quantize=options.quantize,
     )  # fmt: skip
     return ModelRunner(config)
 
@@ -72,11 +73,19 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
 def served_with(runner: StepRunner) -> ServedWith:
     if isinstance(runner, ShardedRunner):
         return runner.served
+    from tgq.gpu_worker.loader import weight_bytes
     from tgq.gpu_worker.runner import ModelRunner
 
     assert isinstance(runner, ModelRunner)
     dtype = str(runner.loaded.dtype).removeprefix("torch.")
-    return ServedWith(dtype, runner.backend.name, runner.loaded.num_cpu_kernel_modules)
+    loaded = runner.loaded
+    return ServedWith(
+        dtype,
+        runner.backend.name,
+        loaded.num_cpu_kernel_modules,
+        loaded.quantize,
+        weight_bytes(loaded.model),
+    )
 
 
 def describe(options: BatcherOptions, runner: StepRunner) -> str:

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.grammar_compiler import DEFAULT_MAX_CACHE
 from tgq.batcher.transport.base import TransportConfig
+from tgq.gpu_worker.quantization import check_quantize
 
 _SCHEDULER = SchedulerConfig()  # the engine's defaults are the options' defaults
 _TRANSPORT = TransportConfig()
@@ -76,6 +77,11 @@ class BatcherOptions(BaseSettings):
     )
     greedy_head: bool = Field(
         True, description="bf16 CPUs: greedy rows read an int8 screen of the lm_head"
+    )
+    quantize: Literal["int8"] | None = Field(
+        None,
+        description="quantize the decoder layers' linears at load: int8 (weights only, one scale"
+        " per output row; one rank)",
     )
 
     # The scheduler (TGI's meanings).
@@ -137,4 +143,6 @@ class BatcherOptions(BaseSettings):
     def _check_engine_configs(self) -> BatcherOptions:
         self.scheduler_config()  # their own checks, at start (a ValueError is a bad option)
         self.transport_config()
+        if self.quantize is not None:
+            check_quantize(self.quantize, self.num_shard)
         return self

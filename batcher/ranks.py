@@ -60,11 +60,15 @@ class ServedWith:
     dtype: str  # "bfloat16"
     attention: str  # the attention backend's registry key
     num_cpu_kernel_modules: int  # modules on the C++ CPU kernels (0: plain torch ops)
+    quantize: str | None = None  # "int8": the linears quantized at load
+    weight_bytes: int | None = None  # the model's weights as held (one rank's; None: not asked)
 
     def __str__(self) -> str:
+        quantized = f" with {self.quantize} linears" if self.quantize else ""
+        held = "" if self.weight_bytes is None else f", weights {self.weight_bytes / 2**20:.1f} MiB"
         return (
-            f"dtype {self.dtype}, attention {self.attention},"
-            f" {self.num_cpu_kernel_modules} modules on C++ kernels"
+            f"dtype {self.dtype}{quantized}, attention {self.attention},"
+            f" {self.num_cpu_kernel_modules} modules on C++ kernels{held}"
         )
 
 

@@ -432,9 +432,15 @@ class HFEngine:
 
 
 class TgqEngine:
-    def __init__(self, model_dir: Path, backend: str) -> None:
+    def __init__(self, model_dir: Path, backend: str, quantize: str | None = None) -> None:
         self.runner = ModelRunner(
-            RunnerConfig(str(model_dir), num_blocks=2200, block_size=16, attention_backend=backend)
+            RunnerConfig(
+                str(model_dir),
+                num_blocks=2200,
+                block_size=16,
+                attention_backend=backend,
+                quantize=quantize,
+            )
         )
         self.engine = OfflineEngine(self.runner)
 

@@ -15,10 +15,12 @@ import torch
 
 from tgq.gpu_worker.config import ModelConfig, resolve_dtype
 from tgq.gpu_worker.hub import resolve_model_dir
+from tgq.gpu_worker.layers.linear import Linear
+from tgq.gpu_worker.layers.moe import SparseMoE
 from tgq.gpu_worker.models import model_class
 from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
-from tgq.gpu_worker.quantization import refuse_quantized_checkpoint
+from tgq.gpu_worker.quantization import check_quantize, refuse_quantized_checkpoint
 from tgq.gpu_worker.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class LoadedModel:
     dtype: torch.dtype
     tp: TensorParallel = SINGLE
     num_cpu_kernel_modules: int = 0  # modules on the C++ CPU kernels (0: plain torch ops)
+    quantize: str | None = None  # "int8": the linears quantized at load
 
     @property
     def local_config(self) -> ModelConfig:
@@ -51,9 +54,12 @@ def load_model(
     cpu_kernels: bool = True,
     greedy_head: bool = True,
     tp: TensorParallel = SINGLE,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons);
-    `greedy_head=False` computes every row's logits (`DecoderForCausalLM.use_cpu_kernels`).
+    `greedy_head=False` computes every row's logits (`DecoderForCausalLM.use_cpu_kernels`);
+    `quantize` ("int8", `quantization.QUANTIZE_METHODS`) quantizes the linears once loaded
+    (`quantize_linears`).
     With `tp`, the rank's slice of the model: only that slice of each tensor is read from the
     files."""
     model_dir = resolve_model_dir(model_id, revision=revision, cache_dir=cache_dir)
@@ -72,18 +78,47 @@ def load_model(
     with Checkpoint.open(model_dir, rename=cls.stored_name) as checkpoint:
         fill_parameters(model, checkpoint)
     model.eval().requires_grad_(False)
+    if quantize is not None:
+        check_quantize(quantize, tp.world_size)
+        quantize_linears(model)
     num_fast = model.use_cpu_kernels(greedy_head=greedy_head) if cpu_kernels else 0
     log.info(
-        "loaded %s (%s) as %s on %s, rank %d of %d (%d modules on the CPU bf16 kernels)",
+        "loaded %s (%s) as %s%s on %s, rank %d of %d: weights %.1f MiB (%d modules on the CPU"
+        " kernels)",
         model_id,
         config.architecture,
         torch_dtype,
+        f" with {quantize} linears" if quantize else "",
         device,
         tp.rank,
         tp.world_size,
+        weight_bytes(model) / 2**20,
         num_fast,
     )
-    return LoadedModel(model, config, model_dir, torch_dtype, tp, num_fast)
+    return LoadedModel(model, config, model_dir, torch_dtype, tp, num_fast, quantize)
+
+
+def quantize_linears(model: DecoderForCausalLM) -> int:
+    """The decoder layers' linears as int8 weights with a scale per output row
+    (`Linear.quantize_int8`); the lm_head and the experts' routers keep their dtype (the head
+    has its own int8 screen for greedy rows; routing stays exact). Returns the layers
+    quantized."""
+    kept: set[int] = {id(model.lm_head)}
+    for block in model.modules():
+        if isinstance(block, SparseMoE):
+            kept.update(id(gate) for gate in (block.gate, block.shared_expert_gate) if gate)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and id(module) not in kept:
+            module.quantize_int8()
+            count += 1
+    return count
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as they are held (shared tensors once)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def fill_parameters(model: DecoderForCausalLM, checkpoint: Checkpoint) -> None:

@@ -1,5 +1,11 @@
-"""Quantized checkpoints are refused, before any weight is read (torch-free: the batcher's and
-the api's start-up check them too).
+"""Quantization's torch-free parts: `--quantize` (what tgq quantizes at load from a float
+checkpoint, `loader.quantize_linears`), and pre-quantized checkpoints, refused before any weight
+is read (the batcher's and the api's start-up check them too).
+
+`--quantize int8`: the decoder layers' linears as int8 weights, symmetric, one fp32 scale per
+output row (max |w| / 127), rounded half to even (`layers.linear.quantize_int8_rows`); their
+output is `(x @ q^T) * scale + bias`, summed in fp32. Half the bytes of bf16 a decode step
+streams; the lm_head and MoE routers keep their dtype.
 
 tgq's layers hold float weights only. A quantized checkpoint stores some weights as float8 or
 packed integers next to the scales that give them meaning (`weight_scale`, `scales`, ...);
@@ -23,6 +29,21 @@ from tgq.gpu_worker.hub import weight_files
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors' names
 CONFIG_KEYS = ("quantization_config", "compression_config")  # the latter: older compressed-tensors
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
+QUANTIZE_METHODS = ("int8",)  # `--quantize` (TGI's flag; its other methods are not built yet)
+
+
+def check_quantize(method: str, world_size: int) -> None:
+    """A ValueError naming what is wrong with `--quantize method` on `world_size` ranks."""
+    if method not in QUANTIZE_METHODS:
+        raise ValueError(
+            f"--quantize {method!r} is not supported (supported: {', '.join(QUANTIZE_METHODS)})"
+        )
+    if world_size > 1:
+        raise ValueError(
+            f"--quantize {method} runs on one rank only (--num-shard 1), not {world_size}"
+        )
 
 
 class QuantizedCheckpointError(ValueError):

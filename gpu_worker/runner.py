@@ -58,6 +58,7 @@ class RunnerConfig:
     # False (TGI's --disable-custom-kernels): the torch attention backend and plain torch ops,
     # none of the C++ CPU kernels (linear, norms, greedy head, decode path) nor flash-attn.
     custom_kernels: bool = True
+    quantize: str | None = None  # "int8" (`--quantize`): the linears quantized at load
 
 
 @dataclass
@@ -84,6 +85,7 @@ class ModelRunner:
             cpu_kernels=config.custom_kernels,
             greedy_head=config.greedy_head,
             tp=tp,
+            quantize=config.quantize,
         )
         self.tp = self.loaded.tp
         self.backend, self.block_size = pick_attention(config, self.device)

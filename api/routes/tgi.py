@@ -217,6 +217,7 @@ async def info(request: Request) -> Info:
         model_id=settings.model_id,
         model_pipeline_tag="text-generation",
         model_dtype=f"torch.{served_dtype(settings)}",
+        quantize=settings.quantize,
         max_concurrent_requests=settings.max_concurrent_requests,
         max_best_of=settings.max_best_of,
         max_stop_sequences=settings.max_stop_sequences,

@@ -214,6 +214,11 @@ class Info(BaseModel):
     )
     model_pipeline_tag: str | None = Field(default=None, examples=["text-generation"])
     model_dtype: str | None = Field(default=None, examples=["torch.float16"])
+    quantize: str | None = Field(
+        default=None,
+        description="`--quantize`: how the weights were quantized at load",
+        examples=["int8"],
+    )
     max_concurrent_requests: int = Field(ge=0, description="Router Parameters", examples=[128])
     max_best_of: int = Field(ge=0, examples=[2])
     max_stop_sequences: int = Field(ge=0, examples=[4])

@@ -371,7 +371,9 @@ class DecoderForCausalLM(nn.Module):
         over weights packed once, or torch's oneDNN), and the lm_head on the AVX-512 kernel (a
         tied lm_head gets its own packed copy; the embedding keeps its rows; the greedy head's
         exact logits are those of that kernel); otherwise kernels/cpu_ops.py picks per call.
-        With AVX512_VNNI too, one rank and `greedy_head`, argmax-only rows get their tokens from
+        Linears quantized to int8 (`loader.quantize_linears`) run on the int8 kernel where the
+        CPU has AVX512_VBMI too, else stay on torch. With AVX512_VNNI too, one rank and
+        `greedy_head`, argmax-only rows get their tokens from
         `self.greedy_head` (kernels.greedy_head), which keeps the head's [N, K] rows and an int8
         copy, screened on the kernel measured fastest per row count (VNNI or AMX-INT8). On one
         rank, the layers of a step the attention backend can key (`replay_key`:
@@ -386,24 +388,18 @@ class DecoderForCausalLM(nn.Module):
         pack = cpu_ops.has_avx512_bf16()
         # The [N, K] head, which packing releases: the greedy head's screen is built from it.
         head = weight.detach()
-        layer_kernels = self.linear_kernels().thresholds("linear") if pack else []
+        quantized = any(m.is_quantized for m in self.modules() if isinstance(m, Linear))
+        # With int8 layers the float ones left are the routers: small, on the AVX-512 kernel.
+        layer_kernels = [(1, "avx512")] if quantized else []
+        if pack and not quantized:
+            layer_kernels = self.linear_kernels().thresholds("linear")
         switched = 0
         for module in self.modules():
             if isinstance(module, Linear):
-                # Logits straight to fp32 (same values as .float() of the bf16 result, one pass
-                # less).
-                out_fp32 = module is self.lm_head
-                if not pack:
-                    module.matmul = functools.partial(cpu_ops.linear_bf16, out_fp32=out_fp32)
-                elif out_fp32:
-                    module.use_kernels([(1, "avx512")], out_fp32=True)
-                else:
-                    module.use_kernels(layer_kernels, out_fp32=False)
+                switched += self._switch_linear(module, layer_kernels if pack else None)
             elif isinstance(module, RMSNorm | OffsetRMSNorm | MLP | Attention):
                 module.use_cpu_kernel = module.has_cpu_kernel
-            else:
-                continue
-            switched += 1
+                switched += 1
         fused = self._fuse_experts() if pack else not self.config.num_experts
         single = self.tp.world_size == 1
         # Steps the backend can key (decode-only ones on the CPU kernels, soft-capped or not)
@@ -417,6 +413,23 @@ class DecoderForCausalLM(nn.Module):
                 self.lm_head.weight.detach(), head, pick_kernels=True
             )
         return switched
+
+    def _switch_linear(self, module: Linear, layer_kernels: list[tuple[int, str]] | None) -> bool:
+        """One linear onto the CPU kernels (`layer_kernels`: the packed kernels' thresholds, None
+        without AVX512_BF16); whether it switched."""
+        if module.is_quantized:  # int8: its one kernel, or torch where the CPU lacks it
+            if not cpu_ops.has_avx512_int8_linear():
+                return False
+            module.use_int8_kernel()
+        elif layer_kernels is None:
+            out_fp32 = module is self.lm_head
+            module.matmul = functools.partial(cpu_ops.linear_bf16, out_fp32=out_fp32)
+        elif module is self.lm_head:
+            # Logits straight to fp32 (the values of .float() of the bf16 result, a pass less).
+            module.use_kernels([(1, "avx512")], out_fp32=True)
+        else:
+            module.use_kernels(layer_kernels, out_fp32=False)
+        return True
 
     def _fuse_experts(self) -> bool:
         """Experts in one kernel call at the step sizes where that measured faster

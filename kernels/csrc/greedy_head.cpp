@@ -2,13 +2,11 @@
 // and the proof that it picks what the full lm_head's argmax picks).
 #include "greedy_head.h"
 
-#include "linear_kernels.h"  // kPackColumns
+#include "linear_kernels.h"  // kPackColumns, ceil_div
 
 namespace {
 
 using namespace tgq_cpu;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void check_column_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t N) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 1 &&

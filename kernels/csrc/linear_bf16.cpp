@@ -234,8 +234,6 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // w [N, K] -> the packed layout of linear_kernels.h.
 at::Tensor pack_weight_bf16(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_weight_bf16: weight must be [N, K], got ", weight.sizes());

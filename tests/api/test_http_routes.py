@@ -185,7 +185,7 @@ def test_tokenize_info_health_metrics_docs(client: httpx.Client, stack: Stack) -
     info = client.get("/info").json()
     assert info["model_id"] == "tgq-test" and info["max_total_tokens"] == 1024
     assert info["max_input_tokens"] == 1023 and info["model_dtype"] == "torch.float32"
-    assert info["router"] == "tgq"
+    assert info["router"] == "tgq" and info["quantize"] is None
     assert client.get("/health").status_code == 200
     assert client.get("/health").content == b""
     metrics = client.get("/metrics")

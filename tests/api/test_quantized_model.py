@@ -1,5 +1,6 @@
 """The api refuses to start on a quantized checkpoint, with the message the batcher gives
-(tests/gpu_worker/test_quantized.py), before it serves anything."""
+(tests/gpu_worker/test_quantized.py), before it serves anything; `--quantize int8` serves a float
+checkpoint with int8 linears, in both modes."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.api.stack import Stack
+from tests.api.stack import REDIS_URL, Stack, running
 
 
 def test_the_api_does_not_start_on_a_quantized_checkpoint(
@@ -30,3 +32,27 @@ def test_the_api_does_not_start_on_a_quantized_checkpoint(
         "quantized checkpoints are not supported yet: this one uses quant_method 'awq'"
         " (config.json quantization_config)"
     ) in str(caught.value)
+
+
+@pytest.mark.parametrize("mode", ["embedded", "services"])
+def test_quantize_int8_serves_and_says_so(
+    mode: str, text_model_dir: Path, pg_url: str, tmp_path: Path
+) -> None:
+    """`--quantize int8` (QUANTIZE for the api): /info names it, the batcher's start-up line
+    gives the weights' size, and generation runs on the int8 linears."""
+    stack = Stack(
+        text_model_dir,
+        pg_url,
+        tmp_path,
+        api_env={"QUANTIZE": "int8"},
+        batcher_options=("--quantize", "int8"),
+        redis_url=None if mode == "embedded" else REDIS_URL,
+    )
+    with running(stack, batcher=mode == "services"):
+        info = httpx.get(f"{stack.url}/info", timeout=10).json()
+        assert info["quantize"] == "int8"
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}}
+        answer = httpx.post(f"{stack.url}/generate", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 5
+        log = stack.api_log() if mode == "embedded" else (tmp_path / "batcher-b0.log").read_text()
+    assert "with int8 linears" in log and " MiB" in log

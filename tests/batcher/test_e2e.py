@@ -27,8 +27,8 @@ GREEDY_LOGPROBS = SamplingParams(logprobs=True)
 
 
 @functools.cache
-def _loaded(model_dir: Path, dtype: str | None) -> LoadedModel:
-    return load_model(str(model_dir), device=torch.device("cpu"), dtype=dtype)
+def _loaded(model_dir: Path, dtype: str | None, quantize: str | None = None) -> LoadedModel:
+    return load_model(str(model_dir), device=torch.device("cpu"), dtype=dtype, quantize=quantize)
 
 
 @functools.cache
@@ -38,12 +38,20 @@ def _reference(model_dir: Path, prompt: tuple[int, ...]) -> RequestResult:
 
 
 def make_engine(
-    model_dir: Path, num_blocks: int = 512, *, dtype: str | None = None, **limits: Any
+    model_dir: Path,
+    num_blocks: int = 512,
+    *,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    **limits: Any,
 ) -> LLMEngine:
     """The runner as served ("auto": the CPU kernels here), in the checkpoint's dtype or
-    `dtype`; the torch oracle itself is checked against transformers in tests/gpu_worker."""
-    config = RunnerConfig(str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype)
-    runner = ModelRunner(config, _loaded(model_dir, dtype))
+    `dtype`, `--quantize`d or not; the torch oracle itself is checked against transformers in
+    tests/gpu_worker."""
+    config = RunnerConfig(
+        str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, quantize=quantize
+    )
+    runner = ModelRunner(config, _loaded(model_dir, dtype, quantize))
     return LLMEngine(runner, SchedulerConfig(**limits), model=runner.model_config)
 
 

@@ -12,12 +12,13 @@ from huggingface_hub import constants
 
 from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
 from tgq.api.settings import Settings
-from tgq.batcher.__main__ import build_engine, build_runner, parse_args, resolve_model
+from tgq.batcher.__main__ import build_engine, build_runner, describe, parse_args, resolve_model
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.embedded import EmbeddedBatcher
 from tgq.batcher.options import BatcherOptions
 from tgq.batcher.transport.base import TransportConfig
 from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.runner import ModelRunner
 
 FLAGS: dict[str, Any] = {
@@ -90,3 +91,38 @@ def test_revision_picks_the_snapshot_for_the_batcher_and_the_limits(
     assert resolve_model(BatcherOptions(model_id="org/m", revision="v2")) == str(v2)
     assert Settings(model_id="org/m").max_total_tokens == 4096
     assert Settings(model_id="org/m", revision="v2").max_total_tokens == 2048
+
+
+def test_quantize_int8_reaches_the_runner_and_the_start_up_line(model_dir: Path) -> None:
+    options = parse_args(
+        ["--model-id", str(model_dir), "--quantize", "int8", "--dtype", "bfloat16"]
+    )
+    runner = build_runner(options, str(model_dir))
+    assert isinstance(runner, ModelRunner) and runner.loaded.quantize == "int8"
+    linears = {n: m for n, m in runner.loaded.model.named_modules() if isinstance(m, Linear)}
+    assert linears["model.layers.0.self_attn.qkv_proj"].is_quantized
+    assert linears["model.layers.1.mlp.down_proj"].is_quantized
+    assert not linears["lm_head"].is_quantized
+    line = describe(options, runner)
+    assert "dtype bfloat16 with int8 linears" in line and " MiB" in line
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--quantize", "int4"],
+            "argument --quantize: invalid choice: 'int4' (choose from 'int8')",
+        ),
+        (
+            ["--quantize", "int8", "--num-shard", "2"],
+            "--quantize int8 runs on one rank only (--num-shard 1), not 2",
+        ),
+    ],
+)
+def test_quantize_refuses_what_it_cannot_run(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model-id", "m", *flags])
+    assert message in capsys.readouterr().err

@@ -43,12 +43,16 @@ def _hf_bf16(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
 
 
-def assert_within_bf16_tolerance(model_dir: Path, results: list[RequestResult]) -> None:
+def assert_within_bf16_tolerance(
+    model_dir: Path, results: list[RequestResult], reference: Any = None
+) -> None:
+    """Against transformers' bf16 model of `model_dir`, or the `reference` model given."""
+    model = reference if reference is not None else _hf_bf16(model_dir)
     for result in results:
         prompt, tokens = result.prompt_token_ids, result.token_ids
         assert len(tokens) == NUM_NEW
         with torch.no_grad():
-            logits = _hf_bf16(model_dir)(torch.tensor([prompt + tokens])).logits[0].float()
+            logits = model(torch.tensor([prompt + tokens])).logits[0].float()
         logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
         for step, (token, ours) in enumerate(zip(tokens, result.logprobs, strict=True)):
             theirs = logprobs[step]
