@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-quant gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-quant bench-quant-quality gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,9 @@ bench-families: $(STAMP)
 
 bench-quant: $(STAMP)
 	$(PY) -m bench.bench_quant
+
+bench-quant-quality: $(STAMP)
+	$(PY) -m bench.bench_quant_quality
 
 gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check

@@ -24,6 +24,7 @@ from tests.batcher.test_e2e import (
 from tests.gpu_worker.test_parity import LOGPROB_TOL, generate_greedy
 from tests.gpu_worker.test_parity_bf16 import assert_within_bf16_tolerance
 from tgq.batcher.engine import LLMEngine, RequestResult
+from tgq.devtools.quantized_reference import dequantize_in_place
 from tgq.gpu_worker.layers.linear import Linear, quantize_int8_rows
 from tgq.gpu_worker.loader import load_model, weight_bytes
 from tgq.kernels import cpu_ops
@@ -66,28 +67,20 @@ def test_quantize_int8_rows_is_the_formula_bit_for_bit() -> None:
     assert q.tolist() == [[-127, 64, 127]]  # 63.5 rounds to the even 64
 
 
-def is_quantized_in_reference(name: str, param: torch.Tensor) -> bool:
-    """The parameters tgq quantizes: the decoder layers' linear weights ([out, in]; transformers'
-    stacked experts [E, out, in]), not the routers."""
-    router = name.endswith("mlp.gate.weight") or "shared_expert_gate" in name
-    return ".layers." in name and param.dim() >= 2 and not router
+def reference_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = reference_quantize(w.numpy())
+    return torch.from_numpy(q), torch.from_numpy(scale)
 
 
 @functools.cache
 def dequantized_transformers(model_dir: Path, dtype: torch.dtype) -> Any:
-    """transformers' model of `model_dir` whose quantized weights are q * scale (computed from
-    the weights as `dtype` holds them, as tgq quantizes what it loaded)."""
+    """transformers' model of `model_dir` whose quantized weights are q * scale by the numpy
+    formula above (from the weights as `dtype` holds them, as tgq quantizes what it loaded)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if is_quantized_in_reference(name, param):
-                q, scale = reference_quantize(param.to(dtype).float().numpy())
-                dequantized = torch.from_numpy(q).float() * torch.from_numpy(scale)[..., None]
-                param.copy_(dequantized)
-    return model.to(dtype).eval()
+    return dequantize_in_place(model, reference_rows, dtype).eval()
 
 
 def assert_matches_dequantized(model_dir: Path, results: list[RequestResult]) -> None:
