@@ -150,7 +150,7 @@ def random_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def medium_llama_2k(cache: Path) -> Path:
-    path = cache / "medium-llama-bf16"
+    path = cache / "medium-llama-bf16-2k"  # not chat_llama's "medium-llama-bf16": no tokenizer
     if not (path / "model.safetensors").is_file():  # written last: its presence means complete
         config = make_config("LlamaForCausalLM", "medium", dtype="bfloat16")
         write_model(path, config, dtype=torch.bfloat16)
