@@ -32,7 +32,12 @@ from tgq.batcher.tracing import TracingUnavailableError, configure_tracing, shut
 from tgq.batcher.transport.redis import RedisBatcherTransport
 from tgq.gpu_worker.config import ModelConfig, model_eos_token_ids
 from tgq.gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
-from tgq.gpu_worker.quantization import QuantizedCheckpointError, refuse_quantized_checkpoint
+from tgq.gpu_worker.quantization import (
+    QuantizedCheckpointError,
+    QuantizeError,
+    check_quantize,
+    refuse_quantized_checkpoint,
+)
 
 log = logging.getLogger("batcher")
 EXIT_RANK_LOST = 3  # a tensor-parallel rank died or hung: the supervisor restarts the batcher
@@ -51,6 +56,8 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
     kv_cache_bytes = None if options.kv_cache_memory is None else int(options.kv_cache_memory)
     dtype = None if options.dtype == "auto" else options.dtype
     custom_kernels = not options.disable_custom_kernels
+    if options.quantize is not None:  # before any rank starts: the ranks do not quantize
+        check_quantize(options.quantize, options.num_shard)
     if options.num_shard > 1:
         sharded = ShardConfig(
             model_dir, options.num_shard, device=options.device, dtype=dtype,
@@ -142,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         refuse_quantized_checkpoint(model_dir)  # before any weight is read, on any rank
     except (ModelNotFoundError, PickleWeightsError, QuantizedCheckpointError) as error:
         sys.exit(f"batcher: {error}")
-    runner = build_runner(options, model_dir)
+    try:
+        runner = build_runner(options, model_dir)
+    except QuantizeError as error:
+        sys.exit(f"batcher: {error}")
     engine = build_engine(options, model_dir, inject_fault(runner, options.inject_fault))
     batcher_id = options.batcher_id or socket.gethostname()
     heartbeat_interval_s = options.heartbeat_ttl_s / 4

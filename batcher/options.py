@@ -18,7 +18,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.grammar_compiler import DEFAULT_MAX_CACHE
 from tgq.batcher.transport.base import TransportConfig
-from tgq.gpu_worker.quantization import check_quantize
 
 _SCHEDULER = SchedulerConfig()  # the engine's defaults are the options' defaults
 _TRANSPORT = TransportConfig()
@@ -143,6 +142,4 @@ class BatcherOptions(BaseSettings):
     def _check_engine_configs(self) -> BatcherOptions:
         self.scheduler_config()  # their own checks, at start (a ValueError is a bad option)
         self.transport_config()
-        if self.quantize is not None:
-            check_quantize(self.quantize, self.num_shard)
         return self

@@ -34,14 +34,18 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 QUANTIZE_METHODS = ("int8",)  # `--quantize` (TGI's flag; its other methods are not built yet)
 
 
+class QuantizeError(ValueError):
+    """`--quantize` asks for what tgq cannot do."""
+
+
 def check_quantize(method: str, world_size: int) -> None:
-    """A ValueError naming what is wrong with `--quantize method` on `world_size` ranks."""
+    """A QuantizeError naming what is wrong with `--quantize method` on `world_size` ranks."""
     if method not in QUANTIZE_METHODS:
-        raise ValueError(
+        raise QuantizeError(
             f"--quantize {method!r} is not supported (supported: {', '.join(QUANTIZE_METHODS)})"
         )
     if world_size > 1:
-        raise ValueError(
+        raise QuantizeError(
             f"--quantize {method} runs on one rank only (--num-shard 1), not {world_size}"
         )
 
