@@ -25,6 +25,7 @@ from bench.harness import (
     Engines,
     HFEngine,
     TgqEngine,
+    bar_panel,
     best_decode_step,
     pyplot,
     random_prompts,
@@ -84,10 +85,7 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
     for ax, (family, metric) in zip(axes, panels, strict=True):
         names = list(results[family])
         values = [results[family][name][metric] for name in names]
-        bars = ax.bar(names, values, color=["#999999", "#1f77b4"])
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-        ax.set_title(f"{family}: {metric}", fontsize=9)
-        ax.tick_params(labelsize=8)
+        bar_panel(ax, f"{family}: {metric}", names, values, "%.0f")
     save_figure(fig, "tgq vs transformers, newer families, bf16, CPU 2 threads (tok/s)", path)
 
 

@@ -18,6 +18,7 @@ from bench.harness import (
     RESULTS,
     Engines,
     TgqEngine,
+    bar_panel,
     best_decode_step,
     medium_llama_2k,
     pyplot,
@@ -35,11 +36,7 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     metrics = list(results["bf16"])
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.4))
     for ax, metric in zip(axes, metrics, strict=True):
-        values = [results[name][metric] for name in results]
-        bars = ax.bar(list(results), values, color=["#999999", "#1f77b4"])
-        ax.bar_label(bars, fmt="%.2f", fontsize=8)
-        ax.set_title(metric, fontsize=9)
-        ax.tick_params(labelsize=8)
+        bar_panel(ax, metric, list(results), [results[n][metric] for n in results], "%.2f")
     save_figure(fig, "tgq --quantize int8 vs bf16, medium model, CPU 2 threads", path)
 
 

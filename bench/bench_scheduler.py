@@ -32,6 +32,7 @@ from bench.harness import (
     VOCAB,
     TgqOffline,
     Workload,
+    bar_panel,
     medium_llama_4k,
     pyplot,
     random_workload,
@@ -120,10 +121,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ),
     ]
     for ax, (title, names, values) in zip(axes, bars, strict=True):
-        drawn = ax.bar(names, values, color=["#999999", "#1f77b4"])
-        ax.bar_label(drawn, fmt="%.1f", fontsize=8)
-        ax.set_title(title, fontsize=9)
-        ax.tick_params(labelsize=8)
+        bar_panel(ax, title, names, values, "%.1f")
     save_figure(fig, "tgq scheduler, medium Llama bf16, CPU 2 threads", path)
 
 

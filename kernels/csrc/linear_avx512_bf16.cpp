@@ -140,9 +140,6 @@ void pack_x_group(const PackedLinear& a, int64_t m0, int rows, bf16_bits* xg) {
 // stays within ~half of a 1 MiB L2.
 constexpr int64_t kPassBytes = 512 * 1024;
 
-// Work below this many multiply-adds stays on one thread.
-constexpr int64_t kMinWorkPerTask = 1 << 16;
-
 void linear_pass(const PackedLinear& a, int64_t m_begin, int64_t m_end,
                  const std::vector<bf16_bits>& xs, int64_t dense_rows) {
   const int64_t pairs = a.x_stride / 2;

@@ -16,6 +16,9 @@ constexpr int64_t kLine = kLineValues;  // bf16 values in a packed line: 16 pair
 // running past the end of the weights is harmless.
 constexpr int64_t kPrefetchValues = 4096 / sizeof(bf16_bits);
 
+// Work below this many multiply-adds stays on one thread.
+constexpr int64_t kMinWorkPerTask = 1 << 16;
+
 inline void prefetch_l2(const bf16_bits* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 }

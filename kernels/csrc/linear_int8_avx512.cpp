@@ -139,9 +139,6 @@ constexpr auto pass_table(std::index_sequence<I...>) {
 }
 constexpr auto kPasses = pass_table(std::make_index_sequence<kMaxRows>());
 
-// Work below this many multiply-adds stays on one thread.
-constexpr int64_t kMinWorkPerTile = 1 << 16;
-
 }  // namespace
 
 void linear_int8_packed_avx512(const PackedLinear& a, const int8_t* q) {
@@ -153,7 +150,7 @@ void linear_int8_packed_avx512(const PackedLinear& a, const int8_t* q) {
   // Each tile, its int8 weights in L1/L2, against every group of 16 rows (the blocks are
   // converted again for each group: ~6 instructions beside each group's 32 vdpbf16ps).
   const int64_t tiles = ceil_div(a.N, kLanes);
-  const int64_t grain = std::max<int64_t>(1, kMinWorkPerTile / (a.M * a.x_stride * kLanes));
+  const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (a.M * a.x_stride * kLanes));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m = 0; m < a.M; m += kMaxRows) {
