@@ -77,10 +77,10 @@ class BatcherOptions(BaseSettings):
     greedy_head: bool = Field(
         True, description="bf16 CPUs: greedy rows read an int8 screen of the lm_head"
     )
-    quantize: Literal["int8"] | None = Field(
+    quantize: Literal["int8", "fp8"] | None = Field(
         None,
-        description="quantize the decoder layers' linears at load: int8 (weights only, one scale"
-        " per output row; one rank)",
+        description="quantize the decoder layers' linears at load, weights only, one scale per"
+        " output row: int8, or fp8 (E4M3); one rank",
     )
 
     # The scheduler (TGI's meanings).

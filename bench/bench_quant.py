@@ -1,10 +1,11 @@
-"""`--quantize int8` against bf16 on the medium model (hidden 768, 12 layers, vocab 32000): the
-decode step at batch 1 and tokens/s at batch 16, tgq both times, same weights, same run, CPU, 2
-threads. The decoder layers' linears are int8 with one scale per output row (the lm_head stays
-bf16, read through its int8 greedy screen either way).
+"""`--quantize int8` and `--quantize fp8` against bf16 on the medium model (hidden 768, 12 layers,
+vocab 32000): the decode step at batch 1 and tokens/s at batch 16, tgq each time, same weights,
+same run, CPU, 2 threads. The decoder layers' linears are int8 or FP8 E4M3 with one scale per
+output row (the lm_head stays bf16, read through its int8 greedy screen either way).
 
 Each figure is `bench_engine`'s difference of a long and a short run, fastest of a few, taken in
-turns (bf16, int8, bf16, ...). Prints one table and writes JSON and a bar chart to bench/results/.
+turns (bf16, int8, fp8, bf16, ...). Prints one table and writes JSON and a bar chart to
+bench/results/.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.4))
     for ax, metric in zip(axes, metrics, strict=True):
         bar_panel(ax, metric, list(results), [results[n][metric] for n in results], "%.2f")
-    save_figure(fig, "tgq --quantize int8 vs bf16, medium model, CPU 2 threads", path)
+    save_figure(fig, "tgq --quantize int8 / fp8 vs bf16, medium model, CPU 2 threads", path)
 
 
 def main() -> None:
@@ -52,6 +53,7 @@ def main() -> None:
     engines: Engines = {
         "bf16": TgqEngine(path, "auto"),
         "int8": TgqEngine(path, "auto", quantize="int8"),
+        "fp8": TgqEngine(path, "auto", quantize="fp8"),
     }
     results: dict[str, dict[str, float]] = {name: {} for name in engines}
     for engine in engines.values():
@@ -67,10 +69,13 @@ def main() -> None:
     assert isinstance(int8, TgqEngine)
     write_results("quant", args, results, int8.runner)
     plot(results, RESULTS / "quant-cpu.png")
-    print(f"{'metric':<22}{'bf16':>10}{'int8':>10}{'int8/bf16':>11}")
+    print(f"{'metric':<22}{'bf16':>10}{'int8':>10}{'fp8':>10}{'int8/bf16':>11}{'fp8/bf16':>10}")
     for metric, base in results["bf16"].items():
-        ours = results["int8"][metric]
-        print(f"{metric:<22}{base:>10.2f}{ours:>10.2f}{ours / base:>11.3f}")
+        int8_value, fp8_value = results["int8"][metric], results["fp8"][metric]
+        print(
+            f"{metric:<22}{base:>10.2f}{int8_value:>10.2f}{fp8_value:>10.2f}"
+            f"{int8_value / base:>11.3f}{fp8_value / base:>10.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""transformers' model of a checkpoint with the weights `--quantize int8` quantizes replaced by
-their dequantized values (q * scale): the reference the int8 tests compare tgq with, and the
+"""transformers' model of a checkpoint with the weights `--quantize` quantizes replaced by their
+dequantized values (q * scale): the reference the int8 and fp8 tests compare tgq with, and the
 model the quantization-quality benchmark compares with the unquantized one."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ RowQuantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def is_quantized_by_tgq(name: str, param: torch.Tensor) -> bool:
-    """The transformers parameters tgq's int8 layers hold: the decoder layers' linear weights
+    """The transformers parameters tgq's quantized layers hold: the decoder layers' linear weights
     ([out, in]; stacked experts [E, out, in]), not the MoE routers (`loader.quantize_linears`)."""
     router = name.endswith("mlp.gate.weight") or "shared_expert_gate" in name
     return ".layers." in name and param.dim() >= 2 and not router

@@ -36,7 +36,7 @@ class LoadedModel:
     dtype: torch.dtype
     tp: TensorParallel = SINGLE
     num_cpu_kernel_modules: int = 0  # modules on the C++ CPU kernels (0: plain torch ops)
-    quantize: str | None = None  # "int8": the linears quantized at load
+    quantize: str | None = None  # "int8" or "fp8": the linears quantized at load
 
     @property
     def local_config(self) -> ModelConfig:
@@ -58,7 +58,7 @@ def load_model(
 ) -> LoadedModel:
     """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons);
     `greedy_head=False` computes every row's logits (`DecoderForCausalLM.use_cpu_kernels`);
-    `quantize` ("int8", `quantization.QUANTIZE_METHODS`) quantizes the linears once loaded
+    `quantize` ("int8" or "fp8", `quantization.QUANTIZE_METHODS`) quantizes the linears once
     (`quantize_linears`).
     With `tp`, the rank's slice of the model: only that slice of each tensor is read from the
     files."""
@@ -80,7 +80,7 @@ def load_model(
     model.eval().requires_grad_(False)
     if quantize is not None:
         check_quantize(quantize, tp.world_size)
-        quantize_linears(model)
+        quantize_linears(model, quantize)
     num_fast = model.use_cpu_kernels(greedy_head=greedy_head) if cpu_kernels else 0
     log.info(
         "loaded %s (%s) as %s%s on %s, rank %d of %d: weights %.1f MiB (%d modules on the CPU"
@@ -98,9 +98,9 @@ def load_model(
     return LoadedModel(model, config, model_dir, torch_dtype, tp, num_fast, quantize)
 
 
-def quantize_linears(model: DecoderForCausalLM) -> int:
-    """The decoder layers' linears as int8 weights with a scale per output row
-    (`Linear.quantize_int8`); the lm_head and the experts' routers keep their dtype (the head
+def quantize_linears(model: DecoderForCausalLM, method: str) -> int:
+    """The decoder layers' linears as 8-bit weights (`method` "int8" or "fp8") with a scale per
+    output row (`Linear.quantize`); the lm_head and the experts' routers keep their dtype (the head
     has its own int8 screen for greedy rows; routing stays exact). Returns the layers
     quantized."""
     kept: set[int] = {id(model.lm_head)}
@@ -110,7 +110,7 @@ def quantize_linears(model: DecoderForCausalLM) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and id(module) not in kept:
-            module.quantize_int8()
+            module.quantize(method)
             count += 1
     return count
 

@@ -2,10 +2,11 @@
 checkpoint, `loader.quantize_linears`), and pre-quantized checkpoints, refused before any weight
 is read (the batcher's and the api's start-up check them too).
 
-`--quantize int8`: the decoder layers' linears as int8 weights, symmetric, one fp32 scale per
-output row (max |w| / 127), rounded half to even (`layers.linear.quantize_int8_rows`); their
-output is `(x @ q^T) * scale + bias`, summed in fp32. Half the bytes of bf16 a decode step
-streams; the lm_head and MoE routers keep their dtype.
+`--quantize int8` and `--quantize fp8`: the decoder layers' linears as 8-bit weights, symmetric,
+one fp32 scale per output row (max |w| / 127, rounded half to even to int8; or max |w| / 448,
+converted to FP8 E4M3; `layers.linear.quantize_rows`); their output is `(x @ w^T) * scale +
+bias`, summed in fp32. Half the bytes of bf16 a decode step streams; the lm_head and MoE routers
+keep their dtype.
 
 tgq's layers hold float weights only. A quantized checkpoint stores some weights as float8 or
 packed integers next to the scales that give them meaning (`weight_scale`, `scales`, ...);
@@ -31,7 +32,7 @@ CONFIG_KEYS = ("quantization_config", "compression_config")  # the latter: older
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 
 
-QUANTIZE_METHODS = ("int8",)  # `--quantize` (TGI's flag; its other methods are not built yet)
+QUANTIZE_METHODS = ("int8", "fp8")  # `--quantize` (TGI's flag; its others are not built yet)
 
 
 class QuantizeError(ValueError):

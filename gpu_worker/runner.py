@@ -58,7 +58,7 @@ class RunnerConfig:
     # False (TGI's --disable-custom-kernels): the torch attention backend and plain torch ops,
     # none of the C++ CPU kernels (linear, norms, greedy head, decode path) nor flash-attn.
     custom_kernels: bool = True
-    quantize: str | None = None  # "int8" (`--quantize`): the linears quantized at load
+    quantize: str | None = None  # "int8" or "fp8" (`--quantize`): the linears quantized at load
 
 
 @dataclass

@@ -33,18 +33,18 @@ __all__ = [
     "hardware_unsupported_reason",
     "has_amx_bf16",
     "has_amx_int8",
+    "has_avx512_8bit_linear",
     "has_avx512_bf16",
-    "has_avx512_int8_linear",
     "has_avx512_vnni_bf16",
     "is_available",
+    "linear_8bit_packed",
     "linear_bf16",
     "linear_bf16_packed",
-    "linear_int8_packed",
     "moe_experts_bf16",
     "offset_rms_norm",
     "op_program",
+    "pack_weight_8bit",
     "pack_weight_bf16",
-    "pack_weight_int8",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
@@ -60,8 +60,8 @@ _SOURCES = [
     for name in (
         "linear_bf16.cpp",
         "linear_avx512_bf16.cpp",
-        "linear_int8.cpp",
-        "linear_int8_avx512.cpp",
+        "linear_8bit.cpp",
+        "linear_8bit_avx512.cpp",
         "paged_attention.cpp",
         "attention_avx512.cpp",
         "prefill_avx512.cpp",
@@ -301,32 +301,33 @@ def moe_experts_bf16(
     return out
 
 
-def pack_weight_int8(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] int8 in [-127, 127] -> the layout `linear_int8_packed` reads, [ceil(N/16),
-    ceil(K/4), 64]: the tiles and pairs of `pack_weight_bf16`, two pairs a 64-byte block (the
-    byte order in linear_kernels.h)."""
-    packed: torch.Tensor = _ops().pack_weight_int8(weight)
+def pack_weight_8bit(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 in [-127, 127] or float8_e4m3fn -> the layout `linear_8bit_packed` reads,
+    [ceil(N/16), ceil(K/4), 64] of the same dtype: the tiles and pairs of `pack_weight_bf16`, two
+    pairs a 64-byte block, each byte sign and magnitude (linear_kernels.h)."""
+    packed: torch.Tensor = _ops().pack_weight_8bit(weight)
     return packed
 
 
-def linear_int8_packed(
+def linear_8bit_packed(
     x: torch.Tensor,  # [M, K] bf16
-    packed: torch.Tensor,  # pack_weight_int8(q [N, K])
+    packed: torch.Tensor,  # pack_weight_8bit(w [N, K])
     scale: torch.Tensor,  # [N] fp32
     out_features: int,  # N
     bias: torch.Tensor | None = None,
     *,
     out_fp32: bool = False,
 ) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
-    """bf16((x @ q^T) * scale + bias) with fp32 sums of exact products (needs
-    `has_avx512_int8_linear()`): the sums `linear_bf16_packed` makes over q as bf16 weights,
-    each column's times its scale, rounded once."""
-    out: torch.Tensor = _ops().linear_int8_packed(x, packed, scale, out_features, bias, out_fp32)
+    """bf16((x @ w^T) * scale + bias) with fp32 sums of exact products (needs
+    `has_avx512_8bit_linear()`), w int8 or FP8 E4M3 as `packed`'s dtype says: the sums
+    `linear_bf16_packed` makes over w as bf16 weights, each column's times its scale, rounded
+    once."""
+    out: torch.Tensor = _ops().linear_8bit_packed(x, packed, scale, out_features, bias, out_fp32)
     return out
 
 
-def has_avx512_int8_linear() -> bool:
-    """Whether `linear_int8_packed` runs here: AVX512_BF16 and AVX512_VBMI."""
+def has_avx512_8bit_linear() -> bool:
+    """Whether `linear_8bit_packed` runs here: AVX512_BF16 and AVX512_VBMI."""
     return has_avx512_bf16() and "avx512vbmi" in _cpu_flags()
 
 

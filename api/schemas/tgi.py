@@ -217,7 +217,7 @@ class Info(BaseModel):
     quantize: str | None = Field(
         default=None,
         description="`--quantize`: how the weights were quantized at load",
-        examples=["int8"],
+        examples=["int8", "fp8"],
     )
     max_concurrent_requests: int = Field(ge=0, description="Router Parameters", examples=[128])
     max_best_of: int = Field(ge=0, examples=[2])

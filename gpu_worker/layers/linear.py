@@ -1,5 +1,5 @@
 """Linear layer whose matmul goes to the kernel measured fastest for its call size, over bf16
-weights or int8 ones quantized at load (`--quantize int8`)."""
+weights or 8-bit ones quantized at load (`--quantize int8|fp8`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Linear(nn.Module):
         self.matmul: MatmulFn = F.linear
         self.weight_rows: torch.Tensor | None  # [N, K] kept beside packed weights
         self.register_buffer("weight_rows", None, persistent=False)
-        self.weight_scale: torch.Tensor | None  # [N] fp32: int8 weights' scales (`quantize_int8`)
+        self.weight_scale: torch.Tensor | None  # [N] fp32: 8-bit weights' scales (`quantize`)
         self.register_buffer("weight_scale", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
@@ -40,26 +40,26 @@ class Linear(nn.Module):
 
     @property
     def is_quantized(self) -> bool:
-        """Whether `weight` holds int8 values (`quantize_int8`), packed or not."""
+        """Whether `weight` holds 8-bit values (`quantize`), packed or not."""
         return self.weight_scale is not None
 
-    def quantize_int8(self) -> None:
-        """The weights as int8 with one scale per output row (`quantize_int8_rows`); the
-        layer's output is then `(x @ q^T) * scale + bias`, summed in fp32, on torch until
-        `use_int8_kernel`."""
-        q, scale = quantize_int8_rows(self.weight.detach())
+    def quantize(self, method: str) -> None:
+        """The weights as 8-bit values, int8 or FP8 E4M3 by `method`, with one scale per output
+        row (`quantize_rows`); the layer's output is then `(x @ w^T) * scale + bias`, summed in
+        fp32, on torch until `use_8bit_kernel`."""
+        q, scale = quantize_rows(self.weight.detach(), method)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
-        self.matmul = _Int8Matmul(self, packed=False)
+        self.matmul = _QuantizedMatmul(self, packed=False)
 
-    def use_int8_kernel(self) -> None:
-        """An int8 layer on `cpu_ops.linear_int8_packed` (AVX512_BF16 and VBMI), its weights
-        packed once: the same sums as the bf16 kernel over q as bf16, times the scales."""
-        if not isinstance(self.matmul, _Int8Matmul) or self.matmul.packed:
-            raise ValueError("use_int8_kernel: the layer is not int8 on torch (quantize_int8)")
-        packed = cpu_ops.pack_weight_int8(self.weight.detach())
+    def use_8bit_kernel(self) -> None:
+        """A quantized layer on `cpu_ops.linear_8bit_packed` (AVX512_BF16 and VBMI), its weights
+        packed once: the same sums as the bf16 kernel over w as bf16, times the scales."""
+        if not isinstance(self.matmul, _QuantizedMatmul) or self.matmul.packed:
+            raise ValueError("use_8bit_kernel: the layer is not quantized on torch (quantize)")
+        packed = cpu_ops.pack_weight_8bit(self.weight.detach())
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.matmul = _Int8Matmul(self, packed=True)
+        self.matmul = _QuantizedMatmul(self, packed=True)
 
     @property
     def is_packed(self) -> bool:
@@ -110,10 +110,10 @@ class _ChosenMatmul:
         )
 
 
-class _Int8Matmul:
-    """`Linear.matmul` over int8 weights: the AVX-512 kernel over the packed layout, or torch
-    (any CPU or GPU: the sums in fp32 over the int8 values, times the scales, rounded once to
-    x's dtype, as the kernel rounds them)."""
+class _QuantizedMatmul:
+    """`Linear.matmul` over 8-bit weights: the AVX-512 kernel over the packed layout, or torch
+    (any CPU or GPU: the sums in fp32 over the weights' values, times the scales, rounded once
+    to x's dtype, as the kernel rounds them)."""
 
     def __init__(self, linear: Linear, *, packed: bool) -> None:
         self.linear = linear
@@ -125,22 +125,30 @@ class _Int8Matmul:
         scale = self.linear.weight_scale
         assert scale is not None
         if self.packed:
-            return cpu_ops.linear_int8_packed(x, weight, scale, self.linear.out_features, bias)
+            return cpu_ops.linear_8bit_packed(x, weight, scale, self.linear.out_features, bias)
         out = F.linear(x.float(), weight.float()) * scale
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype)
 
 
-def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (q [N, K] int8 in [-127, 127], scale [N] fp32): symmetric per output
-    row, scale = max |w| / 127 in fp32 (1 for an all-zero row), q = w / scale rounded half to
-    even. Dequantized, q * scale."""
+# `--quantize` methods: the dtype their weights are held in and its largest finite value.
+QUANTIZED_DTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+
+
+def quantize_rows(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q [N, K], scale [N] fp32), symmetric per output row with scale =
+    max |w| / (the format's largest value) in fp32 (1 for an all-zero row): `int8` rounds w /
+    scale half to even into [-127, 127]; `fp8` converts w / scale to FP8 E4M3 (nearest, ties
+    to even; |w / scale| <= 448 by construction). Dequantized, q * scale."""
+    dtype, largest = QUANTIZED_DTYPES[method]
     w = weight.float()
     amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    scale = torch.where(amax > 0, amax / largest, torch.ones_like(amax))
+    scaled = (w / scale[:, None]).clamp_(-largest, largest)
+    if dtype == torch.int8:
+        scaled = torch.round(scaled)
+    return scaled.to(dtype), scale
 
 
 def _torch_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

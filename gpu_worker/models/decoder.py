@@ -371,8 +371,8 @@ class DecoderForCausalLM(nn.Module):
         over weights packed once, or torch's oneDNN), and the lm_head on the AVX-512 kernel (a
         tied lm_head gets its own packed copy; the embedding keeps its rows; the greedy head's
         exact logits are those of that kernel); otherwise kernels/cpu_ops.py picks per call.
-        Linears quantized to int8 (`loader.quantize_linears`) run on the int8 kernel where the
-        CPU has AVX512_VBMI too, else stay on torch. With AVX512_VNNI too, one rank and
+        Linears quantized to int8 or fp8 (`loader.quantize_linears`) run on the 8-bit kernel
+        where the CPU has AVX512_VBMI too, else stay on torch. With AVX512_VNNI too, one rank and
         `greedy_head`, argmax-only rows get their tokens from
         `self.greedy_head` (kernels.greedy_head), which keeps the head's [N, K] rows and an int8
         copy, screened on the kernel measured fastest per row count (VNNI or AMX-INT8). On one
@@ -389,7 +389,7 @@ class DecoderForCausalLM(nn.Module):
         # The [N, K] head, which packing releases: the greedy head's screen is built from it.
         head = weight.detach()
         quantized = any(m.is_quantized for m in self.modules() if isinstance(m, Linear))
-        # With int8 layers the float ones left are the routers: small, on the AVX-512 kernel.
+        # With 8-bit layers the float ones left are the routers: small, on the AVX-512 kernel.
         layer_kernels = [(1, "avx512")] if quantized else []
         if pack and not quantized:
             layer_kernels = self.linear_kernels().thresholds("linear")
@@ -417,10 +417,10 @@ class DecoderForCausalLM(nn.Module):
     def _switch_linear(self, module: Linear, layer_kernels: list[tuple[int, str]] | None) -> bool:
         """One linear onto the CPU kernels (`layer_kernels`: the packed kernels' thresholds, None
         without AVX512_BF16); whether it switched."""
-        if module.is_quantized:  # int8: its one kernel, or torch where the CPU lacks it
-            if not cpu_ops.has_avx512_int8_linear():
+        if module.is_quantized:  # 8-bit: its one kernel, or torch where the CPU lacks it
+            if not cpu_ops.has_avx512_8bit_linear():
                 return False
-            module.use_int8_kernel()
+            module.use_8bit_kernel()
         elif layer_kernels is None:
             out_fp32 = module is self.lm_head
             module.matmul = functools.partial(cpu_ops.linear_bf16, out_fp32=out_fp32)

@@ -1,5 +1,5 @@
 // The AVX-512 bf16 linear kernel's output tiles and constants, shared by the kernels over packed
-// bf16 weights (linear_avx512_bf16.cpp) and over packed int8 weights (linear_int8_avx512.cpp).
+// bf16 weights (linear_avx512_bf16.cpp) and over packed 8-bit weights (linear_8bit_avx512.cpp).
 // Include it after the file's `#pragma GCC target(... avx512bf16 ...)`.
 #pragma once
 #include "avx512_common.h"
@@ -23,7 +23,7 @@ inline void prefetch_l2(const bf16_bits* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 }
 
-// One tile's columns [n, n + 16) of the output row m: sums (times the columns' scales, int8
+// One tile's columns [n, n + 16) of the output row m: sums (times the columns' scales, 8-bit
 // weights) + bias, rounded to bf16 (and widened back for out_f32, i.e. linear(...).float());
 // columns past N are masked off.
 struct TileOut {

@@ -21,7 +21,7 @@ struct PackedLinear {
   int64_t M, N, x_stride;
   bf16_bits* out;    // [M, N] bf16, or nullptr when out_f32 is set
   float* out_f32;    // [M, N]: the bf16-rounded results widened to fp32 (logits), or nullptr
-  const float* scale = nullptr;  // [N]: each column's sums times it before the bias (int8 weights)
+  const float* scale = nullptr;  // [N]: each column's sums times it before the bias (8-bit weights)
 };
 
 // True on CPUs with AVX512F/BW/VL and AVX512_BF16 (vdpbf16ps); checked once.
@@ -58,16 +58,21 @@ bool cpu_has_amx_int8();
 // The same on AMX tiles: requires cpu_has_amx_bf16() and K % 32 == 0; any M.
 void linear_bf16_packed_amx(const PackedLinear& args);
 
-// Int8 weights (symmetric, |q| <= 127, one fp32 scale per output column) packed for the AVX-512
-// kernel: the tiles and pairs of the bf16 layout, two pairs of K (two 32-value lines) per 64-byte
-// block, bytes arranged so that vpunpck{l,h}bw of a block's low and high bf16 bytes gives the two
-// lines: the value at index i (= column * 2 + k % 2) of line 2j + h sits at byte
-// (i / 8) * 16 + h * 8 + i % 8 of block j; [ceil(N / 16)][ceil(K / 4)][64] int8, zeros past N, K.
-constexpr int64_t kInt8BlockBytes = 64;
+// 8-bit weights, one fp32 scale per output column (`--quantize int8|fp8`), stored as sign and
+// magnitude: bit 7 the sign, bits 0-6 a code whose value a format's table gives (int8: |q| itself,
+// symmetric so |q| <= 127; fp8 E4M3: the E4M3 bits, which are sign and magnitude already).
+enum class ByteCode { kInt8, kFp8E4M3 };
+// Packed for the AVX-512 kernel: the tiles and pairs of the bf16 layout, two pairs of K (two
+// 32-value lines) per 64-byte block, bytes arranged so that vpunpck{l,h}bw of a block's low and
+// high bf16 bytes gives the two lines: the value at index i (= column * 2 + k % 2) of line 2j + h
+// sits at byte (i / 8) * 16 + h * 8 + i % 8 of block j; [ceil(N / 16)][ceil(K / 4)][64] bytes,
+// zeros past N, K.
+constexpr int64_t kByteBlockBytes = 64;
 // True where cpu_has_avx512_bf16() and the CPU has AVX512_VBMI (vpermt2b); checked once.
-bool cpu_has_avx512_int8_linear();
-// Requires cpu_has_avx512_int8_linear(); args.w unused, args.scale set, args.x_stride a multiple
-// of 4; any M. The same sums as linear_bf16_packed_avx512 over the weights q as bf16.
-void linear_int8_packed_avx512(const PackedLinear& args, const int8_t* q);
+bool cpu_has_avx512_8bit_linear();
+// Requires cpu_has_avx512_8bit_linear(); args.w unused, args.scale set, args.x_stride a multiple
+// of 4; any M. The same sums as linear_bf16_packed_avx512 over the weights' values as bf16 (every
+// int8 and every E4M3 value is exactly a bf16 value).
+void linear_8bit_packed_avx512(const PackedLinear& args, const uint8_t* codes, ByteCode code);
 
 }  // namespace tgq_cpu

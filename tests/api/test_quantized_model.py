@@ -1,6 +1,6 @@
 """The api refuses to start on a quantized checkpoint, with the message the batcher gives
 (tests/gpu_worker/test_quantized.py), before it serves anything; `--quantize int8` serves a float
-checkpoint with int8 linears, in both modes."""
+checkpoint with int8 or fp8 linears, in both modes."""
 
 from __future__ import annotations
 
@@ -34,25 +34,25 @@ def test_the_api_does_not_start_on_a_quantized_checkpoint(
     ) in str(caught.value)
 
 
-@pytest.mark.parametrize("mode", ["embedded", "services"])
-def test_quantize_int8_serves_and_says_so(
-    mode: str, text_model_dir: Path, pg_url: str, tmp_path: Path
+@pytest.mark.parametrize(("mode", "method"), [("embedded", "int8"), ("services", "fp8")])
+def test_quantize_serves_and_says_so(
+    mode: str, method: str, text_model_dir: Path, pg_url: str, tmp_path: Path
 ) -> None:
-    """`--quantize int8` (QUANTIZE for the api): /info names it, the batcher's start-up line
-    gives the weights' size, and generation runs on the int8 linears."""
+    """`--quantize` (QUANTIZE for the api): /info names it, the batcher's start-up line gives
+    the weights' size, and generation runs on the quantized linears."""
     stack = Stack(
         text_model_dir,
         pg_url,
         tmp_path,
-        api_env={"QUANTIZE": "int8"},
-        batcher_options=("--quantize", "int8"),
+        api_env={"QUANTIZE": method},
+        batcher_options=("--quantize", method),
         redis_url=None if mode == "embedded" else REDIS_URL,
     )
     with running(stack, batcher=mode == "services"):
         info = httpx.get(f"{stack.url}/info", timeout=10).json()
-        assert info["quantize"] == "int8"
+        assert info["quantize"] == method
         body = {"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}}
         answer = httpx.post(f"{stack.url}/generate", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 5
         log = stack.api_log() if mode == "embedded" else (tmp_path / "batcher-b0.log").read_text()
-    assert "with int8 linears" in log and " MiB" in log
+    assert f"with {method} linears" in log and " MiB" in log

@@ -93,18 +93,19 @@ def test_revision_picks_the_snapshot_for_the_batcher_and_the_limits(
     assert Settings(model_id="org/m", revision="v2").max_total_tokens == 2048
 
 
-def test_quantize_int8_reaches_the_runner_and_the_start_up_line(model_dir: Path) -> None:
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantize_reaches_the_runner_and_the_start_up_line(method: str, model_dir: Path) -> None:
     options = parse_args(
-        ["--model-id", str(model_dir), "--quantize", "int8", "--dtype", "bfloat16"]
+        ["--model-id", str(model_dir), "--quantize", method, "--dtype", "bfloat16"]
     )
     runner = build_runner(options, str(model_dir))
-    assert isinstance(runner, ModelRunner) and runner.loaded.quantize == "int8"
+    assert isinstance(runner, ModelRunner) and runner.loaded.quantize == method
     linears = {n: m for n, m in runner.loaded.model.named_modules() if isinstance(m, Linear)}
     assert linears["model.layers.0.self_attn.qkv_proj"].is_quantized
     assert linears["model.layers.1.mlp.down_proj"].is_quantized
     assert not linears["lm_head"].is_quantized
     line = describe(options, runner)
-    assert "dtype bfloat16 with int8 linears" in line and " MiB" in line
+    assert f"dtype bfloat16 with {method} linears" in line and " MiB" in line
 
 
 def test_quantize_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,7 +113,7 @@ def test_quantize_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str])
     would not quantize), before any rank starts."""
     with pytest.raises(SystemExit):
         parse_args(["--model-id", "m", "--quantize", "int4"])
-    message = "argument --quantize: invalid choice: 'int4' (choose from 'int8')"
+    message = "argument --quantize: invalid choice: 'int4' (choose from 'int8', 'fp8')"
     assert message in capsys.readouterr().err
     options = parse_args(["--model-id", "m", "--quantize", "int8", "--num-shard", "2"])
     with pytest.raises(ValueError, match=r"runs on one rank only \(--num-shard 1\), not 2"):

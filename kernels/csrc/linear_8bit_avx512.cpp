@@ -1,26 +1,30 @@
-// linear over int8 weights, symmetric with one fp32 scale per output column (`--quantize int8`),
-// on CPUs with AVX512_BF16 and AVX512_VBMI: out = bf16((x @ q^T) * scale + bias), x in bf16.
+// linear over 8-bit weights with one fp32 scale per output column (`--quantize int8|fp8`), on CPUs
+// with AVX512_BF16 and AVX512_VBMI: out = bf16((x @ w^T) * scale + bias), x in bf16, w int8
+// (symmetric) or FP8 E4M3.
 //
-// Every int8 weight is exactly a bf16 value (|q| <= 127 needs 7 bits), so the kernel turns each
-// packed block of int8 weights into the bf16 lines of pack_weight_bf16's layout in registers and
-// multiplies them with vdpbf16ps as the bf16 kernel does: each product exact, each column's sum
-// the same chain in K order for every batch size. Half the bytes of bf16 weights cross the memory
-// bus, at the price of the conversion: |q| looked up in two 128-entry byte tables (the low and
-// high bytes of bf16(|q|), vpermt2b), the sign put back into the high byte, and the two bytes
-// interleaved (vpunpck{l,h}bw), 6 instructions per 64 weights.
+// Every int8 weight (|q| <= 127 needs 7 bits) and every E4M3 weight (3 mantissa bits, exponents
+// 2^-9..2^8) is exactly a bf16 value, so the kernel turns each packed block of weights into the
+// bf16 lines of pack_weight_bf16's layout in registers and multiplies them with vdpbf16ps as the
+// bf16 kernel does: each product exact, each column's sum the same chain in K order for every
+// batch size. Half the bytes of bf16 weights cross the memory bus, at the price of the
+// conversion: the 7-bit magnitude code looked up in two 128-entry byte tables (the low and high
+// bytes of its bf16 value, vpermt2b; one pair of tables per format), the sign put back into the
+// high byte, and the two bytes interleaved (vpunpck{l,h}bw), 6 instructions per 64 weights.
 // The blocks are converted as they stream and each converted line multiplies up to 16 rows of
 // x (lanes = the tile's 16 columns, as the bf16 kernel's few-rows form): at 1-4 rows 2-4 tiles go
 // side by side so that enough independent sums are in flight; past 16 rows each tile runs group
-// after group of 16 rows while its int8 weights stay in L1/L2.
+// after group of 16 rows while its weights stay in L1/L2.
 #include "linear_kernels.h"
 
 #include <array>
+#include <cmath>
+#include <limits>
 #include <utility>
 
 namespace tgq_cpu {
 
 // Before the target pragma: this runs on every CPU.
-bool cpu_has_avx512_int8_linear() {
+bool cpu_has_avx512_8bit_linear() {
   static const bool supported = cpu_has_avx512_bf16() && __builtin_cpu_supports("avx512vbmi");
   return supported;
 }
@@ -33,20 +37,28 @@ bool cpu_has_avx512_int8_linear() {
 namespace tgq_cpu {
 namespace {
 
-static_assert(kInt8BlockBytes == 2 * kLine);
+static_assert(kByteBlockBytes == 2 * kLine);
 
-// The low and high bytes of bf16(i) for i = 0..127, 64 entries a register.
-struct Int8ToBf16 {
+// The value of magnitude code c (0..127) of E4M3 (bias 7, no infinities, 0x7F NaN): subnormal
+// m * 2^-9 at exponent 0, else (1 + m / 8) * 2^(e - 7) (the OCP FP8 specification's E4M3).
+float e4m3_magnitude(int c) {
+  const int e = c >> 3, m = c & 7;
+  if (c == 0x7F) return std::numeric_limits<float>::quiet_NaN();
+  return e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+}
+
+// The low and high bytes of bf16(value of code c) for c = 0..127, 64 entries a register.
+struct ByteToBf16 {
   __m512i lo0, lo1, hi0, hi1, sign;
 
-  Int8ToBf16() {
+  explicit ByteToBf16(ByteCode code) {
     alignas(64) uint8_t lo[128], hi[128];
-    for (int i = 0; i < 128; ++i) {
-      const float f = static_cast<float>(i);
+    for (int c = 0; c < 128; ++c) {
+      const float f = code == ByteCode::kInt8 ? static_cast<float>(c) : e4m3_magnitude(c);
       uint32_t bits = 0;
       std::memcpy(&bits, &f, sizeof(bits));  // exact: the low 16 bits are zero
-      lo[i] = static_cast<uint8_t>(bits >> 16);
-      hi[i] = static_cast<uint8_t>(bits >> 24);
+      lo[c] = static_cast<uint8_t>(bits >> 16);
+      hi[c] = static_cast<uint8_t>(bits >> 24);
     }
     lo0 = _mm512_load_si512(lo);
     lo1 = _mm512_load_si512(lo + 64);
@@ -55,9 +67,9 @@ struct Int8ToBf16 {
     sign = _mm512_set1_epi8(static_cast<char>(0x80));
   }
 
-  // One packed block (64 int8 weights) -> its two bf16 lines (pairs 2j and 2j + 1 of the tile).
-  void lines(const int8_t* block, __m512i& first, __m512i& second) const {
-    const __m512i q = _mm512_loadu_si512(block);  // sign and magnitude: vpermt2b reads |q|
+  // One packed block (64 weights) -> its two bf16 lines (pairs 2j and 2j + 1 of the tile).
+  void lines(const uint8_t* block, __m512i& first, __m512i& second) const {
+    const __m512i q = _mm512_loadu_si512(block);  // sign and code: vpermt2b reads bits 0-6
     const __m512i low = _mm512_permutex2var_epi8(lo0, q, lo1);
     __m512i high = _mm512_permutex2var_epi8(hi0, q, hi1);
     high = _mm512_ternarylogic_epi32(high, q, sign, 0xF8);  // high | (q & 0x80)
@@ -66,14 +78,14 @@ struct Int8ToBf16 {
   }
 };
 
-// The int8 stream is prefetched into L2 this far ahead (the bf16 kernel's distance in weights).
+// The 8-bit stream is prefetched into L2 this far ahead (the bf16 kernel's distance in weights).
 constexpr int64_t kPrefetchBytes = 4096;
 
 // Rows [m0, m0 + MT) of x against tiles [t0, t0 + TT), converting as the blocks stream.
 template <int MT, int TT>
-void int8_few_rows(const PackedLinear& a, const int8_t* q, int64_t t0, int64_t m0,
-                   const Int8ToBf16& to_bf16) {
-  const int64_t pairs = a.x_stride / 2, tile_bytes = pairs / 2 * kInt8BlockBytes;
+void byte_few_rows(const PackedLinear& a, const uint8_t* q, int64_t t0, int64_t m0,
+                   const ByteToBf16& to_bf16) {
+  const int64_t pairs = a.x_stride / 2, tile_bytes = pairs / 2 * kByteBlockBytes;
   const bf16_bits* x = a.x + m0 * a.x_stride;
   __m512 acc[TT][MT];
   for (auto& tile : acc)
@@ -81,7 +93,7 @@ void int8_few_rows(const PackedLinear& a, const int8_t* q, int64_t t0, int64_t m
   for (int64_t p = 0; p < pairs; p += 2) {
 #pragma GCC unroll 4
     for (int tt = 0; tt < TT; ++tt) {
-      const int8_t* block = q + (t0 + tt) * tile_bytes + p / 2 * kInt8BlockBytes;
+      const uint8_t* block = q + (t0 + tt) * tile_bytes + p / 2 * kByteBlockBytes;
       _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T1);
       __m512i first, second;
       to_bf16.lines(block, first, second);
@@ -99,10 +111,10 @@ void int8_few_rows(const PackedLinear& a, const int8_t* q, int64_t t0, int64_t m
   }
 }
 
-using Int8FewRowsFn = void (*)(const PackedLinear&, const int8_t*, int64_t, int64_t,
-                               const Int8ToBf16&);
+using ByteFewRowsFn = void (*)(const PackedLinear&, const uint8_t*, int64_t, int64_t,
+                               const ByteToBf16&);
 
-// Rows per call of int8_few_rows: up to 16 sums (a register each) in flight.
+// Rows per call of byte_few_rows: up to 16 sums (a register each) in flight.
 constexpr int64_t kMaxRows = 16;
 
 // For MT rows, tiles side by side: 4 at 1-2 rows, 2 at 3-4, 1 from 5.
@@ -111,22 +123,22 @@ constexpr int kSideBySide = MT <= 2 ? 4 : MT <= 4 ? 2 : 1;
 
 template <std::size_t... I>
 constexpr auto few_rows_table(std::index_sequence<I...>) {
-  return std::array<Int8FewRowsFn, sizeof...(I)>{int8_few_rows<I + 1, 1>...};
+  return std::array<ByteFewRowsFn, sizeof...(I)>{byte_few_rows<I + 1, 1>...};
 }
 constexpr auto kOneTile = few_rows_table(std::make_index_sequence<kMaxRows>());
 
 // M <= kMaxRows: one pass over the weights, kSideBySide<MT> tiles at a time.
 template <int MT>
-void few_rows_pass(const PackedLinear& a, const int8_t* q, const Int8ToBf16& to_bf16) {
+void few_rows_pass(const PackedLinear& a, const uint8_t* q, const ByteToBf16& to_bf16) {
   constexpr int TT = kSideBySide<MT>;
   const int64_t tiles = ceil_div(a.N, kLanes), groups = ceil_div(tiles, TT);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t = g * TT;
       if (t + TT <= tiles) {
-        int8_few_rows<MT, TT>(a, q, t, 0, to_bf16);
+        byte_few_rows<MT, TT>(a, q, t, 0, to_bf16);
       } else {
-        for (int64_t u = t; u < tiles; ++u) int8_few_rows<MT, 1>(a, q, u, 0, to_bf16);
+        for (int64_t u = t; u < tiles; ++u) byte_few_rows<MT, 1>(a, q, u, 0, to_bf16);
       }
     }
   });
@@ -134,20 +146,21 @@ void few_rows_pass(const PackedLinear& a, const int8_t* q, const Int8ToBf16& to_
 
 template <std::size_t... I>
 constexpr auto pass_table(std::index_sequence<I...>) {
-  using PassFn = void (*)(const PackedLinear&, const int8_t*, const Int8ToBf16&);
+  using PassFn = void (*)(const PackedLinear&, const uint8_t*, const ByteToBf16&);
   return std::array<PassFn, sizeof...(I)>{few_rows_pass<I + 1>...};
 }
 constexpr auto kPasses = pass_table(std::make_index_sequence<kMaxRows>());
 
 }  // namespace
 
-void linear_int8_packed_avx512(const PackedLinear& a, const int8_t* q) {
-  static const Int8ToBf16 to_bf16;
+void linear_8bit_packed_avx512(const PackedLinear& a, const uint8_t* q, ByteCode code) {
+  static const ByteToBf16 int8_table(ByteCode::kInt8), fp8_table(ByteCode::kFp8E4M3);
+  const ByteToBf16& to_bf16 = code == ByteCode::kInt8 ? int8_table : fp8_table;
   if (a.M <= kMaxRows) {
     kPasses[a.M - 1](a, q, to_bf16);
     return;
   }
-  // Each tile, its int8 weights in L1/L2, against every group of 16 rows (the blocks are
+  // Each tile, its weights in L1/L2, against every group of 16 rows (the blocks are
   // converted again for each group: ~6 instructions beside each group's 32 vdpbf16ps).
   const int64_t tiles = ceil_div(a.N, kLanes);
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerTask / (a.M * a.x_stride * kLanes));

@@ -1,0 +1,106 @@
+// The 8-bit-weight linear's ops (`--quantize int8|fp8`): pack_weight_8bit and linear_8bit_packed,
+// the kernel in linear_8bit_avx512.cpp over weights packed once at load. The packed tensor keeps
+// the weights' dtype (int8, or float8_e4m3fn), which says how its bytes read. The torch path for
+// other CPUs is Python's (gpu_worker/layers/linear.py).
+#include <ATen/ops/constant_pad_nd.h>
+
+#include "linear_kernels.h"
+
+namespace {
+
+using namespace tgq_cpu;
+
+// int8 q -> sign and magnitude (|q| <= 127: -128 has no magnitude code); E4M3 bits as they are.
+uint8_t byte_code(const uint8_t* src, int64_t i, bool is_int8) {
+  if (!is_int8) return src[i];
+  const auto q = static_cast<int8_t>(src[i]);
+  return static_cast<uint8_t>(q < 0 ? 0x80 | -q : q);
+}
+
+at::Tensor pack_weight_8bit(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_weight_8bit: weight must be [N, K], got ", weight.sizes());
+  const bool is_int8 = weight.scalar_type() == at::kChar;
+  TORCH_CHECK(is_int8 || weight.scalar_type() == at::kFloat8_e4m3fn,
+              "pack_weight_8bit: weight must be int8 or float8_e4m3fn, got ", weight.scalar_type());
+  TORCH_CHECK(weight.device().is_cpu(), "pack_weight_8bit: CPU tensors only");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = ceil_div(K, 4);
+  const auto* src = static_cast<const uint8_t*>(w.data_ptr());
+  if (is_int8) {
+    for (int64_t i = 0; i < w.numel(); ++i) {
+      TORCH_CHECK(src[i] != 0x80, "pack_weight_8bit: int8 weights must be in [-127, 127] "
+                  "(symmetric int8), found -128");
+    }
+  }
+  at::Tensor packed = at::empty({ceil_div(N, kPackColumns), blocks, kByteBlockBytes}, w.options());
+  auto* dst = static_cast<uint8_t*>(packed.data_ptr());
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < blocks; ++j) {
+        uint8_t* block = dst + (t * blocks + j) * kByteBlockBytes;
+        for (int h = 0; h < 2; ++h) {
+          for (int i = 0; i < 2 * kPackColumns; ++i) {  // index in line 2j + h: column * 2 + k % 2
+            const int64_t n = t * kPackColumns + i / 2, k = 2 * (2 * j + h) + i % 2;
+            block[i / 8 * 16 + h * 8 + i % 8] = n < N && k < K ? byte_code(src, n * K + k, is_int8)
+                                                               : 0;
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor linear_8bit_packed(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scale, int64_t N,
+                              const std::optional<at::Tensor>& bias, bool out_fp32) {
+  TORCH_CHECK(cpu_has_avx512_8bit_linear(),
+              "linear_8bit_packed: needs a CPU with AVX512_BF16 and AVX512_VBMI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "linear_8bit_packed: x must be [M, K] bf16, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), blocks = ceil_div(K, 4);
+  TORCH_CHECK(K > 0 && N > 0, "linear_8bit_packed: K and N must be positive");
+  const std::vector<int64_t> expected{ceil_div(N, kPackColumns), blocks, kByteBlockBytes};
+  TORCH_CHECK(packed.sizes() == c10::IntArrayRef(expected), "linear_8bit_packed: packed weight ",
+              packed.sizes(), " is not ", c10::IntArrayRef(expected), " for N = ", N, ", K = ", K);
+  const bool is_int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK((is_int8 || packed.scalar_type() == at::kFloat8_e4m3fn) && packed.is_contiguous(),
+              "linear_8bit_packed: packed weight must be contiguous int8 or float8_e4m3fn "
+              "(pack_weight_8bit)");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat,
+              "linear_8bit_packed: scale must be [", N, "] fp32, got ", scale.sizes(), " ",
+              scale.scalar_type());
+  at::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_8bit_packed: bias must be [", N,
+                "], got ", bias->sizes());
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  for (const at::Tensor* t : {&x, &packed, &scale}) {
+    TORCH_CHECK(t->device().is_cpu(), "linear_8bit_packed: CPU tensors only");
+  }
+  // The kernel reads x in blocks of 4 along K: zeros past K.
+  const at::Tensor xc = K % 4 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 4 * blocks - K});
+  const at::Tensor sc = scale.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+  PackedLinear args{data_as<bf16_bits>(xc), nullptr,
+                    b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, 4 * blocks,
+                    out_fp32 ? nullptr : mutable_data_as<bf16_bits>(out),
+                    out_fp32 ? out.data_ptr<float>() : nullptr};
+  args.scale = sc.data_ptr<float>();
+  linear_8bit_packed_avx512(args, static_cast<const uint8_t*>(packed.data_ptr()),
+                            is_int8 ? ByteCode::kInt8 : ByteCode::kFp8E4M3);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
+  m.def("pack_weight_8bit(Tensor weight) -> Tensor", &pack_weight_8bit);
+  m.def(
+      "linear_8bit_packed(Tensor x, Tensor packed, Tensor scale, int out_features, Tensor? bias,"
+      " bool out_fp32=False) -> Tensor",
+      &linear_8bit_packed);
+  m.def("has_avx512_8bit_linear() -> bool", [] { return cpu_has_avx512_8bit_linear(); });
+}

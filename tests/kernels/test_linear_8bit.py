@@ -1,0 +1,134 @@
+"""The 8-bit-weight linear kernel (`cpu_ops.linear_8bit_packed`, `--quantize int8|fp8`): the sums
+the bf16 kernel makes over the weights' values as bf16, bit for bit, times each column's scale,
+rounded once; the same for every row whatever else is in the call. FP8 E4M3 codes decode to the
+values the OCP FP8 specification gives them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tgq.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.has_avx512_8bit_linear() or not cpu_ops.is_available(),
+    reason="the 8-bit linear kernel needs AVX512_BF16 and AVX512_VBMI",
+)
+
+# Rows of x on each side of the kernel's forms (1-2, 3-4 and 5-16 rows in one pass; 17 and more
+# tile by tile in groups of 16), and N, K past whole tiles and blocks.
+ROWS = (0, 1, 2, 3, 5, 8, 9, 16, 17, 40)
+SHAPES = ((1, 1), (40, 3), (33, 130), (77, 64), (16, 4))  # (N, K)
+FORMATS = ("int8", "fp8")
+E4M3_NAN = (0x7F, 0xFF)
+
+
+def weights(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Random int8 in [-127, 127], or random finite E4M3 codes (every exponent, subnormals and
+    both zeros among them)."""
+    gen = torch.Generator().manual_seed(seed)
+    if fmt == "int8":
+        return torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)  # no NaN
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def e4m3_from_the_specification(code: int) -> float:
+    """OCP 8-bit floating point, E4M3: sign bit, 4 exponent bits (bias 7), 3 mantissa bits;
+    exponent 0 is subnormal (m / 8 * 2^-6); S.1111.111 is NaN; no infinities."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return math.nan
+    if exponent == 0:
+        return sign * mantissa / 8 * 2.0**-6
+    return sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+
+
+def test_every_e4m3_code_decodes_to_its_specified_value() -> None:
+    """Each of the 256 codes as a one-input column, times x = 1: the kernel's value of it."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    w = codes.view(torch.float8_e4m3fn)[:, None]  # [256, 1]
+    packed = cpu_ops.pack_weight_8bit(w)
+    x = torch.ones(1, 1, dtype=torch.bfloat16)
+    out = cpu_ops.linear_8bit_packed(x, packed, torch.ones(256), 256, out_fp32=True)[0]
+    for code in range(256):
+        expected = e4m3_from_the_specification(code)
+        if math.isnan(expected):
+            assert code in E4M3_NAN and math.isnan(out[code].item())
+            continue
+        assert out[code].item() == expected, hex(code)  # (-0 sums to +0 from a zero start)
+    finite = torch.tensor([c not in E4M3_NAN for c in range(256)])
+    assert torch.equal(out[finite], w[finite, 0].float())  # torch's own conversion agrees
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("out_fp32", [False, True])
+def test_with_unit_scales_it_is_the_bf16_kernel_over_the_values(
+    fmt: str, n: int, k: int, out_fp32: bool
+) -> None:
+    w = weights(fmt, n, k, n * k)
+    bias = torch.randn(n).bfloat16()
+    packed, as_bf16 = cpu_ops.pack_weight_8bit(w), cpu_ops.pack_weight_bf16(w.bfloat16())
+    assert packed.dtype == w.dtype
+    for m in ROWS:
+        x = torch.randn(m, k).bfloat16()
+        ours = cpu_ops.linear_8bit_packed(x, packed, torch.ones(n), n, bias, out_fp32=out_fp32)
+        bf16 = cpu_ops.linear_bf16_packed(x, as_bf16, n, bias, out_fp32=out_fp32)
+        assert ours.dtype == (torch.float32 if out_fp32 else torch.bfloat16)
+        assert torch.equal(ours, bf16), (m, n, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_scaled_sums_are_the_fp32_product_rounded_once(fmt: str, n: int, k: int) -> None:
+    w = weights(fmt, n, k, 7)
+    scale = torch.rand(n) * 0.02 + 1e-4
+    bias = torch.randn(n).bfloat16()
+    packed = cpu_ops.pack_weight_8bit(w)
+    x = torch.randn(40, k).bfloat16()
+    ours = cpu_ops.linear_8bit_packed(x, packed, scale, n, bias).float()
+    exact = (x.double() @ w.double().T) * scale.double() + bias.double()
+    # One rounding to bf16 (half a unit in the last place: at most 2^-8 relative) of fp32 sums of
+    # exact products, which differ from the float64 ones by far less.
+    bound = exact.abs() * 2.0**-8 + 1e-6
+    assert ((ours.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_row_is_the_same_alone_as_in_any_batch(fmt: str) -> None:
+    n, k = 70, 200
+    w, scale = weights(fmt, n, k, 3), torch.rand(n) * 0.01
+    packed = cpu_ops.pack_weight_8bit(w)
+    x = torch.randn(40, k).bfloat16()
+    alone = torch.cat(
+        [cpu_ops.linear_8bit_packed(x[i : i + 1], packed, scale, n) for i in range(40)]
+    )
+    for m in ROWS[1:]:
+        assert torch.equal(cpu_ops.linear_8bit_packed(x[:m], packed, scale, n), alone[:m])
+
+
+def test_bad_inputs_are_refused() -> None:
+    q = weights("int8", 20, 8, 1)
+    packed = cpu_ops.pack_weight_8bit(q)
+    x, scale = torch.randn(2, 8).bfloat16(), torch.ones(20)
+    with pytest.raises(RuntimeError, match=r"int8 weights must be in \[-127, 127\]"):
+        cpu_ops.pack_weight_8bit(torch.full((3, 3), -128, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="weight must be int8 or float8_e4m3fn"):
+        cpu_ops.pack_weight_8bit(q.float())
+    with pytest.raises(RuntimeError, match="weight must be int8 or float8_e4m3fn"):
+        cpu_ops.pack_weight_8bit(q.float().to(torch.float8_e5m2))
+    with pytest.raises(RuntimeError, match="is not"):
+        cpu_ops.linear_8bit_packed(x, packed, torch.ones(40), 40)
+    with pytest.raises(RuntimeError, match="packed weight must be contiguous int8 or float8"):
+        cpu_ops.linear_8bit_packed(x, packed.float(), scale, 20)
+    with pytest.raises(RuntimeError, match=r"scale must be \[20\] fp32"):
+        cpu_ops.linear_8bit_packed(x, packed, scale.double(), 20)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_ops.linear_8bit_packed(x.float(), packed, scale, 20)
+    with pytest.raises(RuntimeError, match=r"bias must be \[20\]"):
+        cpu_ops.linear_8bit_packed(x, packed, scale, 20, torch.ones(3))
