@@ -213,6 +213,20 @@ class Stack:
     def api_log(self) -> str:
         return (self.log_dir / f"{self.name}.log").read_text(errors="replace")[-4000:]
 
+    def all_logs(self, chars: int = 2000) -> str:
+        """The end of every log the stack's processes wrote (api, batchers, killed ones too,
+        workers), each under its name, and which processes have exited: what a failure in a
+        multi-process test needs to be read."""
+        exited = [
+            f"{' '.join(map(str, p.args[1:4]))}: exit {p.returncode}"  # type: ignore[index]
+            for p in (self.api, *self.batchers, *self.workers)
+            if p is not None and p.poll() is not None
+        ]
+        parts = [f"exited: {exited or 'none'}"]
+        for path in sorted(self.log_dir.glob("*.log")):
+            parts.append(f"--- {path.name}\n" + path.read_text(errors="replace")[-chars:])
+        return "\n".join(parts)
+
     def _spawn(
         self, log_name: str, command: list[str], env: dict[str, str]
     ) -> subprocess.Popen[bytes]:

@@ -198,11 +198,11 @@ def run_with_kill(model_dir: Path, log_dir: Path, kill_at: int) -> dict[str, Any
         submitter.start()
         killed_at = kill_and_restart(stack, kill_at)
         rerun = "SELECT count(*) FROM results WHERE attempt > 1"
-        eventually(lambda: scalar(url, rerun) > 0, 120, stack.api_log, interval_s=0.1)
+        eventually(lambda: scalar(url, rerun) > 0, 120, stack.all_logs, interval_s=0.1)
         rerun_at = time.monotonic()  # the killed work is back: rerun and persisted
         submitter.join()
         assert len(job_ids) == NUM_JOBS
-        done_at = wait_done(url, NUM_JOBS, 180, log=stack.api_log)
+        done_at = wait_done(url, NUM_JOBS, 180, log=stack.all_logs)
         figures = check_invariants(url, NUM_JOBS, SHORT["max_new_tokens"])
         check_metrics(stack, NUM_JOBS)
         assert figures["reruns"] > 0  # the kill did hit requests in flight
