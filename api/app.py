@@ -47,7 +47,7 @@ from tgq.batcher import tracing
 from tgq.batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport
 from tgq.batcher.transport.base import StoredFinal
 from tgq.batcher.transport.threaded import ThreadedApiTransport
-from tgq.gpu_worker.quantization import refuse_quantized_config
+from tgq.gpu_worker.quantization import COMPRESSED_TENSORS, refuse_quantized_config
 
 log = logging.getLogger("api")
 VERSION = "0.1.0"
@@ -82,6 +82,8 @@ class AppState:
     embedded: Any = None  # the in-process batcher, without Redis
     batch_starter: BatchStarter | None = None  # made from this state as the app starts
     epoch_watch: EpochWatch = field(default_factory=EpochWatch)
+    # `--quantize`, or "compressed-tensors" for a checkpoint stored quantized (/info)
+    quantize: str | None = None
 
     async def start_batch(self, batch_id: str) -> None:
         """Starts a runner for the batch (once per batch at a time). A runner that cannot start
@@ -174,7 +176,8 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
         await asyncio.to_thread(upgrade, settings.database_url)
     await check_schema(db)
     model_dir = model_dir_of(settings)
-    refuse_quantized_config(model_dir)  # the batcher refuses it too; say so before serving
+    # The batcher refuses what it cannot run too; say so before serving.
+    scheme = refuse_quantized_config(model_dir)
     embedded = None
     transport: AsyncApiTransport
     if settings.redis_url:
@@ -223,6 +226,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     state = AppState(
         settings, db, transport, tokenizer, metrics, generation, persister, running, health,
         LocalFileStorage(settings.file_storage_dir), embedded=embedded,
+        quantize=COMPRESSED_TENSORS if scheme is not None else settings.quantize,
     )  # fmt: skip
     state.batch_starter = make_starter(state)
     recorder.start()

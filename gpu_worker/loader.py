@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tgq.gpu_worker.compressed import load_compressed
 from tgq.gpu_worker.config import ModelConfig, resolve_dtype
 from tgq.gpu_worker.hub import resolve_model_dir
 from tgq.gpu_worker.layers.linear import Linear
@@ -20,7 +21,12 @@ from tgq.gpu_worker.layers.moe import SparseMoE
 from tgq.gpu_worker.models import model_class
 from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
-from tgq.gpu_worker.quantization import check_quantize, refuse_quantized_checkpoint
+from tgq.gpu_worker.quantization import (
+    COMPRESSED_TENSORS,
+    QuantizedCheckpointError,
+    check_quantize,
+    refuse_quantized_checkpoint,
+)
 from tgq.gpu_worker.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -36,7 +42,8 @@ class LoadedModel:
     dtype: torch.dtype
     tp: TensorParallel = SINGLE
     num_cpu_kernel_modules: int = 0  # modules on the C++ CPU kernels (0: plain torch ops)
-    quantize: str | None = None  # "int8" or "fp8": the linears quantized at load
+    # "int8" or "fp8": the linears quantized at load; "compressed-tensors": stored quantized
+    quantize: str | None = None
 
     @property
     def local_config(self) -> ModelConfig:
@@ -59,11 +66,17 @@ def load_model(
     """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons);
     `greedy_head=False` computes every row's logits (`DecoderForCausalLM.use_cpu_kernels`);
     `quantize` ("int8" or "fp8", `quantization.QUANTIZE_METHODS`) quantizes the linears once
-    (`quantize_linears`).
+    (`quantize_linears`); a compressed-tensors checkpoint's linears load quantized as stored
+    (`compressed.load_compressed`).
     With `tp`, the rank's slice of the model: only that slice of each tensor is read from the
     files."""
     model_dir = resolve_model_dir(model_id, revision=revision, cache_dir=cache_dir)
-    refuse_quantized_checkpoint(model_dir)  # config.json and headers: no weight read yet
+    scheme = refuse_quantized_checkpoint(model_dir)  # config.json and headers: no weight read
+    if scheme is not None and (quantize is not None or tp.world_size > 1):
+        raise QuantizedCheckpointError(
+            f"this {COMPRESSED_TENSORS} checkpoint is quantized already: it loads on one rank"
+            f" (--num-shard 1) without --quantize"
+        )
     config = ModelConfig.from_dir(model_dir)
     cls = model_class(config)
     torch_dtype = _DTYPES[resolve_dtype(dtype, config.dtype, device.type)]
@@ -77,8 +90,12 @@ def load_model(
         model.local_rotary.to(device)
     with Checkpoint.open(model_dir, rename=cls.stored_name) as checkpoint:
         fill_parameters(model, checkpoint)
+        if scheme is not None:
+            sources = model.checkpoint_sources()
+            load_compressed(quantizable_linears(model), sources, checkpoint, scheme)
+            quantize = COMPRESSED_TENSORS
     model.eval().requires_grad_(False)
-    if quantize is not None:
+    if quantize is not None and scheme is None:
         check_quantize(quantize, tp.world_size)
         quantize_linears(model, quantize)
     num_fast = model.use_cpu_kernels(greedy_head=greedy_head) if cpu_kernels else 0
@@ -100,19 +117,25 @@ def load_model(
 
 def quantize_linears(model: DecoderForCausalLM, method: str) -> int:
     """The decoder layers' linears as 8-bit weights (`method` "int8" or "fp8") with a scale per
-    output row (`Linear.quantize`); the lm_head and the experts' routers keep their dtype (the head
-    has its own int8 screen for greedy rows; routing stays exact). Returns the layers
-    quantized."""
+    output row (`Linear.quantize`). Returns the layers quantized."""
+    linears = quantizable_linears(model)
+    for module in linears.values():
+        module.quantize(method)
+    return len(linears)
+
+
+def quantizable_linears(model: DecoderForCausalLM) -> dict[str, Linear]:
+    """The decoder layers' linears by name: not the lm_head or the experts' routers, which keep
+    their dtype (the head has its own int8 screen for greedy rows; routing stays exact)."""
     kept: set[int] = {id(model.lm_head)}
     for block in model.modules():
         if isinstance(block, SparseMoE):
             kept.update(id(gate) for gate in (block.gate, block.shared_expert_gate) if gate)
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and id(module) not in kept:
-            module.quantize(method)
-            count += 1
-    return count
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and id(module) not in kept
+    }
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -1,6 +1,7 @@
 """Quantization's torch-free parts: `--quantize` (what tgq quantizes at load from a float
-checkpoint, `loader.quantize_linears`), and pre-quantized checkpoints, refused before any weight
-is read (the batcher's and the api's start-up check them too).
+checkpoint, `loader.quantize_linears`), and pre-quantized checkpoints: the compressed-tensors ones
+tgq runs (`compressed_scheme`, loaded by `gpu_worker.compressed`), and the others, refused before
+any weight is read (the batcher's and the api's start-up check them too).
 
 `--quantize int8` and `--quantize fp8`: the decoder layers' linears as 8-bit weights, symmetric,
 one fp32 scale per output row (max |w| / 127, rounded half to even to int8; or max |w| / 448,
@@ -8,22 +9,25 @@ converted to FP8 E4M3; `layers.linear.quantize_rows`); their output is `(x @ w^T
 bias`, summed in fp32. Half the bytes of bf16 a decode step streams; the lm_head and MoE routers
 keep their dtype.
 
-tgq's layers hold float weights only. A quantized checkpoint stores some weights as float8 or
-packed integers next to the scales that give them meaning (`weight_scale`, `scales`, ...);
-loading the integers as if they were the weights and ignoring the scales would serve garbage,
-so such a checkpoint is refused with the method it uses. Two signs are read: `config.json`'s
-`quantization_config` (FP8, AWQ, GPTQ, compressed-tensors, bitsandbytes, ...), and, for
-checkpoints without one, a `.weight` tensor whose stored dtype (from the safetensors headers,
-no tensor data) is not a float type.
+compressed-tensors checkpoints (vLLM's format, written by llm-compressor) with 8-bit symmetric
+weights, int8 or FP8 E4M3, one scale per output channel or per tensor, and inputs unquantized or
+quantized to 8 bits per token (dynamic) or per tensor (dynamic or static): the stored values and
+scales are used as they are, and the inputs quantized and dequantized as the format's own forward
+does. Anything else a checkpoint declares (AWQ, GPTQ, FP8 blocks, int4 packing, ...) is refused
+with what it uses. Two signs are read: `config.json`'s `quantization_config`, and, for
+checkpoints without one, a `.weight` tensor whose stored dtype (from the safetensors headers, no
+tensor data) is not a float type: loading the integers as if they were the weights and ignoring
+their scales would serve garbage.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tgq.gpu_worker.hub import weight_files
 
@@ -71,19 +75,113 @@ def quantization_method(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def refuse_quantized_config(model_dir: str | Path) -> None:
-    """The config check alone (the api has the model's config and tokenizer, not its weights)."""
+def refuse_quantized_config(model_dir: str | Path) -> CompressedScheme | None:
+    """The config check alone (the api has the model's config and tokenizer, not its weights):
+    None for an unquantized checkpoint, the scheme of a compressed-tensors one tgq runs, or a
+    QuantizedCheckpointError naming the method or the part of the scheme it cannot run."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
-        return
+        return None
     config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
     method = quantization_method(config)
-    if method is not None:
-        key = next(key for key in CONFIG_KEYS if config.get(key) is not None)
-        raise QuantizedCheckpointError(
-            f"quantized checkpoints are not supported yet: this one uses quant_method {method!r}"
-            f" (config.json {key})"
+    if method is None:
+        return None
+    key = next(key for key in CONFIG_KEYS if config.get(key) is not None)
+    if method == COMPRESSED_TENSORS:
+        return compressed_scheme(config[key])
+    raise QuantizedCheckpointError(
+        f"quantized checkpoints are not supported yet: this one uses quant_method {method!r}"
+        f" (config.json {key})"
+    )
+
+
+COMPRESSED_TENSORS = "compressed-tensors"
+# The compressed-tensors formats that store 8-bit values as they are (int8, float8_e4m3fn).
+COMPRESSED_FORMATS = frozenset({"float-quantized", "int-quantized", "naive-quantized"})
+
+
+@dataclass(frozen=True, slots=True)
+class QuantArgs:
+    """How one kind of tensor of a compressed-tensors scheme is quantized: 8 bits, symmetric."""
+
+    type: Literal["int", "float"]  # int8, or FP8 E4M3
+    strategy: Literal["channel", "tensor", "token"]
+    dynamic: bool  # scales computed from the values at run time (activations only)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedScheme:
+    """The one scheme of a compressed-tensors checkpoint's quantized linears."""
+
+    weights: QuantArgs
+    activations: QuantArgs | None  # None: inputs stay in the model's dtype (weight-only)
+
+
+def compressed_scheme(section: Mapping[str, Any]) -> CompressedScheme:
+    """config.json's compressed-tensors section -> the scheme, or a QuantizedCheckpointError
+    saying which part of it tgq cannot run."""
+
+    def refuse(what: str) -> QuantizedCheckpointError:
+        return QuantizedCheckpointError(
+            "compressed-tensors checkpoints are supported with 8-bit symmetric weights (a scale"
+            " per channel or per tensor) and inputs unquantized or 8-bit (dynamic per token or"
+            f" per tensor, or static per tensor): this one has {what}"
         )
+
+    formats = {section.get("format")} | {
+        group.get("format") for group in (section.get("config_groups") or {}).values()
+    }
+    unknown = sorted(str(f) for f in formats - {None} - COMPRESSED_FORMATS)
+    if unknown:
+        raise refuse(f"format {unknown[0]!r}")
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if section.get(key):
+            raise refuse(f"a {key}")
+    groups = list((section.get("config_groups") or {}).values())
+    if not groups:
+        raise refuse("no config_groups")
+    schemes = {_group_scheme(group, refuse) for group in groups}
+    if len(schemes) > 1:
+        raise refuse(f"{len(schemes)} different schemes in its config_groups")
+    return schemes.pop()
+
+
+_Refuse = Callable[[str], QuantizedCheckpointError]
+
+
+def _group_scheme(group: Mapping[str, Any], refuse: _Refuse) -> CompressedScheme:
+    if group.get("output_activations"):
+        raise refuse("quantized output activations")
+    weights = group.get("weights")
+    if not weights:
+        raise refuse("a group without weights")
+    activations = group.get("input_activations")
+    return CompressedScheme(
+        _quant_args(weights, "weights", ("channel", "tensor"), refuse),
+        None
+        if not activations
+        else _quant_args(activations, "inputs", ("token", "tensor"), refuse),
+    )
+
+
+def _quant_args(
+    args: Mapping[str, Any], kind: str, strategies: tuple[str, ...], refuse: _Refuse
+) -> QuantArgs:
+    if args.get("num_bits") != 8 or args.get("type") not in ("int", "float"):
+        raise refuse(f"{kind} of {args.get('num_bits')} bits of type {args.get('type')!r}")
+    if not args.get("symmetric", True):
+        raise refuse(f"asymmetric {kind}")
+    strategy = args.get("strategy")
+    if strategy not in strategies or args.get("group_size") or args.get("block_structure"):
+        raise refuse(f"{kind} quantized per {strategy}")
+    if args.get("actorder"):
+        raise refuse(f"{kind} with actorder {args['actorder']!r}")
+    dynamic = bool(args.get("dynamic"))
+    if kind == "weights" and dynamic:
+        raise refuse("dynamic weights")
+    if strategy == "token" and not dynamic:
+        raise refuse("static per-token inputs")
+    return QuantArgs(args["type"], strategy, dynamic)
 
 
 def refuse_quantized_tensors(dtypes: Mapping[str, str]) -> None:
@@ -103,13 +201,18 @@ def refuse_quantized_tensors(dtypes: Mapping[str, str]) -> None:
     )
 
 
-def refuse_quantized_checkpoint(model_dir: str | Path) -> None:
-    """Both checks on a model directory: its config.json, then its weight files' headers."""
-    refuse_quantized_config(model_dir)
+def refuse_quantized_checkpoint(model_dir: str | Path) -> CompressedScheme | None:
+    """Both checks on a model directory: its config.json, then (for a checkpoint that declares
+    no scheme tgq runs) its weight files' headers. Returns the compressed-tensors scheme, if
+    any."""
+    scheme = refuse_quantized_config(model_dir)
+    if scheme is not None:
+        return scheme
     dtypes: dict[str, str] = {}
     for path in weight_files(Path(model_dir)):
         dtypes.update(safetensors_dtypes(path))
     refuse_quantized_tensors(dtypes)
+    return None
 
 
 def safetensors_dtypes(path: Path) -> dict[str, str]:

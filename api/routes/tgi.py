@@ -212,12 +212,13 @@ async def tokenize(body: GenerateRequest, request: Request) -> list[SimpleToken]
 @router.get("/info", response_model=Info)
 async def info(request: Request) -> Info:
     """Model and router limits."""
-    settings = state_of(request).settings
+    state = state_of(request)
+    settings = state.settings
     return Info(
         model_id=settings.model_id,
         model_pipeline_tag="text-generation",
         model_dtype=f"torch.{served_dtype(settings)}",
-        quantize=settings.quantize,
+        quantize=state.quantize,
         max_concurrent_requests=settings.max_concurrent_requests,
         max_best_of=settings.max_best_of,
         max_stop_sequences=settings.max_stop_sequences,

@@ -216,8 +216,9 @@ class Info(BaseModel):
     model_dtype: str | None = Field(default=None, examples=["torch.float16"])
     quantize: str | None = Field(
         default=None,
-        description="`--quantize`: how the weights were quantized at load",
-        examples=["int8", "fp8"],
+        description="`--quantize` (how the weights were quantized at load), or the method of a"
+        " checkpoint stored quantized",
+        examples=["int8", "fp8", "compressed-tensors"],
     )
     max_concurrent_requests: int = Field(ge=0, description="Router Parameters", examples=[128])
     max_best_of: int = Field(ge=0, examples=[2])

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tgq.gpu_worker.layers.activation_quant import ActivationQuant
 from tgq.kernels import cpu_ops
 from tgq.kernels.choice import Measured, kernel_for, measure
 
@@ -34,6 +35,7 @@ class Linear(nn.Module):
         self.register_buffer("weight_rows", None, persistent=False)
         self.weight_scale: torch.Tensor | None  # [N] fp32: 8-bit weights' scales (`quantize`)
         self.register_buffer("weight_scale", None, persistent=False)
+        self.input_quant: ActivationQuant | None = None  # W8A8 checkpoints' input rounding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         return self.matmul(x, self.weight, self.bias)
@@ -47,10 +49,25 @@ class Linear(nn.Module):
         """The weights as 8-bit values, int8 or FP8 E4M3 by `method`, with one scale per output
         row (`quantize_rows`); the layer's output is then `(x @ w^T) * scale + bias`, summed in
         fp32, on torch until `use_8bit_kernel`."""
-        q, scale = quantize_rows(self.weight.detach(), method)
+        self.hold_quantized(*quantize_rows(self.weight.detach(), method))
+
+    def hold_quantized(
+        self, q: torch.Tensor, scale: torch.Tensor, input_quant: ActivationQuant | None = None
+    ) -> None:
+        """8-bit weights `q` [N, K] (int8 or float8_e4m3fn) and their scales [N] fp32, as
+        quantized at load or stored by a checkpoint; `input_quant`: each input quantized and
+        dequantized first (a W8A8 checkpoint's activations). On torch until `use_8bit_kernel`."""
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
+        self.input_quant = input_quant
         self.matmul = _QuantizedMatmul(self, packed=False)
+
+    @property
+    def packs_8bit(self) -> bool:
+        """Whether the 8-bit kernel can hold the weights: FP8, or int8 without -128 (the
+        kernel's codes are sign and a 7-bit magnitude; checkpoints' int8 may use -128)."""
+        weight = self.weight.detach()
+        return weight.dtype == torch.float8_e4m3fn or not bool((weight == -128).any())
 
     def use_8bit_kernel(self) -> None:
         """A quantized layer on `cpu_ops.linear_8bit_packed` (AVX512_BF16 and VBMI), its weights
@@ -124,6 +141,8 @@ class _QuantizedMatmul:
     ) -> torch.Tensor:
         scale = self.linear.weight_scale
         assert scale is not None
+        if self.linear.input_quant is not None:
+            x = self.linear.input_quant(x)
         if self.packed:
             return cpu_ops.linear_8bit_packed(x, weight, scale, self.linear.out_features, bias)
         out = F.linear(x.float(), weight.float()) * scale

@@ -1,6 +1,7 @@
-"""The api refuses to start on a quantized checkpoint, with the message the batcher gives
-(tests/gpu_worker/test_quantized.py), before it serves anything; `--quantize int8` serves a float
-checkpoint with int8 or fp8 linears, in both modes."""
+"""The api refuses to start on a quantized checkpoint it cannot run, with the message the batcher
+gives (tests/gpu_worker/test_quantized.py), before it serves anything; `--quantize int8` serves a
+float checkpoint with int8 or fp8 linears, in both modes; a compressed-tensors FP8 checkpoint (the
+real library's, tests/gpu_worker/test_compressed.py) serves as stored."""
 
 from __future__ import annotations
 
@@ -56,3 +57,21 @@ def test_quantize_serves_and_says_so(
         assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 5
         log = stack.api_log() if mode == "embedded" else (tmp_path / "batcher-b0.log").read_text()
     assert f"with {method} linears" in log and " MiB" in log
+
+
+@pytest.mark.parametrize("mode", ["embedded", "services"])
+def test_a_compressed_tensors_checkpoint_serves_and_says_so(
+    mode: str, text_model_dir: Path, pg_url: str, tmp_path: Path
+) -> None:
+    from tgq.devtools.compressed_checkpoint import write_compressed
+
+    model_dir = write_compressed(text_model_dir, tmp_path / "fp8-dynamic", "FP8_DYNAMIC")
+    stack = Stack(model_dir, pg_url, tmp_path, redis_url=None if mode == "embedded" else REDIS_URL)
+    with running(stack, batcher=mode == "services"):
+        info = httpx.get(f"{stack.url}/info", timeout=10).json()
+        assert info["quantize"] == "compressed-tensors"
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}}
+        answer = httpx.post(f"{stack.url}/generate", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 5
+        log = stack.api_log() if mode == "embedded" else (tmp_path / "batcher-b0.log").read_text()
+    assert "with compressed-tensors linears" in log and " MiB" in log

@@ -1,0 +1,115 @@
+"""compressed-tensors checkpoints written by the real `compressed-tensors` library from a float
+checkpoint, as llm-compressor writes them: the scheme applied to every Linear but the lm_head,
+weight scales from each weight's min and max (llm-compressor's default observer, through the
+library's `calculate_qparams`), static input scales from the inputs of a calibration pass, then
+the library's compressor and its config. Tests and benchmarks load them with tgq and with
+transformers (which runs them through the library's own forward).
+
+    python -m tgq.devtools.compressed_checkpoint MODEL_DIR OUT_DIR FP8_DYNAMIC
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The library's preset schemes tgq runs, and one weight-only scheme of its own arguments.
+SCHEMES = ("FP8_DYNAMIC", "FP8", "W8A8", "FP8_WEIGHT_ONLY", "INT8_WEIGHT_ONLY")
+CALIBRATION_TOKENS = 64
+
+
+def scheme_for(name: str) -> Any:
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationScheme,
+        preset_name_to_scheme,
+    )
+
+    if name.endswith("_WEIGHT_ONLY"):
+        kind = "float" if name.startswith("FP8") else "int"
+        weights = QuantizationArgs(num_bits=8, type=kind, strategy="channel", symmetric=True)
+        return QuantizationScheme(targets=["Linear"], weights=weights)
+    return preset_name_to_scheme(name, ["Linear"])
+
+
+def write_compressed(model_dir: Path, out_dir: Path, scheme_name: str) -> Path:
+    """`model_dir`'s model in `scheme_name` (one of SCHEMES) saved to `out_dir` with its
+    tokenizer files; returns `out_dir`."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    input_amax = _calibrate(model)
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme_for(scheme_name)}, ignore=["lm_head"]
+    )
+    apply_quantization_config(model, config, show_progress=False)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            scheme = getattr(module, "quantization_scheme", None)
+            if scheme is None or not hasattr(module, "weight_scale"):
+                continue
+            w = module.weight
+            dims = {"dim": 1, "keepdim": True} if scheme.weights.strategy == "channel" else {}
+            scale, _ = calculate_qparams(w.amin(**dims), w.amax(**dims), scheme.weights)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            inputs = scheme.input_activations
+            if inputs is not None and not inputs.dynamic:
+                amax = input_amax[name]
+                scale, _ = calculate_qparams(-amax, amax, inputs)
+                module.input_scale.copy_(scale.reshape(module.input_scale.shape))
+    # Weight-only int8 would be packed into int32 words by default ("pack-quantized", which
+    # tgq does not read yet): stored as int8 values instead.
+    fmt = "int-quantized" if scheme_name == "INT8_WEIGHT_ONLY" else None
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(out_dir)
+    compressor.update_config(str(out_dir))
+    for path in model_dir.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(path, out_dir / path.name)
+    return out_dir
+
+
+def _calibrate(model: Any) -> dict[str, torch.Tensor]:
+    """Each Linear's largest |input| over a pass of a fixed token sequence."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Any:
+        def record(_module: Any, args: tuple[torch.Tensor, ...]) -> None:
+            value = args[0].detach().abs().amax()
+            amax[name] = torch.maximum(amax.get(name, value), value)
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(hook(name))
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    vocab = model.config.vocab_size
+    ids = torch.arange(CALIBRATION_TOKENS)[None] * 7919 % vocab
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    return amax
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("scheme", choices=SCHEMES)
+    args = parser.parse_args()
+    print(write_compressed(args.model_dir, args.out_dir, args.scheme))
+
+
+if __name__ == "__main__":
+    main()
