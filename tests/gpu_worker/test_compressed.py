@@ -87,9 +87,13 @@ def test_the_weights_are_the_librarys_decompression_bit_for_bit(
     tensors = stored(model_dir)
     loaded = load_model(str(model_dir), device=CPU, dtype="float32")
     assert loaded.quantize == "compressed-tensors"
-    layer = loaded.model.model.layers[0]
-    qkv, down = layer.self_attn.qkv_proj, layer.mlp.down_proj
-    ours = torch.cat([qkv.weight.float() * qkv.weight_scale[:, None]])
+    linears = {n: m for n, m in loaded.model.named_modules() if isinstance(m, Linear)}
+    qkv, down = (
+        linears["model.layers.0.self_attn.qkv_proj"],
+        linears["model.layers.0.mlp.down_proj"],
+    )
+    assert qkv.weight_scale is not None and down.weight_scale is not None
+    ours = qkv.weight.float() * qkv.weight_scale[:, None]
     prefix = "model.layers.0.self_attn"
     parts = [
         dequantize(
@@ -193,7 +197,7 @@ def test_activation_quantization_is_the_librarys_fake_quantize() -> None:
                     num_bits=8, type=kind, strategy=strategy, symmetric=True, dynamic=dynamic
                 )
                 module = torch.nn.Module()
-                module.quantization_status = QuantizationStatus.FROZEN  # type: ignore[assignment]
+                module.quantization_status = QuantizationStatus.FROZEN
                 static = torch.tensor([0.021])
                 module.input_scale = static
                 theirs = forward_quantize(module, x.to(dtype)[None], "input", args)[0]
