@@ -1,7 +1,9 @@
 """`--quantize int8` and `--quantize fp8` against bf16 on the medium model (hidden 768, 12 layers,
 vocab 32000): the decode step at batch 1 and tokens/s at batch 16, tgq each time, same weights,
 same run, CPU, 2 threads. The decoder layers' linears are int8 or FP8 E4M3 with one scale per
-output row (the lm_head stays bf16, read through its int8 greedy screen either way).
+output row (the lm_head stays bf16, read through its int8 greedy screen either way); and the same
+model as a compressed-tensors FP8-dynamic checkpoint written by the library (FP8 weights, inputs
+quantized per token at run time).
 
 Each figure is `bench_engine`'s difference of a long and a short run, fastest of a few, taken in
 turns (bf16, int8, fp8, bf16, ...). Prints one table and writes JSON and a bar chart to
@@ -27,6 +29,7 @@ from bench.harness import (
     save_figure,
     write_results,
 )
+from tgq.devtools.compressed_checkpoint import write_compressed
 
 PROMPT_LEN = 16
 BATCHES = (1, 16)
@@ -38,7 +41,7 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.4))
     for ax, metric in zip(axes, metrics, strict=True):
         bar_panel(ax, metric, list(results), [results[n][metric] for n in results], "%.2f")
-    save_figure(fig, "tgq --quantize int8 / fp8 vs bf16, medium model, CPU 2 threads", path)
+    save_figure(fig, "tgq 8-bit weights vs bf16, medium model, CPU 2 threads", path)
 
 
 def main() -> None:
@@ -50,10 +53,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = medium_llama_2k(args.cache)
+    fp8_dynamic = args.cache / "medium-llama-2k-FP8_DYNAMIC"
     engines: Engines = {
         "bf16": TgqEngine(path, "auto"),
         "int8": TgqEngine(path, "auto", quantize="int8"),
         "fp8": TgqEngine(path, "auto", quantize="fp8"),
+        "ct-fp8-dyn": TgqEngine(write_compressed(path, fp8_dynamic, "FP8_DYNAMIC"), "auto"),
     }
     results: dict[str, dict[str, float]] = {name: {} for name in engines}
     for engine in engines.values():
@@ -69,13 +74,13 @@ def main() -> None:
     assert isinstance(int8, TgqEngine)
     write_results("quant", args, results, int8.runner)
     plot(results, RESULTS / "quant-cpu.png")
-    print(f"{'metric':<22}{'bf16':>10}{'int8':>10}{'fp8':>10}{'int8/bf16':>11}{'fp8/bf16':>10}")
+    others = [name for name in results if name != "bf16"]
+    print(f"{'metric':<22}{'bf16':>10}" + "".join(f"{f'{n}/bf16':>17}" for n in others))
     for metric, base in results["bf16"].items():
-        int8_value, fp8_value = results["int8"][metric], results["fp8"][metric]
-        print(
-            f"{metric:<22}{base:>10.2f}{int8_value:>10.2f}{fp8_value:>10.2f}"
-            f"{int8_value / base:>11.3f}{fp8_value / base:>10.3f}"
+        ratios = "".join(
+            f"{results[n][metric]:>9.2f} {results[n][metric] / base:>6.3f}" + " " for n in others
         )
+        print(f"{metric:<22}{base:>10.2f} {ratios}")
 
 
 if __name__ == "__main__":

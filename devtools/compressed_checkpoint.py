@@ -38,13 +38,16 @@ def scheme_for(name: str) -> Any:
 
 def write_compressed(model_dir: Path, out_dir: Path, scheme_name: str) -> Path:
     """`model_dir`'s model in `scheme_name` (one of SCHEMES) saved to `out_dir` with its
-    tokenizer files; returns `out_dir`."""
+    tokenizer files, in the checkpoint's dtype (the scales too, as llm-compressor keeps them);
+    returns `out_dir`. An `out_dir` with weights already is taken as written."""
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     input_amax = _calibrate(model)
     config = QuantizationConfig(
         config_groups={"group_0": scheme_for(scheme_name)}, ignore=["lm_head"]

@@ -47,6 +47,7 @@ __all__ = [
     "pack_weight_bf16",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "quantize_inputs",
     "rms_norm",
     "rotary_qk_",
     "silu_mul",
@@ -62,6 +63,7 @@ _SOURCES = [
         "linear_avx512_bf16.cpp",
         "linear_8bit.cpp",
         "linear_8bit_avx512.cpp",
+        "input_quant.cpp",
         "paged_attention.cpp",
         "attention_avx512.cpp",
         "prefill_avx512.cpp",
@@ -323,6 +325,21 @@ def linear_8bit_packed(
     `linear_bf16_packed` makes over w as bf16 weights, each column's times its scale, rounded
     once."""
     out: torch.Tensor = _ops().linear_8bit_packed(x, packed, scale, out_features, bias, out_fp32)
+    return out
+
+
+def quantize_inputs(
+    x: torch.Tensor,  # [M, K] fp32 or bf16
+    *,
+    fp8: bool,
+    per_token: bool,
+    static_scale: torch.Tensor | None = None,  # [1] fp32
+) -> torch.Tensor:  # [M, K], x's dtype
+    """A W8A8 linear's input quantized to int8 (or FP8 E4M3 with `fp8`) and dequantized, in
+    one pass: scale = max |x| (per row with `per_token`, else over x) / 127.5 (448), or the
+    static scale; the values of gpu_worker/layers/activation_quant.py's torch ops, bit for bit
+    (any CPU)."""
+    out: torch.Tensor = _ops().quantize_inputs(x, fp8, per_token, static_scale)
     return out
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tgq.kernels import cpu_ops
+
 # The 8-bit types and their ranges.
 RANGES = {torch.int8: (-128.0, 127.0), torch.float8_e4m3fn: (-448.0, 448.0)}
 
@@ -31,6 +33,19 @@ class ActivationQuant:
             raise ValueError(f"activations quantize to int8 or float8_e4m3fn, not {self.dtype}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, K], x's dtype
+        """On CPU, the C++ op (`cpu_ops.quantize_inputs`, one pass); elsewhere torch's ops."""
+        is_kernel_dtype = x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+        if x.device.type == "cpu" and is_kernel_dtype and cpu_ops.is_available():
+            return cpu_ops.quantize_inputs(
+                x,
+                fp8=self.dtype == torch.float8_e4m3fn,
+                per_token=self.per_token,
+                static_scale=self.static_scale,
+            )
+        return self.with_torch(x)
+
+    def with_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The same with torch's ops (any device), as compressed-tensors' forward computes it."""
         low, high = RANGES[self.dtype]
         if self.static_scale is not None:
             scale = self.static_scale.to(device=x.device, dtype=torch.float32)
