@@ -278,11 +278,15 @@ def linear_bf16_packed(
     *,
     out_fp32: bool = False,
     kernel: str = "avx512",
+    scale: torch.Tensor | None = None,  # [N] fp32, "avx512" only
 ) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
     """`linear_bf16(x, weight, bias, "avx512", out_fp32=...)` over weights packed once, for any
     M: `kernel` "avx512" (needs AVX512_BF16) or "amx" (AMX tiles over the same packed weights;
-    needs `has_amx_bf16()` and K % 32 == 0)."""
-    out: torch.Tensor = _ops().linear_bf16_packed(x, packed, out_features, bias, out_fp32, kernel)
+    needs `has_amx_bf16()` and K % 32 == 0). `scale`: each column's fp32 sums times it before
+    the bias and the one rounding (int8 weights held as bf16 values)."""
+    out: torch.Tensor = _ops().linear_bf16_packed(
+        x, packed, out_features, bias, out_fp32, kernel, scale
+    )
     return out
 
 

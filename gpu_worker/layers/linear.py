@@ -71,12 +71,20 @@ class Linear(nn.Module):
 
     def use_8bit_kernel(self) -> None:
         """A quantized layer on `cpu_ops.linear_8bit_packed` (AVX512_BF16 and VBMI), its weights
-        packed once: the same sums as the bf16 kernel over w as bf16, times the scales."""
+        packed once: the same sums as the bf16 kernel over w as bf16, times the scales. Weights
+        that kernel cannot hold (`packs_8bit`: int8 with -128) go to the bf16 kernel as bf16
+        values with the same scales: the same sums, twice the bytes."""
         if not isinstance(self.matmul, _QuantizedMatmul) or self.matmul.packed:
             raise ValueError("use_8bit_kernel: the layer is not quantized on torch (quantize)")
-        packed = cpu_ops.pack_weight_8bit(self.weight.detach())
+        weight = self.weight.detach()
+        wide = not self.packs_8bit
+        packed = (
+            cpu_ops.pack_weight_bf16(weight.bfloat16())
+            if wide
+            else cpu_ops.pack_weight_8bit(weight)
+        )
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.matmul = _QuantizedMatmul(self, packed=True)
+        self.matmul = _QuantizedMatmul(self, packed=True, wide=wide)
 
     @property
     def is_packed(self) -> bool:
@@ -132,9 +140,10 @@ class _QuantizedMatmul:
     (any CPU or GPU: the sums in fp32 over the weights' values, times the scales, rounded once
     to x's dtype, as the kernel rounds them)."""
 
-    def __init__(self, linear: Linear, *, packed: bool) -> None:
+    def __init__(self, linear: Linear, *, packed: bool, wide: bool = False) -> None:
         self.linear = linear
         self.packed = packed
+        self.wide = wide  # packed as bf16 values (`Linear.use_8bit_kernel`)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -143,8 +152,11 @@ class _QuantizedMatmul:
         assert scale is not None
         if self.linear.input_quant is not None:
             x = self.linear.input_quant(x)
+        n = self.linear.out_features
+        if self.wide:
+            return cpu_ops.linear_bf16_packed(x, weight, n, bias, scale=scale)
         if self.packed:
-            return cpu_ops.linear_8bit_packed(x, weight, scale, self.linear.out_features, bias)
+            return cpu_ops.linear_8bit_packed(x, weight, scale, n, bias)
         out = F.linear(x.float(), weight.float()) * scale
         if bias is not None:
             out = out + bias.float()

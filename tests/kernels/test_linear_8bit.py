@@ -112,6 +112,31 @@ def test_each_row_is_the_same_alone_as_in_any_batch(fmt: str) -> None:
         assert torch.equal(cpu_ops.linear_8bit_packed(x[:m], packed, scale, n), alone[:m])
 
 
+def test_int8_with_minus_128_is_the_bf16_kernel_with_scales() -> None:
+    """What `Linear.use_8bit_kernel` does with weights the 8-bit kernel cannot hold: the bf16
+    kernel over q as bf16 with the same per-column scales gives the 8-bit kernel's values where
+    both can run, and the exact product rounded once with -128 in the weights."""
+    n, k = 37, 70
+    q, scale = weights("int8", n, k, 5), torch.rand(n) * 0.01 + 1e-3
+    bias = torch.randn(n).bfloat16()
+    wide = cpu_ops.pack_weight_bf16(q.bfloat16())
+    for m in ROWS:
+        x = torch.randn(m, k).bfloat16()
+        ours = cpu_ops.linear_bf16_packed(x, wide, n, bias, scale=scale)
+        assert torch.equal(
+            ours, cpu_ops.linear_8bit_packed(x, cpu_ops.pack_weight_8bit(q), scale, n, bias)
+        )
+    q[::3, 0] = -128
+    x = torch.randn(9, k).bfloat16()
+    ours = cpu_ops.linear_bf16_packed(x, cpu_ops.pack_weight_bf16(q.bfloat16()), n, scale=scale)
+    exact = (x.double() @ q.double().T) * scale.double()
+    assert ((ours.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
+    with pytest.raises(RuntimeError, match="a scale needs kernel 'avx512'"):
+        cpu_ops.linear_bf16_packed(x, wide, n, scale=scale, kernel="amx")
+    with pytest.raises(RuntimeError, match=r"scale must be \[37\] fp32"):
+        cpu_ops.linear_bf16_packed(x, wide, n, scale=scale[:3])
+
+
 def test_bad_inputs_are_refused() -> None:
     q = weights("int8", 20, 8, 1)
     packed = cpu_ops.pack_weight_8bit(q)
