@@ -1,10 +1,12 @@
-"""What `--quantize int8` and `--quantize fp8` cost in quality, against the same model
-unquantized, on real text (the bundled corpus of Python's documentation):
+"""What `--quantize int8` and `--quantize fp8`, and compressed-tensors FP8-dynamic and INT8 W8A8
+checkpoints written by the library, cost in quality against the same model unquantized, on real
+text (the bundled corpus of Python's documentation):
 
 - mean KL divergence KL(bf16 || quantized) of the next-token distributions, and how often their
   argmax agrees, over `--positions` positions of corpus text (teacher forcing: transformers on
   the bf16 weights, and on the quantized ones dequantized, q * scale, which tgq's quantized
-  layers compute exactly; tests/gpu_worker/test_quantize.py checks that equality);
+  layers compute exactly, or running the compressed checkpoint through the library's forward;
+  tests/gpu_worker/test_quantize.py and test_compressed.py check those equalities);
 - free-running greedy agreement through tgq itself: 64 corpus prompts x 128 new tokens, bf16
   against `--quantize`: the share of tokens before the first divergence.
 
@@ -16,6 +18,9 @@ bench/results/.
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,7 @@ from tokenizers import Tokenizer
 
 from bench.harness import chat_llama, write_results
 from tgq.batcher.offline import OfflineEngine
+from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.devtools.corpus import load_corpus
 from tgq.devtools.demo import demo_model
 from tgq.devtools.quantized_reference import dequantize_in_place
@@ -44,19 +50,42 @@ def corpus_ids(model_dir: Path, count: int) -> list[int]:
     return ids[:count]
 
 
-METHODS = ("int8", "fp8")
+METHODS = ("int8", "fp8")  # `--quantize`
+SCHEMES = ("FP8_DYNAMIC", "W8A8")  # compressed-tensors checkpoints the library writes
 
 
-def teacher_forced(model_dir: Path, method: str, positions: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class Variant:
+    model_dir: Path  # what tgq loads
+    quantize: str | None  # `--quantize`
+    reference: Callable[[], Any]  # transformers' model of the same weights, bf16
+
+
+def variants(model_dir: Path, cache: Path) -> dict[str, Variant]:
     from transformers import AutoModelForCausalLM
 
-    def load() -> Any:
+    def float32() -> Any:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
-    bf16 = load().to(torch.bfloat16).eval()
-    quantized = dequantize_in_place(
-        load(), lambda w: quantize_rows(w, method), torch.bfloat16
-    ).eval()
+    def dequantized(method: str) -> Callable[[], Any]:
+        rows = functools.partial(quantize_rows, method=method)
+        return lambda: dequantize_in_place(float32(), rows, torch.bfloat16).eval()
+
+    def library(path: Path) -> Callable[[], Any]:
+        return lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+    found = {m: Variant(model_dir, m, dequantized(m)) for m in METHODS}
+    for scheme in SCHEMES:
+        path = write_compressed(model_dir, cache / f"{model_dir.name}-{scheme}", scheme)
+        found[f"ct {scheme}"] = Variant(path, None, library(path))
+    return found
+
+
+def teacher_forced(model_dir: Path, quantized: Any, positions: int) -> dict[str, float]:
+    """KL(bf16 || quantized) and argmax agreement over corpus windows, transformers both."""
+    from transformers import AutoModelForCausalLM
+
+    bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     ids = torch.tensor(corpus_ids(model_dir, positions + positions // WINDOW + 1))
     kl_sum, agree, count = 0.0, 0, 0
     with torch.no_grad():
@@ -70,25 +99,20 @@ def teacher_forced(model_dir: Path, method: str, positions: int) -> dict[str, fl
     return {"mean_kl": kl_sum / count, "top1_agreement": agree / count, "positions": count}
 
 
-def free_running(model_dir: Path) -> dict[str, float]:
-    """Each method's greedy agreement with bf16 (`greedy_agreement_<method>`)."""
-    ids = corpus_ids(model_dir, PROMPTS * PROMPT_LEN * 4)
-    prompts = [ids[i * PROMPT_LEN * 4 :][:PROMPT_LEN] for i in range(PROMPTS)]
-    outputs = {}
-    for quantize in (None, *METHODS):
-        config = RunnerConfig(str(model_dir), num_blocks=1200, quantize=quantize)
-        engine = OfflineEngine(ModelRunner(config))
-        outputs[quantize] = engine.generate(prompts, max_new_tokens=NUM_NEW)
-    agreement = {}
-    for method in METHODS:
-        same = 0
-        for ours, theirs in zip(outputs[method], outputs[None], strict=True):
-            for a, b in zip(ours.token_ids, theirs.token_ids, strict=True):
-                if a != b:
-                    break
-                same += 1
-        agreement[method] = same / (PROMPTS * NUM_NEW)
-    return agreement
+def generate(model_dir: Path, quantize: str | None, prompts: list[list[int]]) -> list[Any]:
+    config = RunnerConfig(str(model_dir), num_blocks=1200, quantize=quantize)
+    return OfflineEngine(ModelRunner(config)).generate(prompts, max_new_tokens=NUM_NEW)
+
+
+def greedy_agreement(outputs: list[Any], baseline: list[Any]) -> float:
+    """The share of generated tokens before each output's first divergence from bf16's."""
+    same = 0
+    for ours, theirs in zip(outputs, baseline, strict=True):
+        for a, b in zip(ours.token_ids, theirs.token_ids, strict=True):
+            if a != b:
+                break
+            same += 1
+    return same / (PROMPTS * NUM_NEW)
 
 
 def main() -> None:
@@ -101,15 +125,21 @@ def main() -> None:
     models = {"demo (trained)": demo_model(), "medium (random)": chat_llama(args.cache, "medium")}
     results: dict[str, dict[str, float]] = {}
     for name, path in models.items():
-        greedy = free_running(path)
-        for method in METHODS:
-            forced = teacher_forced(path, method, args.positions)
-            results[f"{name} {method}"] = {**forced, "greedy_agreement": greedy[method]}
+        ids = corpus_ids(path, PROMPTS * PROMPT_LEN * 4)
+        prompts = [ids[i * PROMPT_LEN * 4 :][:PROMPT_LEN] for i in range(PROMPTS)]
+        baseline = generate(path, None, prompts)
+        for label, variant in variants(path, args.cache).items():
+            forced = teacher_forced(path, variant.reference(), args.positions)
+            outputs = generate(variant.model_dir, variant.quantize, prompts)
+            results[f"{name} {label}"] = {
+                **forced,
+                "greedy_agreement": greedy_agreement(outputs, baseline),
+            }
     write_results("quant-quality", args, results, None)
-    print(f"{'model':<23}{'mean KL':>10}{'top-1 agree':>13}{'greedy agree':>14}{'positions':>11}")
+    print(f"{'model':<30}{'mean KL':>10}{'top-1 agree':>13}{'greedy agree':>14}{'positions':>11}")
     for name, r in results.items():
         print(
-            f"{name:<23}{r['mean_kl']:>10.5f}{r['top1_agreement']:>13.4f}"
+            f"{name:<30}{r['mean_kl']:>10.5f}{r['top1_agreement']:>13.4f}"
             f"{r['greedy_agreement']:>14.4f}{int(r['positions']):>11}"
         )
 
