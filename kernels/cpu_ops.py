@@ -278,15 +278,11 @@ def linear_bf16_packed(
     *,
     out_fp32: bool = False,
     kernel: str = "avx512",
-    scale: torch.Tensor | None = None,  # [N] fp32, "avx512" only
 ) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
     """`linear_bf16(x, weight, bias, "avx512", out_fp32=...)` over weights packed once, for any
     M: `kernel` "avx512" (needs AVX512_BF16) or "amx" (AMX tiles over the same packed weights;
-    needs `has_amx_bf16()` and K % 32 == 0). `scale`: each column's fp32 sums times it before
-    the bias and the one rounding (int8 weights held as bf16 values)."""
-    out: torch.Tensor = _ops().linear_bf16_packed(
-        x, packed, out_features, bias, out_fp32, kernel, scale
-    )
+    needs `has_amx_bf16()` and K % 32 == 0)."""
+    out: torch.Tensor = _ops().linear_bf16_packed(x, packed, out_features, bias, out_fp32, kernel)
     return out
 
 
@@ -308,9 +304,10 @@ def moe_experts_bf16(
 
 
 def pack_weight_8bit(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] int8 in [-127, 127] or float8_e4m3fn -> the layout `linear_8bit_packed` reads,
-    [ceil(N/16), ceil(K/4), 64] of the same dtype: the tiles and pairs of `pack_weight_bf16`, two
-    pairs a 64-byte block, each byte sign and magnitude (linear_kernels.h)."""
+    """[N, K] int8 or float8_e4m3fn -> the layout `linear_8bit_packed` reads, [ceil(N/16),
+    ceil(K/4), 64]: the tiles and pairs of `pack_weight_bf16`, two pairs a 64-byte block, each
+    byte sign and magnitude (linear_kernels.h); of the weight's dtype, or uint8 for int8 weights
+    that contain -128 (which decode at a little more cost)."""
     packed: torch.Tensor = _ops().pack_weight_8bit(weight)
     return packed
 

@@ -62,29 +62,14 @@ class Linear(nn.Module):
         self.input_quant = input_quant
         self.matmul = _QuantizedMatmul(self, packed=False)
 
-    @property
-    def packs_8bit(self) -> bool:
-        """Whether the 8-bit kernel can hold the weights: FP8, or int8 without -128 (the
-        kernel's codes are sign and a 7-bit magnitude; checkpoints' int8 may use -128)."""
-        weight = self.weight.detach()
-        return weight.dtype == torch.float8_e4m3fn or not bool((weight == -128).any())
-
     def use_8bit_kernel(self) -> None:
         """A quantized layer on `cpu_ops.linear_8bit_packed` (AVX512_BF16 and VBMI), its weights
-        packed once: the same sums as the bf16 kernel over w as bf16, times the scales. Weights
-        that kernel cannot hold (`packs_8bit`: int8 with -128) go to the bf16 kernel as bf16
-        values with the same scales: the same sums, twice the bytes."""
+        packed once: the same sums as the bf16 kernel over w as bf16, times the scales."""
         if not isinstance(self.matmul, _QuantizedMatmul) or self.matmul.packed:
             raise ValueError("use_8bit_kernel: the layer is not quantized on torch (quantize)")
-        weight = self.weight.detach()
-        wide = not self.packs_8bit
-        packed = (
-            cpu_ops.pack_weight_bf16(weight.bfloat16())
-            if wide
-            else cpu_ops.pack_weight_8bit(weight)
-        )
+        packed = cpu_ops.pack_weight_8bit(self.weight.detach())
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.matmul = _QuantizedMatmul(self, packed=True, wide=wide)
+        self.matmul = _QuantizedMatmul(self, packed=True)
 
     @property
     def is_packed(self) -> bool:
@@ -140,10 +125,9 @@ class _QuantizedMatmul:
     (any CPU or GPU: the sums in fp32 over the weights' values, times the scales, rounded once
     to x's dtype, as the kernel rounds them)."""
 
-    def __init__(self, linear: Linear, *, packed: bool, wide: bool = False) -> None:
+    def __init__(self, linear: Linear, *, packed: bool) -> None:
         self.linear = linear
         self.packed = packed
-        self.wide = wide  # packed as bf16 values (`Linear.use_8bit_kernel`)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -152,11 +136,8 @@ class _QuantizedMatmul:
         assert scale is not None
         if self.linear.input_quant is not None:
             x = self.linear.input_quant(x)
-        n = self.linear.out_features
-        if self.wide:
-            return cpu_ops.linear_bf16_packed(x, weight, n, bias, scale=scale)
         if self.packed:
-            return cpu_ops.linear_8bit_packed(x, weight, scale, n, bias)
+            return cpu_ops.linear_8bit_packed(x, weight, scale, self.linear.out_features, bias)
         out = F.linear(x.float(), weight.float()) * scale
         if bias is not None:
             out = out + bias.float()

@@ -372,9 +372,8 @@ class DecoderForCausalLM(nn.Module):
         tied lm_head gets its own packed copy; the embedding keeps its rows; the greedy head's
         exact logits are those of that kernel); otherwise kernels/cpu_ops.py picks per call.
         Linears with 8-bit weights (`loader.quantize_linears`, `gpu_worker.compressed`) run on
-        the 8-bit kernel where the CPU has AVX512_VBMI too (`Linear.use_8bit_kernel`), else stay
-        on torch. With AVX512_VNNI too, one rank and
-        `greedy_head`, argmax-only rows get their tokens from
+        the 8-bit kernel where the CPU has AVX512_VBMI too, else stay on torch. With AVX512_VNNI
+        too, one rank and `greedy_head`, argmax-only rows get their tokens from
         `self.greedy_head` (kernels.greedy_head), which keeps the head's [N, K] rows and an int8
         copy, screened on the kernel measured fastest per row count (VNNI or AMX-INT8). On one
         rank, the layers of a step the attention backend can key (`replay_key`:

@@ -1,8 +1,10 @@
-// The 8-bit-weight linear's ops (`--quantize int8|fp8`): pack_weight_8bit and linear_8bit_packed,
-// the kernel in linear_8bit_avx512.cpp over weights packed once at load. The packed tensor keeps
-// the weights' dtype (int8, or float8_e4m3fn), which says how its bytes read. The torch path for
-// other CPUs is Python's (gpu_worker/layers/linear.py).
+// The 8-bit-weight linear's ops (`--quantize int8|fp8`, checkpoints): pack_weight_8bit and
+// linear_8bit_packed, the kernel in linear_8bit_avx512.cpp over weights packed once at load. The
+// packed tensor's dtype says how its bytes read: int8 (int8 weights in [-127, 127]), uint8 (int8
+// weights that contain -128, ByteCode::kInt8Minus128), float8_e4m3fn. The torch path for other
+// CPUs is Python's (gpu_worker/layers/linear.py).
 #include <ATen/ops/constant_pad_nd.h>
+#include <algorithm>
 
 #include "linear_kernels.h"
 
@@ -10,7 +12,7 @@ namespace {
 
 using namespace tgq_cpu;
 
-// int8 q -> sign and magnitude (|q| <= 127: -128 has no magnitude code); E4M3 bits as they are.
+// int8 q -> sign and magnitude (-128: 0x80, the "-0" no other value uses); E4M3 bits as they are.
 uint8_t byte_code(const uint8_t* src, int64_t i, bool is_int8) {
   if (!is_int8) return src[i];
   const auto q = static_cast<int8_t>(src[i]);
@@ -26,13 +28,11 @@ at::Tensor pack_weight_8bit(const at::Tensor& weight) {
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), blocks = ceil_div(K, 4);
   const auto* src = static_cast<const uint8_t*>(w.data_ptr());
-  if (is_int8) {
-    for (int64_t i = 0; i < w.numel(); ++i) {
-      TORCH_CHECK(src[i] != 0x80, "pack_weight_8bit: int8 weights must be in [-127, 127] "
-                  "(symmetric int8), found -128");
-    }
-  }
-  at::Tensor packed = at::empty({ceil_div(N, kPackColumns), blocks, kByteBlockBytes}, w.options());
+  const bool has_minus128 = is_int8 && std::any_of(src, src + w.numel(), [](uint8_t b) {
+                              return b == 0x80;
+                            });
+  at::Tensor packed = at::empty({ceil_div(N, kPackColumns), blocks, kByteBlockBytes},
+                                w.options().dtype(has_minus128 ? at::kByte : w.scalar_type()));
   auto* dst = static_cast<uint8_t*>(packed.data_ptr());
   at::parallel_for(0, packed.size(0), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -63,9 +63,10 @@ at::Tensor linear_8bit_packed(const at::Tensor& x, const at::Tensor& packed,
   const std::vector<int64_t> expected{ceil_div(N, kPackColumns), blocks, kByteBlockBytes};
   TORCH_CHECK(packed.sizes() == c10::IntArrayRef(expected), "linear_8bit_packed: packed weight ",
               packed.sizes(), " is not ", c10::IntArrayRef(expected), " for N = ", N, ", K = ", K);
-  const bool is_int8 = packed.scalar_type() == at::kChar;
-  TORCH_CHECK((is_int8 || packed.scalar_type() == at::kFloat8_e4m3fn) && packed.is_contiguous(),
-              "linear_8bit_packed: packed weight must be contiguous int8 or float8_e4m3fn "
+  const auto dtype = packed.scalar_type();
+  TORCH_CHECK((dtype == at::kChar || dtype == at::kByte || dtype == at::kFloat8_e4m3fn) &&
+                  packed.is_contiguous(),
+              "linear_8bit_packed: packed weight must be contiguous int8, uint8 or float8_e4m3fn "
               "(pack_weight_8bit)");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat,
               "linear_8bit_packed: scale must be [", N, "] fp32, got ", scale.sizes(), " ",
@@ -89,8 +90,10 @@ at::Tensor linear_8bit_packed(const at::Tensor& x, const at::Tensor& packed,
                     out_fp32 ? nullptr : mutable_data_as<bf16_bits>(out),
                     out_fp32 ? out.data_ptr<float>() : nullptr};
   args.scale = sc.data_ptr<float>();
-  linear_8bit_packed_avx512(args, static_cast<const uint8_t*>(packed.data_ptr()),
-                            is_int8 ? ByteCode::kInt8 : ByteCode::kFp8E4M3);
+  const ByteCode code = dtype == at::kChar   ? ByteCode::kInt8
+                       : dtype == at::kByte ? ByteCode::kInt8Minus128
+                                            : ByteCode::kFp8E4M3;
+  linear_8bit_packed_avx512(args, static_cast<const uint8_t*>(packed.data_ptr()), code);
   return out;
 }
 

@@ -2,7 +2,7 @@
 // with AVX512_BF16 and AVX512_VBMI: out = bf16((x @ w^T) * scale + bias), x in bf16, w int8
 // (symmetric) or FP8 E4M3.
 //
-// Every int8 weight (|q| <= 127 needs 7 bits) and every E4M3 weight (3 mantissa bits, exponents
+// Every int8 weight (|q| <= 128) and every E4M3 weight (3 mantissa bits, exponents
 // 2^-9..2^8) is exactly a bf16 value, so the kernel turns each packed block of weights into the
 // bf16 lines of pack_weight_bf16's layout in registers and multiplies them with vdpbf16ps as the
 // bf16 kernel does: each product exact, each column's sum the same chain in K order for every
@@ -49,12 +49,13 @@ float e4m3_magnitude(int c) {
 
 // The low and high bytes of bf16(value of code c) for c = 0..127, 64 entries a register.
 struct ByteToBf16 {
-  __m512i lo0, lo1, hi0, hi1, sign;
+  __m512i lo0, lo1, hi0, hi1, sign, minus128_high;
+  bool has_minus128;  // the byte 0x80 is -128 (bf16 0xC300), not -0
 
-  explicit ByteToBf16(ByteCode code) {
+  explicit ByteToBf16(ByteCode code) : has_minus128(code == ByteCode::kInt8Minus128) {
     alignas(64) uint8_t lo[128], hi[128];
     for (int c = 0; c < 128; ++c) {
-      const float f = code == ByteCode::kInt8 ? static_cast<float>(c) : e4m3_magnitude(c);
+      const float f = code == ByteCode::kFp8E4M3 ? e4m3_magnitude(c) : static_cast<float>(c);
       uint32_t bits = 0;
       std::memcpy(&bits, &f, sizeof(bits));  // exact: the low 16 bits are zero
       lo[c] = static_cast<uint8_t>(bits >> 16);
@@ -65,6 +66,7 @@ struct ByteToBf16 {
     hi0 = _mm512_load_si512(hi);
     hi1 = _mm512_load_si512(hi + 64);
     sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    minus128_high = _mm512_set1_epi8(static_cast<char>(0xC3));
   }
 
   // One packed block (64 weights) -> its two bf16 lines (pairs 2j and 2j + 1 of the tile).
@@ -73,6 +75,9 @@ struct ByteToBf16 {
     const __m512i low = _mm512_permutex2var_epi8(lo0, q, lo1);
     __m512i high = _mm512_permutex2var_epi8(hi0, q, hi1);
     high = _mm512_ternarylogic_epi32(high, q, sign, 0xF8);  // high | (q & 0x80)
+    if (has_minus128) {  // the low byte of bf16(-128) is table[0]'s, 0
+      high = _mm512_mask_mov_epi8(high, _mm512_cmpeq_epi8_mask(q, sign), minus128_high);
+    }
     first = _mm512_unpacklo_epi8(low, high);
     second = _mm512_unpackhi_epi8(low, high);
   }
@@ -154,8 +159,11 @@ constexpr auto kPasses = pass_table(std::make_index_sequence<kMaxRows>());
 }  // namespace
 
 void linear_8bit_packed_avx512(const PackedLinear& a, const uint8_t* q, ByteCode code) {
-  static const ByteToBf16 int8_table(ByteCode::kInt8), fp8_table(ByteCode::kFp8E4M3);
-  const ByteToBf16& to_bf16 = code == ByteCode::kInt8 ? int8_table : fp8_table;
+  static const ByteToBf16 int8_table(ByteCode::kInt8), full_table(ByteCode::kInt8Minus128),
+      fp8_table(ByteCode::kFp8E4M3);
+  const ByteToBf16& to_bf16 = code == ByteCode::kInt8           ? int8_table
+                              : code == ByteCode::kInt8Minus128 ? full_table
+                                                                : fp8_table;
   if (a.M <= kMaxRows) {
     kPasses[a.M - 1](a, q, to_bf16);
     return;

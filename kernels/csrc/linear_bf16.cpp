@@ -261,17 +261,13 @@ at::Tensor pack_weight_bf16(const at::Tensor& weight) {
 
 // out_fp32: the bf16 result widened to fp32 (= linear(...).float()), stored in the same pass.
 // kernel: "avx512" or "amx" (AMX tiles; K a multiple of 32), both over the same packed weights.
-// scale ([N] fp32, "avx512" only): each column's sums times it before the bias (int8 weights
-// held as bf16 values: a checkpoint's int8 with -128, which linear_8bit_packed cannot hold).
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& bias, bool out_fp32,
-                         c10::string_view kernel,
-                         const std::optional<at::Tensor>& scale = std::nullopt) {
+                         c10::string_view kernel) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "linear_bf16_packed: needs a CPU with AVX512_BF16");
   const bool amx = kernel == "amx";
   TORCH_CHECK(amx || kernel == "avx512", "linear_bf16_packed: unknown kernel '",
               std::string_view(kernel.data(), kernel.size()), "' (avx512, amx)");
-  TORCH_CHECK(!amx || !scale.has_value(), "linear_bf16_packed: a scale needs kernel 'avx512'");
   TORCH_CHECK(!amx || cpu_has_amx_bf16(),
               "linear_bf16_packed: kernel 'amx' needs a CPU with AMX-BF16 that Linux lets us use");
   TORCH_CHECK(x.dim() == 2, "linear_bf16_packed: x must be [M, K], got ", x.sizes());
@@ -295,22 +291,14 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
     TORCH_CHECK(bias->device().is_cpu(), "linear_bf16_packed: CPU tensors only");
     b32 = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor sc;
-  if (scale.has_value()) {
-    TORCH_CHECK(scale->dim() == 1 && scale->size(0) == N && scale->scalar_type() == at::kFloat &&
-                scale->device().is_cpu(), "linear_bf16_packed: scale must be [", N, "] fp32, got ",
-                scale->sizes(), " ", scale->scalar_type());
-    sc = scale->contiguous();
-  }
   // The kernel reads x in pairs along K: an odd K gets a zero column.
   at::Tensor xc = K % 2 == 0 ? x.contiguous() : at::constant_pad_nd(x, {0, 1});
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  PackedLinear args{
+  const PackedLinear args{
       data_as<bf16_bits>(xc), data_as<bf16_bits>(packed),
       b32.defined() ? b32.data_ptr<float>() : nullptr, M, N, 2 * pairs,
       out_fp32 ? nullptr : mutable_data_as<bf16_bits>(out), out_fp32 ? out.data_ptr<float>() : nullptr};
-  args.scale = sc.defined() ? sc.data_ptr<float>() : nullptr;
   if (amx) {
     linear_bf16_packed_amx(args);
   } else {
@@ -425,7 +413,7 @@ TORCH_LIBRARY(tgq_cpu_ops, m) {
   m.def("pack_weight_bf16(Tensor weight) -> Tensor", &pack_weight_bf16);
   m.def(
       "linear_bf16_packed(Tensor x, Tensor packed, int out_features, Tensor? bias,"
-      " bool out_fp32=False, str kernel='avx512', Tensor? scale=None) -> Tensor",
+      " bool out_fp32=False, str kernel='avx512') -> Tensor",
       &linear_packed);
   m.def(
       "moe_experts_bf16(Tensor x, Tensor experts, Tensor weights, Tensor gate_up, Tensor down,"

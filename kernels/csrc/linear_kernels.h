@@ -58,10 +58,13 @@ bool cpu_has_amx_int8();
 // The same on AMX tiles: requires cpu_has_amx_bf16() and K % 32 == 0; any M.
 void linear_bf16_packed_amx(const PackedLinear& args);
 
-// 8-bit weights, one fp32 scale per output column (`--quantize int8|fp8`), stored as sign and
-// magnitude: bit 7 the sign, bits 0-6 a code whose value a format's table gives (int8: |q| itself,
-// symmetric so |q| <= 127; fp8 E4M3: the E4M3 bits, which are sign and magnitude already).
-enum class ByteCode { kInt8, kFp8E4M3 };
+// 8-bit weights, one fp32 scale per output column (`--quantize int8|fp8`, checkpoints), stored as
+// sign and magnitude: bit 7 the sign, bits 0-6 a code whose value a format's table gives (int8:
+// |q| itself; fp8 E4M3: the E4M3 bits, which are sign and magnitude already). int8's -128 has no
+// 7-bit magnitude: it takes the code no other value uses, "-0" (0x80), which kInt8Minus128 (int8
+// weights that contain -128, as compressed-tensors' int8 does) decodes at two more instructions
+// per 64 weights.
+enum class ByteCode { kInt8, kInt8Minus128, kFp8E4M3 };
 // Packed for the AVX-512 kernel: the tiles and pairs of the bf16 layout, two pairs of K (two
 // 32-value lines) per 64-byte block, bytes arranged so that vpunpck{l,h}bw of a block's low and
 // high bf16 bytes gives the two lines: the value at index i (= column * 2 + k % 2) of line 2j + h

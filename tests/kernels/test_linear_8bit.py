@@ -21,16 +21,20 @@ pytestmark = pytest.mark.skipif(
 # tile by tile in groups of 16), and N, K past whole tiles and blocks.
 ROWS = (0, 1, 2, 3, 5, 8, 9, 16, 17, 40)
 SHAPES = ((1, 1), (40, 3), (33, 130), (77, 64), (16, 4))  # (N, K)
-FORMATS = ("int8", "fp8")
+FORMATS = ("int8", "int8-128", "fp8")  # int8-128: int8 weights that contain -128
 E4M3_NAN = (0x7F, 0xFF)
 
 
 def weights(fmt: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Random int8 in [-127, 127], or random finite E4M3 codes (every exponent, subnormals and
-    both zeros among them)."""
+    """Random int8 in [-127, 127] or [-128, 127], or random finite E4M3 codes (every exponent,
+    subnormals and both zeros among them)."""
     gen = torch.Generator().manual_seed(seed)
-    if fmt == "int8":
-        return torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    if fmt.startswith("int8"):
+        low = -128 if fmt == "int8-128" else -127
+        q = torch.randint(low, 128, (n, k), generator=gen, dtype=torch.int8)
+        if fmt == "int8-128":
+            q[0, 0] = -128  # at least one, whatever the draw
+        return q
     codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
     codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)  # no NaN
     return codes.to(torch.uint8).view(torch.float8_e4m3fn)
@@ -74,7 +78,7 @@ def test_with_unit_scales_it_is_the_bf16_kernel_over_the_values(
     w = weights(fmt, n, k, n * k)
     bias = torch.randn(n).bfloat16()
     packed, as_bf16 = cpu_ops.pack_weight_8bit(w), cpu_ops.pack_weight_bf16(w.bfloat16())
-    assert packed.dtype == w.dtype
+    assert packed.dtype == (torch.uint8 if fmt == "int8-128" else w.dtype)
     for m in ROWS:
         x = torch.randn(m, k).bfloat16()
         ours = cpu_ops.linear_8bit_packed(x, packed, torch.ones(n), n, bias, out_fp32=out_fp32)
@@ -112,44 +116,17 @@ def test_each_row_is_the_same_alone_as_in_any_batch(fmt: str) -> None:
         assert torch.equal(cpu_ops.linear_8bit_packed(x[:m], packed, scale, n), alone[:m])
 
 
-def test_int8_with_minus_128_is_the_bf16_kernel_with_scales() -> None:
-    """What `Linear.use_8bit_kernel` does with weights the 8-bit kernel cannot hold: the bf16
-    kernel over q as bf16 with the same per-column scales gives the 8-bit kernel's values where
-    both can run, and the exact product rounded once with -128 in the weights."""
-    n, k = 37, 70
-    q, scale = weights("int8", n, k, 5), torch.rand(n) * 0.01 + 1e-3
-    bias = torch.randn(n).bfloat16()
-    wide = cpu_ops.pack_weight_bf16(q.bfloat16())
-    for m in ROWS:
-        x = torch.randn(m, k).bfloat16()
-        ours = cpu_ops.linear_bf16_packed(x, wide, n, bias, scale=scale)
-        assert torch.equal(
-            ours, cpu_ops.linear_8bit_packed(x, cpu_ops.pack_weight_8bit(q), scale, n, bias)
-        )
-    q[::3, 0] = -128
-    x = torch.randn(9, k).bfloat16()
-    ours = cpu_ops.linear_bf16_packed(x, cpu_ops.pack_weight_bf16(q.bfloat16()), n, scale=scale)
-    exact = (x.double() @ q.double().T) * scale.double()
-    assert ((ours.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-6).all()
-    with pytest.raises(RuntimeError, match="a scale needs kernel 'avx512'"):
-        cpu_ops.linear_bf16_packed(x, wide, n, scale=scale, kernel="amx")
-    with pytest.raises(RuntimeError, match=r"scale must be \[37\] fp32"):
-        cpu_ops.linear_bf16_packed(x, wide, n, scale=scale[:3])
-
-
 def test_bad_inputs_are_refused() -> None:
     q = weights("int8", 20, 8, 1)
     packed = cpu_ops.pack_weight_8bit(q)
     x, scale = torch.randn(2, 8).bfloat16(), torch.ones(20)
-    with pytest.raises(RuntimeError, match=r"int8 weights must be in \[-127, 127\]"):
-        cpu_ops.pack_weight_8bit(torch.full((3, 3), -128, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="weight must be int8 or float8_e4m3fn"):
         cpu_ops.pack_weight_8bit(q.float())
     with pytest.raises(RuntimeError, match="weight must be int8 or float8_e4m3fn"):
         cpu_ops.pack_weight_8bit(q.float().to(torch.float8_e5m2))
     with pytest.raises(RuntimeError, match="is not"):
         cpu_ops.linear_8bit_packed(x, packed, torch.ones(40), 40)
-    with pytest.raises(RuntimeError, match="packed weight must be contiguous int8 or float8"):
+    with pytest.raises(RuntimeError, match="packed weight must be contiguous int8, uint8 or"):
         cpu_ops.linear_8bit_packed(x, packed.float(), scale, 20)
     with pytest.raises(RuntimeError, match=r"scale must be \[20\] fp32"):
         cpu_ops.linear_8bit_packed(x, packed, scale.double(), 20)
