@@ -2,8 +2,8 @@
 vocab 32000): the decode step at batch 1 and tokens/s at batch 16, tgq each time, same weights,
 same run, CPU, 2 threads. The decoder layers' linears are int8 or FP8 E4M3 with one scale per
 output row (the lm_head stays bf16, read through its int8 greedy screen either way); and the same
-model as a compressed-tensors FP8-dynamic checkpoint written by the library (FP8 weights, inputs
-quantized per token at run time).
+model as compressed-tensors FP8-dynamic and INT8 W8A8 checkpoints written by the library (8-bit
+weights, inputs quantized per token at run time).
 
 Each figure is `bench_engine`'s difference of a long and a short run, fastest of a few, taken in
 turns (bf16, int8, fp8, bf16, ...). Prints one table and writes JSON and a bar chart to
@@ -38,7 +38,8 @@ BATCHES = (1, 16)
 def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     plt = pyplot()
     metrics = list(results["bf16"])
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.4))
+    width = max(3.2, 0.95 * len(results))  # per panel: room for each engine's label
+    fig, axes = plt.subplots(1, len(metrics), figsize=(width * len(metrics), 3.4))
     for ax, metric in zip(axes, metrics, strict=True):
         bar_panel(ax, metric, list(results), [results[n][metric] for n in results], "%.2f")
     save_figure(fig, "tgq 8-bit weights vs bf16, medium model, CPU 2 threads", path)
@@ -53,12 +54,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = medium_llama_2k(args.cache)
-    fp8_dynamic = args.cache / "medium-llama-2k-FP8_DYNAMIC"
+    compressed = {
+        scheme: write_compressed(path, args.cache / f"medium-llama-2k-{scheme}", scheme)
+        for scheme in ("FP8_DYNAMIC", "W8A8")
+    }
     engines: Engines = {
         "bf16": TgqEngine(path, "auto"),
         "int8": TgqEngine(path, "auto", quantize="int8"),
         "fp8": TgqEngine(path, "auto", quantize="fp8"),
-        "ct-fp8-dyn": TgqEngine(write_compressed(path, fp8_dynamic, "FP8_DYNAMIC"), "auto"),
+        "ct-fp8-dyn": TgqEngine(compressed["FP8_DYNAMIC"], "auto"),
+        "ct-w8a8": TgqEngine(compressed["W8A8"], "auto"),
     }
     results: dict[str, dict[str, float]] = {name: {} for name in engines}
     for engine in engines.values():
