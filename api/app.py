@@ -47,7 +47,11 @@ from tgq.batcher import tracing
 from tgq.batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport
 from tgq.batcher.transport.base import StoredFinal
 from tgq.batcher.transport.threaded import ThreadedApiTransport
-from tgq.gpu_worker.quantization import COMPRESSED_TENSORS, refuse_quantized_config
+from tgq.gpu_worker.quantization import (
+    COMPRESSED_TENSORS,
+    check_stored_quantization,
+    refuse_quantized_config,
+)
 
 log = logging.getLogger("api")
 VERSION = "0.1.0"
@@ -178,6 +182,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     model_dir = model_dir_of(settings)
     # The batcher refuses what it cannot run too; say so before serving.
     scheme = refuse_quantized_config(model_dir)
+    check_stored_quantization(scheme, settings.quantize, settings.num_shard)
     embedded = None
     transport: AsyncApiTransport
     if settings.redis_url:

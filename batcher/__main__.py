@@ -36,6 +36,7 @@ from tgq.gpu_worker.quantization import (
     QuantizedCheckpointError,
     QuantizeError,
     check_quantize,
+    check_stored_quantization,
     refuse_quantized_checkpoint,
 )
 
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         model_dir = resolve_model(options)
-        refuse_quantized_checkpoint(model_dir)  # before any weight is read, on any rank
+        scheme = refuse_quantized_checkpoint(model_dir)  # before any weight is read, on any rank
+        check_stored_quantization(scheme, options.quantize, options.num_shard)
     except (ModelNotFoundError, PickleWeightsError, QuantizedCheckpointError) as error:
         sys.exit(f"batcher: {error}")
     try:

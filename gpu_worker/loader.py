@@ -23,8 +23,8 @@ from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.gpu_worker.quantization import (
     COMPRESSED_TENSORS,
-    QuantizedCheckpointError,
     check_quantize,
+    check_stored_quantization,
     refuse_quantized_checkpoint,
 )
 from tgq.gpu_worker.weights import Checkpoint
@@ -72,11 +72,7 @@ def load_model(
     files."""
     model_dir = resolve_model_dir(model_id, revision=revision, cache_dir=cache_dir)
     scheme = refuse_quantized_checkpoint(model_dir)  # config.json and headers: no weight read
-    if scheme is not None and (quantize is not None or tp.world_size > 1):
-        raise QuantizedCheckpointError(
-            f"this {COMPRESSED_TENSORS} checkpoint is quantized already: it loads on one rank"
-            f" (--num-shard 1) without --quantize"
-        )
+    check_stored_quantization(scheme, quantize, tp.world_size)
     config = ModelConfig.from_dir(model_dir)
     cls = model_class(config)
     torch_dtype = _DTYPES[resolve_dtype(dtype, config.dtype, device.type)]

@@ -96,6 +96,19 @@ def refuse_quantized_config(model_dir: str | Path) -> CompressedScheme | None:
 
 
 COMPRESSED_TENSORS = "compressed-tensors"
+
+
+def check_stored_quantization(
+    scheme: CompressedScheme | None, quantize: str | None, world_size: int
+) -> None:
+    """A checkpoint stored quantized loads as stored: on one rank, without `--quantize`."""
+    if scheme is not None and (quantize is not None or world_size > 1):
+        raise QuantizedCheckpointError(
+            f"this {COMPRESSED_TENSORS} checkpoint is quantized already: it loads on one rank"
+            f" (--num-shard 1) without --quantize"
+        )
+
+
 # The compressed-tensors formats that store 8-bit values as they are (int8, float8_e4m3fn).
 COMPRESSED_FORMATS = frozenset({"float-quantized", "int-quantized", "naive-quantized"})
 

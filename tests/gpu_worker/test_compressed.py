@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from tgq.gpu_worker.quantization import (
 from tgq.kernels import cpu_ops
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
 # Dense, with q/k/v biases, and with checkpoints that store q/k/v and gate/up fused.
 FAMILIES = ("llama3-gqa", "qwen2-bias", "phi3-partial-window")
 SCHEMES = ("FP8_DYNAMIC", "FP8", "W8A8", "FP8_WEIGHT_ONLY", "INT8_WEIGHT_ONLY")
@@ -264,3 +267,18 @@ def test_a_quantized_lm_head_and_quantize_on_top_are_refused(
     plain = compressed("llama3-gqa", "FP8")
     with pytest.raises(QuantizedCheckpointError, match="is quantized already"):
         load_model(str(plain), device=CPU, quantize="int8")
+
+
+def test_the_batcher_exits_on_a_compressed_checkpoint_across_ranks(compressed: Any) -> None:
+    """Before any rank starts: the ranks would each load it, and tgq keeps it on one."""
+    model_dir = compressed("llama3-gqa", "FP8_DYNAMIC")
+    done = subprocess.run(
+        [sys.executable, "-m", "tgq.batcher", "--model-id", str(model_dir), "--num-shard", "2",
+         "--redis-prefix", "test-compressed"],
+        check=False, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "batcher: this compressed-tensors checkpoint is quantized already: it loads on one rank"
+        " (--num-shard 1) without --quantize"
+    )
