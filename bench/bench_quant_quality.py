@@ -64,12 +64,10 @@ class Variant:
 def variants(model_dir: Path, cache: Path) -> dict[str, Variant]:
     from transformers import AutoModelForCausalLM
 
-    def float32() -> Any:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
     def dequantized(method: str) -> Callable[[], Any]:
         rows = functools.partial(quantize_rows, method=method)
-        return lambda: dequantize_in_place(float32(), rows, torch.bfloat16).eval()
+        model = functools.partial(AutoModelForCausalLM.from_pretrained, model_dir)
+        return lambda: dequantize_in_place(model(dtype=torch.bfloat16), rows, torch.bfloat16).eval()
 
     def library(path: Path) -> Callable[[], Any]:
         return lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

@@ -22,10 +22,13 @@ def is_quantized_by_tgq(name: str, param: torch.Tensor) -> bool:
 
 def dequantize_in_place(model: Any, quantize_rows: RowQuantizer, dtype: torch.dtype) -> Any:
     """`model`'s quantized parameters as q * scale, quantized from their values in `dtype` (what
-    tgq loads in that dtype), then the whole model in `dtype`."""
+    tgq loads in that dtype), then its parameters in `dtype`. Buffers keep theirs (the rotary
+    `inv_freq` stays fp32, as `from_pretrained(dtype=...)` keeps it), so that the model differs
+    from the unquantized one loaded in `dtype` by its quantized weights alone."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if is_quantized_by_tgq(name, param):
                 q, scale = quantize_rows(param.to(dtype).float())
                 param.copy_(q.float() * scale[..., None])
-    return model.to(dtype)
+            param.data = param.data.to(dtype)
+    return model
