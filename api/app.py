@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +44,7 @@ from tgq.api.settings import Settings
 from tgq.api.shedding import ShedOverload
 from tgq.api.tokenizer import ModelTokenizer
 from tgq.batcher import tracing
+from tgq.batcher.messages import Heartbeat
 from tgq.batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport
 from tgq.batcher.transport.base import StoredFinal
 from tgq.batcher.transport.threaded import ThreadedApiTransport
@@ -88,6 +89,7 @@ class AppState:
     epoch_watch: EpochWatch = field(default_factory=EpochWatch)
     # `--quantize`, or "compressed-tensors" for a checkpoint stored quantized (/info)
     quantize: str | None = None
+    beats: Sequence[Heartbeat] = ()  # the live batchers' latest heartbeats (`_monitor`)
 
     async def start_batch(self, batch_id: str) -> None:
         """Starts a runner for the batch (once per batch at a time). A runner that cannot start
@@ -271,6 +273,7 @@ async def _monitor(state: AppState) -> None:
                 beats = await state.transport.live_batchers()
                 state.health.num_batchers = len(beats)
                 state.metrics.set_batchers(beats)
+                state.beats = beats
             state.health.transport_failure = None
         except asyncio.CancelledError:
             raise

@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         heartbeat_interval_s=heartbeat_interval_s,
         reclaim_interval_s=options.lease_s / 2,
         drain_timeout_s=options.drain_timeout_s,
+        weight_bytes=served_with(runner).weight_bytes or 0,
     )
     transient_errors = (redis.ConnectionError, redis.TimeoutError)
     batcher = Batcher(engine, transport, serving_config, transient_errors=transient_errors)

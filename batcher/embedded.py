@@ -9,7 +9,13 @@ import logging
 import queue
 import threading
 
-from tgq.batcher.__main__ import build_engine, build_runner, describe, resolve_model
+from tgq.batcher.__main__ import (
+    build_engine,
+    build_runner,
+    describe,
+    resolve_model,
+    served_with,
+)
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.options import BatcherOptions
 from tgq.batcher.serving import Batcher, ServingConfig
@@ -30,7 +36,7 @@ class EmbeddedBatcher:
         self.transport = MemoryTransport(options.transport_config())
         self._go = threading.Event()
         self._stop = threading.Event()
-        built: queue.Queue[tuple[LLMEngine, int] | BaseException] = queue.Queue(maxsize=1)
+        built: queue.Queue[tuple[LLMEngine, int, int] | BaseException] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(
             target=self._run, args=(options, model_dir, built), name="batcher", daemon=True
         )
@@ -38,12 +44,13 @@ class EmbeddedBatcher:
         outcome = built.get()  # the model loaded, or why not
         if isinstance(outcome, BaseException):
             raise outcome
-        self.engine, self.kv_capacity = outcome
+        self.engine, self.kv_capacity, weight_bytes = outcome
         batcher_id = options.batcher_id or EMBEDDED_ID
         config = ServingConfig(
             batcher_id,
             idle_block_ms=200,
             drain_timeout_s=options.drain_timeout_s,
+            weight_bytes=weight_bytes,
         )
         self.batcher = Batcher(self.engine, self.transport, config)
 
@@ -54,7 +61,7 @@ class EmbeddedBatcher:
         self,
         options: BatcherOptions,
         model_dir: str,
-        built: queue.Queue[tuple[LLMEngine, int] | BaseException],
+        built: queue.Queue[tuple[LLMEngine, int, int] | BaseException],
     ) -> None:
         try:
             runner = build_runner(options, model_dir)
@@ -65,7 +72,7 @@ class EmbeddedBatcher:
         batcher_id = options.batcher_id or EMBEDDED_ID
         log.info("batcher %s serving %s %s", batcher_id, model_dir, describe(options, runner))
         kv_capacity = (runner.num_blocks - 1) * runner.block_size  # block 0 is reserved
-        built.put((engine, kv_capacity))
+        built.put((engine, kv_capacity, served_with(runner).weight_bytes or 0))
         self._go.wait()
         if self._stop.is_set():
             return

@@ -113,6 +113,10 @@ class Heartbeat:
     grammar_mask_seconds: float = 0.0
     num_grammar_argmax_checks: int = 0
     num_grammar_argmax_misses: int = 0
+    # What the batcher holds (0 from older batchers): its model's weights in bytes, as held (one
+    # rank's), and tokens per KV block.
+    weight_bytes: int = 0
+    kv_block_size: int = 0
 
 
 Message = SubmitRequest | AbortRequest | TokenEvent | FinalResult | Heartbeat
@@ -298,6 +302,8 @@ def _heartbeat(body: dict[str, Any]) -> Heartbeat:
         grammar_mask_seconds=_optional(body, "grammar_mask_seconds", (int, float)) or 0.0,
         num_grammar_argmax_checks=_optional(body, "num_grammar_argmax_checks", int) or 0,
         num_grammar_argmax_misses=_optional(body, "num_grammar_argmax_misses", int) or 0,
+        weight_bytes=_optional(body, "weight_bytes", int) or 0,
+        kv_block_size=_optional(body, "kv_block_size", int) or 0,
     )
 
 

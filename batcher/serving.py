@@ -44,6 +44,7 @@ class ServingConfig:
     max_backoff_s: float = 5.0
     # Requests taken per pull; more only once the scheduler has admitted every one it holds.
     max_pull: int = 16
+    weight_bytes: int = 0  # the model's weights as held (heartbeats carry it to /info)
 
 
 class Batcher:
@@ -168,6 +169,8 @@ class Batcher:
             grammar_mask_seconds=grammars.mask_seconds,
             num_grammar_argmax_checks=grammars.num_argmax_checks,
             num_grammar_argmax_misses=grammars.num_argmax_misses,
+            weight_bytes=self.config.weight_bytes,
+            kv_block_size=self.engine.runner.block_size,
         )
 
     def _pull(self) -> None:

@@ -220,6 +220,20 @@ class Info(BaseModel):
         " checkpoint stored quantized",
         examples=["int8", "fp8", "compressed-tensors"],
     )
+    weight_bytes: int | None = Field(
+        default=None,
+        description="tgq: bytes of the model's weights as a batcher holds them (one rank's;"
+        " null until a batcher has reported)",
+        examples=[115_343_360],
+    )
+    kv_cache_blocks: int | None = Field(
+        default=None,
+        description="tgq: usable KV-cache blocks over the live batchers (null before any)",
+        examples=[2200],
+    )
+    kv_block_size: int | None = Field(
+        default=None, description="tgq: tokens per KV-cache block", examples=[16]
+    )
     max_concurrent_requests: int = Field(ge=0, description="Router Parameters", examples=[128])
     max_best_of: int = Field(ge=0, examples=[2])
     max_stop_sequences: int = Field(ge=0, examples=[4])

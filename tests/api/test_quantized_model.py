@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.api.stack import REDIS_URL, Stack, running
+from tests.polling import eventually
 
 
 def test_the_api_does_not_start_on_a_quantized_checkpoint(
@@ -50,13 +51,35 @@ def test_quantize_serves_and_says_so(
         redis_url=None if mode == "embedded" else REDIS_URL,
     )
     with running(stack, batcher=mode == "services"):
-        info = httpx.get(f"{stack.url}/info", timeout=10).json()
+        info = reported_info(stack.url)
         assert info["quantize"] == method
         body = {"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}}
         answer = httpx.post(f"{stack.url}/generate", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 5
         log = stack.api_log() if mode == "embedded" else (tmp_path / "batcher-b0.log").read_text()
-    assert f"with {method} linears" in log and " MiB" in log
+    assert f"with {method} linears" in log
+    assert_memory_matches_the_log(info, log)
+
+
+def reported_info(url: str) -> dict[str, object]:
+    """/info once a batcher's heartbeat has told the api what it holds."""
+
+    def info() -> dict[str, object]:
+        body: dict[str, object] = httpx.get(f"{url}/info", timeout=10).json()
+        return body if body["weight_bytes"] is not None else {}
+
+    return eventually(info, 30, "/info with the batcher's weight_bytes")
+
+
+def assert_memory_matches_the_log(info: dict[str, object], log: str) -> None:
+    """/info's weight bytes and KV blocks are the start-up line's ("weights 12.3 MiB; KV 500
+    blocks of 16 tokens")."""
+    mib = float(log.split("weights ", 1)[1].split(" MiB", 1)[0])
+    blocks = int(log.split(" KV ", 1)[1].split(" blocks", 1)[0])
+    assert isinstance(info["weight_bytes"], int)
+    assert abs(info["weight_bytes"] / 2**20 - mib) <= 0.05
+    assert info["kv_cache_blocks"] == blocks - 1  # block 0 is reserved
+    assert info["kv_block_size"] == int(log.split(" blocks of ", 1)[1].split(" tokens", 1)[0])
 
 
 @pytest.mark.parametrize("mode", ["embedded", "services"])
@@ -68,10 +91,11 @@ def test_a_compressed_tensors_checkpoint_serves_and_says_so(
     model_dir = write_compressed(text_model_dir, tmp_path / "fp8-dynamic", "FP8_DYNAMIC")
     stack = Stack(model_dir, pg_url, tmp_path, redis_url=None if mode == "embedded" else REDIS_URL)
     with running(stack, batcher=mode == "services"):
-        info = httpx.get(f"{stack.url}/info", timeout=10).json()
+        info = reported_info(stack.url)
         assert info["quantize"] == "compressed-tensors"
         body = {"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}}
         answer = httpx.post(f"{stack.url}/generate", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 5
         log = stack.api_log() if mode == "embedded" else (tmp_path / "batcher-b0.log").read_text()
-    assert "with compressed-tensors linears" in log and " MiB" in log
+    assert "with compressed-tensors linears" in log
+    assert_memory_matches_the_log(info, log)

@@ -110,6 +110,8 @@ MESSAGES: list[Message] = [
         grammar_mask_seconds=0.02,
         num_grammar_argmax_checks=300,
         num_grammar_argmax_misses=4,
+        weight_bytes=115_343_360,
+        kv_block_size=16,
     ),  # every field
     SubmitRequest(
         request_id="req-3",
