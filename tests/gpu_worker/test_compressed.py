@@ -111,8 +111,14 @@ def test_the_weights_are_the_librarys_decompression_bit_for_bit(
     assert down.weight.dtype == tensors[f"{name}.weight"].dtype  # held as stored: 8 bits
 
 
-@pytest.mark.parametrize("variant", FAMILIES)
-@pytest.mark.parametrize("scheme", SCHEMES)
+# Every scheme on these; FP8-dynamic also on soft-capped and mixture-of-experts families (the
+# library quantizes their attention and dense linears; experts stored stacked stay float).
+CASES = [(s, v) for s in SCHEMES for v in FAMILIES] + [
+    ("FP8_DYNAMIC", v) for v in ("gemma2-capped-window", "mixtral-top2", "qwen3moe-top3-norm")
+]
+
+
+@pytest.mark.parametrize(("scheme", "variant"), CASES)
 def test_fp32_is_transformers_running_the_checkpoint(
     scheme: str, variant: str, compressed: Any
 ) -> None:
@@ -139,6 +145,9 @@ def test_fp32_is_transformers_running_the_checkpoint(
             )
 
     chunked = make_engine(model_dir, max_batch_prefill_tokens=16, max_batch_size=16)
+    model = chunked.runner.loaded.model  # type: ignore[attr-defined]
+    quantized = [m for m in model.modules() if isinstance(m, Linear) and m.is_quantized]
+    assert len(quantized) >= 2 * model.config.num_layers  # attention's at least
     run(chunked)
     run(chunked)  # prefix-cache hits
     tight = make_engine(model_dir, num_blocks=24, max_batch_prefill_tokens=64, max_batch_size=32)
