@@ -10,8 +10,9 @@ text (the bundled corpus of Python's documentation):
 - free-running greedy agreement through tgq itself: 64 corpus prompts x 128 new tokens, bf16
   against `--quantize`: the share of tokens before the first divergence.
 
-Two models: the trained demo model (`devtools.demo`, built on first use: ~5 minutes) and the
-medium random-weight model with a trained tokenizer. Prints one table; writes JSON to
+Three models: the trained demo model (`devtools.demo`, built on first use: ~5 minutes), and the
+medium Llama and a Qwen3-shaped one of the same size (q/k norms), random weights with a trained
+tokenizer. Prints one table; writes JSON to
 bench/results/.
 """
 
@@ -120,7 +121,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = {"demo (trained)": demo_model(), "medium (random)": chat_llama(args.cache, "medium")}
+    models = {
+        "demo (trained)": demo_model(),
+        "medium (random)": chat_llama(args.cache, "medium"),
+        "medium qwen3 (random)": chat_llama(args.cache, "medium", "Qwen3ForCausalLM"),
+    }
     results: dict[str, dict[str, float]] = {}
     for name, path in models.items():
         ids = corpus_ids(path, PROMPTS * PROMPT_LEN * 4)
@@ -134,10 +139,10 @@ def main() -> None:
                 "greedy_agreement": greedy_agreement(outputs, baseline),
             }
     write_results("quant-quality", args, results, None)
-    print(f"{'model':<30}{'mean KL':>10}{'top-1 agree':>13}{'greedy agree':>14}{'positions':>11}")
+    print(f"{'model':<36}{'mean KL':>10}{'top-1 agree':>13}{'greedy agree':>14}{'positions':>11}")
     for name, r in results.items():
         print(
-            f"{name:<30}{r['mean_kl']:>10.5f}{r['top1_agreement']:>13.4f}"
+            f"{name:<36}{r['mean_kl']:>10.5f}{r['top1_agreement']:>13.4f}"
             f"{r['greedy_agreement']:>14.4f}{int(r['positions']):>11}"
         )
 

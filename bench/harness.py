@@ -175,15 +175,17 @@ def medium_llama_4k(cache: Path) -> Path:
     return path
 
 
-def chat_llama(cache: Path, shape: str) -> Path:
-    """The shape with a trained tokenizer's vocabulary (the bundled corpus yields ~9k tokens)."""
-    path = cache / f"{shape}-llama-bf16"
+def chat_llama(cache: Path, shape: str, architecture: str = "LlamaForCausalLM") -> Path:
+    """The shape with a trained tokenizer's vocabulary (the bundled corpus yields ~9k tokens);
+    `architecture` another family of that shape (random weights, the same tokenizer)."""
+    family = make_config(architecture)["model_type"]
+    path = cache / f"{shape}-{family}-bf16"
     if not (path / "model.safetensors").is_file():
         train_tokenizer(path, vocab_size=32000)
         add_chat_template(path)
         vocab_size = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
         config = make_config(
-            "LlamaForCausalLM",
+            architecture,
             shape,
             dtype="bfloat16",
             vocab_size=vocab_size,
