@@ -166,16 +166,28 @@ def _assert_picks_within_10_percent(
 ) -> None:
     """Each bucket's candidates timed again, three times in turns (`measure_at(rows)`): the
     pick must be within 10% of the fastest of them, times weighed as the selection weighs them
-    (torch's with its handicap)."""
+    (torch's with its handicap). A pick that is not is selected once more, afresh: beside the
+    other test worker one selection's timings can be disturbed enough to pick wrong (a CI run
+    timed the AVX-512 linear at 31 ms, then 17 ms); a selection wrong twice is a fault."""
     for entry in measured:
-        names = sorted(entry.timings_ms)
-        again = {name: float("inf") for name in names}
-        for _ in range(3):  # one bucket at a time: every candidate is timed
-            [timed] = measure_at(entry.rows)
-            for name in names:
-                again[name] = min(again[name], timed.timings_ms[name])
-        cost = {name: again[name] * entry.handicap.get(name, 1.0) for name in names}
-        assert cost[entry.picked] <= 1.10 * min(cost.values()), (entry, again)
+        close, again = _pick_is_close(entry, measure_at)
+        if not close:
+            [fresh] = measure_at(entry.rows)
+            close, again = _pick_is_close(fresh, measure_at)
+        assert close, (entry, again)
+
+
+def _pick_is_close(
+    entry: Measured, measure_at: Callable[[int], list[Measured]]
+) -> tuple[bool, dict[str, float]]:
+    names = sorted(entry.timings_ms)
+    again = {name: float("inf") for name in names}
+    for _ in range(3):  # one bucket at a time: every candidate is timed
+        [timed] = measure_at(entry.rows)
+        for name in names:
+            again[name] = min(again[name], timed.timings_ms[name])
+    cost = {name: again[name] * entry.handicap.get(name, 1.0) for name in names}
+    return cost[entry.picked] <= 1.10 * min(cost.values()), again
 
 
 @requires_kernels
