@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.markers import requires_kernels
 from tgq.gpu_worker.layers.activation_quant import ActivationQuant
 from tgq.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.is_available(), reason="the CPU kernels did not build")
+pytestmark = requires_kernels  # a CPU that can run them must build them: no skip for that
 ONE = torch.tensor([1.0])
 
 
