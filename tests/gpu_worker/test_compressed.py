@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 
 from tests.batcher.test_e2e import GREEDY_LOGPROBS, STOPPING, _loaded, make_engine, mixed_prompts
-from tests.gpu_worker.test_parity import LOGPROB_TOL, generate_greedy
-from tests.gpu_worker.test_parity_bf16 import assert_within_bf16_tolerance
+from tests.gpu_worker.test_parity import assert_matches, generate_greedy
+from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
 from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.gpu_worker.layers.activation_quant import ActivationQuant
 from tgq.gpu_worker.layers.linear import Linear
@@ -132,16 +132,11 @@ def test_fp32_is_transformers_running_the_checkpoint(
         results = engine.generate(batch, GREEDY_LOGPROBS, STOPPING)
         engine.scheduler.kv.check_integrity()
         if not scheme.endswith("WEIGHT_ONLY"):
-            assert_within_bf16_tolerance(model_dir, results, reference, ACTIVATION_LOGPROB_TOL)
+            assert_within_tolerance(model_dir, results, reference, ACTIVATION_LOGPROB_TOL)
             return
         for ours in results:
-            theirs = generate_greedy(reference, ours.prompt_token_ids, len(ours.token_ids))
-            assert ours.token_ids == theirs.token_ids
-            torch.testing.assert_close(
-                torch.tensor(ours.logprobs),
-                torch.tensor(theirs.logprobs),
-                atol=LOGPROB_TOL,
-                rtol=0,
+            assert_matches(
+                ours, generate_greedy(reference, ours.prompt_token_ids, len(ours.token_ids))
             )
 
     chunked = make_engine(model_dir, max_batch_prefill_tokens=16, max_batch_size=16)
@@ -179,7 +174,7 @@ def test_bf16_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
         assert any(m.weight.dtype == torch.uint8 for m in linears)
     results = engine.generate(mixed_prompts(), GREEDY_LOGPROBS, STOPPING)
     reference = transformers_model(model_dir, torch.bfloat16)
-    assert_within_bf16_tolerance(model_dir, results, reference)
+    assert_within_tolerance(model_dir, results, reference)
 
 
 def test_int8_checkpoints_use_minus_128(compressed: Any) -> None:

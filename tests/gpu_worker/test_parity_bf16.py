@@ -43,7 +43,7 @@ def _hf_bf16(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
 
 
-def assert_within_bf16_tolerance(
+def assert_within_tolerance(
     model_dir: Path,
     results: list[RequestResult],
     reference: Any = None,
@@ -76,13 +76,13 @@ def test_every_schedule_in_bf16_is_what_transformers_would_pick(
     bf16_engine = functools.partial(make_engine, model_dir, dtype="bfloat16")
 
     def run(engine: LLMEngine, prompts: list[list[int]]) -> None:
-        assert_within_bf16_tolerance(model_dir, engine.generate(prompts, GREEDY_LOGPROBS, STOPPING))
+        assert_within_tolerance(model_dir, engine.generate(prompts, GREEDY_LOGPROBS, STOPPING))
         engine.scheduler.kv.check_integrity()
 
     chunked = bf16_engine(max_batch_prefill_tokens=16, max_batch_size=16)
     run(chunked, batch)
     again = chunked.generate(batch, GREEDY_LOGPROBS, STOPPING)
-    assert_within_bf16_tolerance(model_dir, again)
+    assert_within_tolerance(model_dir, again)
     assert all(
         r.num_cached_tokens == (len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE
         for p, r in zip(batch, again, strict=True)

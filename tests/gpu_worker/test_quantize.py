@@ -24,8 +24,8 @@ from tests.batcher.test_e2e import (
     make_engine,
     mixed_prompts,
 )
-from tests.gpu_worker.test_parity import LOGPROB_TOL, generate_greedy
-from tests.gpu_worker.test_parity_bf16 import assert_within_bf16_tolerance
+from tests.gpu_worker.test_parity import assert_matches, generate_greedy
+from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
 from tgq.batcher.engine import LLMEngine, RequestResult
 from tgq.devtools.quantized_reference import dequantize_in_place
 from tgq.gpu_worker.layers.linear import Linear, quantize_rows
@@ -137,11 +137,7 @@ def dequantized_transformers(model_dir: Path, dtype: torch.dtype, method: str) -
 def assert_matches_dequantized(model_dir: Path, method: str, results: list[RequestResult]) -> None:
     reference = dequantized_transformers(model_dir, torch.float32, method)
     for ours in results:
-        theirs = generate_greedy(reference, ours.prompt_token_ids, len(ours.token_ids))
-        assert ours.token_ids == theirs.token_ids
-        torch.testing.assert_close(
-            torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=LOGPROB_TOL, rtol=0
-        )
+        assert_matches(ours, generate_greedy(reference, ours.prompt_token_ids, len(ours.token_ids)))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -206,7 +202,7 @@ def test_bf16_quantized_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
     assert all(m.matmul.packed == kernel for m in linears)  # type: ignore[attr-defined]
     results = engine.generate(batch, GREEDY_LOGPROBS, STOPPING)
     reference = dequantized_transformers(model_dir, torch.bfloat16, method)
-    assert_within_bf16_tolerance(model_dir, results, reference)
+    assert_within_tolerance(model_dir, results, reference)
 
 
 @pytest.mark.parametrize("method", METHODS)
