@@ -389,8 +389,7 @@ class DecoderForCausalLM(nn.Module):
         # The [N, K] head, which packing releases: the greedy head's screen is built from it.
         head = weight.detach()
         quantized = any(m.is_quantized for m in self.modules() if isinstance(m, Linear))
-        # With 8-bit layers the float ones left are the routers (or what a checkpoint left
-        # unquantized): on the AVX-512 kernel, unmeasured.
+        # Beside 8-bit layers: routers, or what a checkpoint left float; AVX-512, unmeasured.
         layer_kernels = [(1, "avx512")] if quantized else []
         if pack and not quantized:
             layer_kernels = self.linear_kernels().thresholds("linear")
