@@ -17,7 +17,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from tests.api.stack import BLOCK_SIZE, Stack, running_stack
+from tests.api.stack import BLOCK_SIZE, Stack, migrated_database, running, running_stack
 from tgq.api.db import create_engine
 
 pytestmark = pytest.mark.timeout(300)
@@ -147,7 +147,21 @@ def test_a_thousand_line_extraction_batch_all_follows_its_schema(stack: Stack) -
     )
 
 
-def test_cancel_mid_batch_keeps_what_finished(stack: Stack) -> None:
+def test_cancel_mid_batch_keeps_what_finished(text_model_dir: Path, tmp_path: Path) -> None:
+    """Its own stack with BATCH_WINDOW 2: the lines run two at a time, so the batch is still
+    running when its first result is counted (with all 30 in flight at once, a CI run finished
+    every line before the first count showed, and the cancel met a batch already finalizing)."""
+    with (
+        migrated_database() as url,
+        running(
+            Stack(text_model_dir, url, tmp_path, api_env={"BATCH_WINDOW": "2"}),
+            celery_worker=True,
+        ) as stack,
+    ):
+        cancel_mid_batch(stack)
+
+
+def cancel_mid_batch(stack: Stack) -> None:
     client = sdk(stack)
     # Lines of 10 to 358 tokens: they finish one after another, and together they fit the test
     # batcher's KV blocks (no preemption churn).
