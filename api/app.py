@@ -49,9 +49,9 @@ from tgq.batcher.transport.aio import AsyncApiTransport, AsyncRedisApiTransport
 from tgq.batcher.transport.base import StoredFinal
 from tgq.batcher.transport.threaded import ThreadedApiTransport
 from tgq.gpu_worker.quantization import (
-    COMPRESSED_TENSORS,
     check_stored_quantization,
     refuse_quantized_config,
+    stored_method,
 )
 
 log = logging.getLogger("api")
@@ -233,7 +233,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     state = AppState(
         settings, db, transport, tokenizer, metrics, generation, persister, running, health,
         LocalFileStorage(settings.file_storage_dir), embedded=embedded,
-        quantize=COMPRESSED_TENSORS if scheme is not None else settings.quantize,
+        quantize=stored_method(scheme) if scheme is not None else settings.quantize,
     )  # fmt: skip
     state.batch_starter = make_starter(state)
     recorder.start()

@@ -17,8 +17,19 @@ from typing import Any
 
 import torch
 
-# The library's preset schemes tgq runs, and one weight-only scheme of its own arguments.
-SCHEMES = ("FP8_DYNAMIC", "FP8", "W8A8", "FP8_WEIGHT_ONLY", "INT8_WEIGHT_ONLY")
+# The library's preset schemes tgq runs (W4A16: int4 in groups of 128, `pack-quantized`), and
+# weight-only schemes of its own arguments: 8-bit per channel, 4-bit in groups of 32 (small
+# models' inputs), symmetric or with zero points.
+SCHEMES = (
+    "FP8_DYNAMIC",
+    "FP8",
+    "W8A8",
+    "W4A16",
+    "FP8_WEIGHT_ONLY",
+    "INT8_WEIGHT_ONLY",
+    "INT4_G32",
+    "INT4_G32_ASYM",
+)
 CALIBRATION_TOKENS = 64
 
 
@@ -33,7 +44,24 @@ def scheme_for(name: str) -> Any:
         kind = "float" if name.startswith("FP8") else "int"
         weights = QuantizationArgs(num_bits=8, type=kind, strategy="channel", symmetric=True)
         return QuantizationScheme(targets=["Linear"], weights=weights)
+    if name.startswith("INT4_G32"):
+        weights = QuantizationArgs(
+            num_bits=4, type="int", strategy="group", group_size=32, symmetric="ASYM" not in name
+        )
+        return QuantizationScheme(targets=["Linear"], weights=weights)
     return preset_name_to_scheme(name, ["Linear"])
+
+
+def _weight_qparams(w: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's scales and zero points from its min and max per channel, group or tensor."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    if args.strategy == "group":
+        groups = w.reshape(w.shape[0], -1, args.group_size)
+        return calculate_qparams(groups.amin(dim=2), groups.amax(dim=2), args)  # [N, G]
+    if args.strategy == "channel":
+        return calculate_qparams(w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True), args)
+    return calculate_qparams(w.amin(), w.amax(), args)
 
 
 def write_compressed(model_dir: Path, out_dir: Path, scheme_name: str) -> Path:
@@ -58,17 +86,17 @@ def write_compressed(model_dir: Path, out_dir: Path, scheme_name: str) -> Path:
             scheme = getattr(module, "quantization_scheme", None)
             if scheme is None or not hasattr(module, "weight_scale"):
                 continue
-            w = module.weight
-            dims = {"dim": 1, "keepdim": True} if scheme.weights.strategy == "channel" else {}
-            scale, _ = calculate_qparams(w.amin(**dims), w.amax(**dims), scheme.weights)
+            scale, zero = _weight_qparams(module.weight, scheme.weights)
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if not scheme.weights.symmetric:
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
             inputs = scheme.input_activations
             if inputs is not None and not inputs.dynamic:
                 amax = input_amax[name]
                 scale, _ = calculate_qparams(-amax, amax, inputs)
                 module.input_scale.copy_(scale.reshape(module.input_scale.shape))
-    # Weight-only int8 would be packed into int32 words by default ("pack-quantized", which
-    # tgq does not read yet): stored as int8 values instead.
+    # Weight-only int8 would be packed into int32 words by default ("pack-quantized"): stored
+    # as int8 values instead, the format tgq's 8-bit kernel takes as it is.
     fmt = "int-quantized" if scheme_name == "INT8_WEIGHT_ONLY" else None
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)

@@ -15,6 +15,7 @@ import torch
 
 from tgq.gpu_worker.compressed import load_compressed
 from tgq.gpu_worker.config import ModelConfig, resolve_dtype
+from tgq.gpu_worker.grouped import load_grouped
 from tgq.gpu_worker.hub import resolve_model_dir
 from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.layers.moe import SparseMoE
@@ -22,10 +23,12 @@ from tgq.gpu_worker.models import model_class
 from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.gpu_worker.quantization import (
-    COMPRESSED_TENSORS,
+    CompressedScheme,
+    GroupedScheme,
     check_quantize,
     check_stored_quantization,
     refuse_quantized_checkpoint,
+    stored_method,
 )
 from tgq.gpu_worker.weights import Checkpoint
 
@@ -42,7 +45,7 @@ class LoadedModel:
     dtype: torch.dtype
     tp: TensorParallel = SINGLE
     num_cpu_kernel_modules: int = 0  # modules on the C++ CPU kernels (0: plain torch ops)
-    # "int8" or "fp8": the linears quantized at load; "compressed-tensors": stored quantized
+    # "int8" or "fp8": the linears quantized at load; "compressed-tensors", "gptq", "awq": stored
     quantize: str | None = None
 
     @property
@@ -66,8 +69,9 @@ def load_model(
     """`cpu_kernels=False` keeps bf16 on CPU on plain torch ops (for comparisons);
     `greedy_head=False` computes every row's logits (`DecoderForCausalLM.use_cpu_kernels`);
     `quantize` ("int8" or "fp8", `quantization.QUANTIZE_METHODS`) quantizes the linears once
-    (`quantize_linears`); a compressed-tensors checkpoint's linears load quantized as stored
-    (`compressed.load_compressed`).
+    (`quantize_linears`); a quantized checkpoint's linears load as stored: 8-bit
+    compressed-tensors ones by `compressed.load_compressed`, GPTQ, AWQ and `pack-quantized` ones
+    by `grouped.load_grouped`.
     With `tp`, the rank's slice of the model: only that slice of each tensor is read from the
     files."""
     model_dir = resolve_model_dir(model_id, revision=revision, cache_dir=cache_dir)
@@ -85,11 +89,15 @@ def load_model(
     if model.local_rotary is not None:
         model.local_rotary.to(device)
     with Checkpoint.open(model_dir, rename=cls.stored_name) as checkpoint:
-        fill_parameters(model, checkpoint)
-        if scheme is not None:
-            sources = model.checkpoint_sources()
+        sources = model.checkpoint_sources()
+        held: set[str] = set()
+        if isinstance(scheme, GroupedScheme):
+            held = load_grouped(quantizable_linears(model), sources, checkpoint, scheme)
+        fill_parameters(model, checkpoint, skip=held)
+        if isinstance(scheme, CompressedScheme):
             load_compressed(quantizable_linears(model), sources, checkpoint, scheme)
-            quantize = COMPRESSED_TENSORS
+        if scheme is not None:
+            quantize = stored_method(scheme)
     model.eval().requires_grad_(False)
     if quantize is not None and scheme is None:
         check_quantize(quantize, tp.world_size)
@@ -140,10 +148,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def fill_parameters(model: DecoderForCausalLM, checkpoint: Checkpoint) -> None:
-    """Copy every parameter's checkpoint tensors into it; a missing tensor is an error."""
+def fill_parameters(
+    model: DecoderForCausalLM, checkpoint: Checkpoint, skip: set[str] | frozenset[str] = frozenset()
+) -> None:
+    """Copy every parameter's checkpoint tensors into it, but those named in `skip` (held
+    already); a missing tensor is an error."""
     params = dict(model.named_parameters(remove_duplicate=True))
     for name, sources in model.checkpoint_sources().items():
+        if name in skip:
+            continue
         param = params[name]
         covered = sum(param.shape[0] if s.rows is None else s.rows for s in sources)
         if covered < param.shape[0]:  # a vocabulary shard's padding rows

@@ -13,8 +13,15 @@ compressed-tensors checkpoints (vLLM's format, written by llm-compressor) with 8
 weights, int8 or FP8 E4M3, one scale per output channel or per tensor, and inputs unquantized or
 quantized to 8 bits per token (dynamic) or per tensor (dynamic or static): the stored values and
 scales are used as they are, and the inputs quantized and dequantized as the format's own forward
-does. Anything else a checkpoint declares (AWQ, GPTQ, FP8 blocks, int4 packing, ...) is refused
-with what it uses. Two signs are read: `config.json`'s `quantization_config`, and, for
+does.
+
+Integer weights in groups of input columns, w = (q - zero) * scale with a scale and zero point per
+(output row, group) (`GroupedScheme`, read by `gpu_worker.grouped`): GPTQ (4 or 8 bits, with or
+without act-order, formats v1 and v2), AWQ (4 bits, GEMM layout) and compressed-tensors'
+`pack-quantized` (4 or 8 bits, symmetric or with zero points, per group or channel).
+
+Anything else a checkpoint declares (FP8 blocks, bitsandbytes, AWQ's GEMV layout, GPTQ's Marlin
+format, ...) is refused with what it uses. Two signs are read: `config.json`'s `quantization_config`, and, for
 checkpoints without one, a `.weight` tensor whose stored dtype (from the safetensors headers, no
 tensor data) is not a float type: loading the integers as if they were the weights and ignoring
 their scales would serve garbage.
@@ -75,10 +82,11 @@ def quantization_method(config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def refuse_quantized_config(model_dir: str | Path) -> CompressedScheme | None:
+def refuse_quantized_config(model_dir: str | Path) -> StoredScheme | None:
     """The config check alone (the api has the model's config and tokenizer, not its weights):
-    None for an unquantized checkpoint, the scheme of a compressed-tensors one tgq runs, or a
-    QuantizedCheckpointError naming the method or the part of the scheme it cannot run."""
+    None for an unquantized checkpoint, the scheme of a quantized one tgq runs (compressed-tensors,
+    GPTQ, AWQ), or a QuantizedCheckpointError naming the method or the part of the scheme it
+    cannot run."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         return None
@@ -89,6 +97,8 @@ def refuse_quantized_config(model_dir: str | Path) -> CompressedScheme | None:
     key = next(key for key in CONFIG_KEYS if config.get(key) is not None)
     if method == COMPRESSED_TENSORS:
         return compressed_scheme(config[key])
+    if method in GROUPED_METHODS:
+        return grouped_scheme(method, config[key])
     raise QuantizedCheckpointError(
         f"quantized checkpoints are not supported yet: this one uses quant_method {method!r}"
         f" (config.json {key})"
@@ -99,14 +109,20 @@ COMPRESSED_TENSORS = "compressed-tensors"
 
 
 def check_stored_quantization(
-    scheme: CompressedScheme | None, quantize: str | None, world_size: int
+    scheme: StoredScheme | None, quantize: str | None, world_size: int
 ) -> None:
     """A checkpoint stored quantized loads as stored: on one rank, without `--quantize`."""
     if scheme is not None and (quantize is not None or world_size > 1):
         raise QuantizedCheckpointError(
-            f"this {COMPRESSED_TENSORS} checkpoint is quantized already: it loads on one rank"
+            f"this {stored_method(scheme)} checkpoint is quantized already: it loads on one rank"
             f" (--num-shard 1) without --quantize"
         )
+
+
+def stored_method(scheme: StoredScheme) -> str:
+    """What `/info` and the start-up log call a stored scheme: "compressed-tensors", "gptq",
+    "awq"."""
+    return COMPRESSED_TENSORS if isinstance(scheme, CompressedScheme) else scheme.method
 
 
 # The compressed-tensors formats that store 8-bit values as they are (int8, float8_e4m3fn).
@@ -130,7 +146,7 @@ class CompressedScheme:
     activations: QuantArgs | None  # None: inputs stay in the model's dtype (weight-only)
 
 
-def compressed_scheme(section: Mapping[str, Any]) -> CompressedScheme:
+def compressed_scheme(section: Mapping[str, Any]) -> StoredScheme:
     """config.json's compressed-tensors section -> the scheme, or a QuantizedCheckpointError
     saying which part of it tgq cannot run."""
 
@@ -138,15 +154,20 @@ def compressed_scheme(section: Mapping[str, Any]) -> CompressedScheme:
         return QuantizedCheckpointError(
             "compressed-tensors checkpoints are supported with 8-bit symmetric weights (a scale"
             " per channel or per tensor) and inputs unquantized or 8-bit (dynamic per token or"
-            f" per tensor, or static per tensor): this one has {what}"
+            f" per tensor, or static per tensor), or with {PACK_QUANTIZED} 4- or 8-bit weights"
+            f" (a scale per group or channel) and unquantized inputs: this one has {what}"
         )
 
     formats = {section.get("format")} | {
         group.get("format") for group in (section.get("config_groups") or {}).values()
     }
-    unknown = sorted(str(f) for f in formats - {None} - COMPRESSED_FORMATS)
+    unknown = sorted(str(f) for f in formats - {None} - COMPRESSED_FORMATS - {PACK_QUANTIZED})
     if unknown:
         raise refuse(f"format {unknown[0]!r}")
+    if PACK_QUANTIZED in formats:
+        if formats - {None, PACK_QUANTIZED}:
+            raise refuse(f"formats {sorted(str(f) for f in formats - {None})} together")
+        return _packed_scheme(section, refuse)
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
         if section.get(key):
             raise refuse(f"a {key}")
@@ -160,6 +181,33 @@ def compressed_scheme(section: Mapping[str, Any]) -> CompressedScheme:
 
 
 _Refuse = Callable[[str], QuantizedCheckpointError]
+PACK_QUANTIZED = "pack-quantized"
+
+
+def _packed_scheme(section: Mapping[str, Any], refuse: _Refuse) -> GroupedScheme:
+    """A `pack-quantized` checkpoint's one weight-only scheme (`gpu_worker.grouped` reads it)."""
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if section.get(key):
+            raise refuse(f"a {key}")
+    schemes = set()
+    for group in (section.get("config_groups") or {}).values():
+        if group.get("input_activations") or group.get("output_activations"):
+            raise refuse(f"{PACK_QUANTIZED} weights with quantized activations")
+        args = group.get("weights") or {}
+        bits, strategy = args.get("num_bits"), args.get("strategy")
+        if bits not in (4, 8) or args.get("type") != "int":
+            raise refuse(f"{PACK_QUANTIZED} weights of {bits} bits of type {args.get('type')!r}")
+        if strategy not in ("group", "channel") or args.get("block_structure"):
+            raise refuse(f"{PACK_QUANTIZED} weights quantized per {strategy}")
+        group_size = int(args.get("group_size") or -1) if strategy == "group" else -1
+        if args.get("actorder") not in (None, "group", "weight", "static"):
+            raise refuse(f"weights with actorder {args['actorder']!r}")
+        symmetric = bool(args.get("symmetric", True))
+        act_order = args.get("actorder") == "group"
+        schemes.add(GroupedScheme(COMPRESSED_TENSORS, bits, group_size, symmetric, act_order))
+    if len(schemes) != 1:
+        raise refuse(f"{len(schemes)} different schemes in its config_groups")
+    return schemes.pop()
 
 
 def _group_scheme(group: Mapping[str, Any], refuse: _Refuse) -> CompressedScheme:
@@ -197,6 +245,72 @@ def _quant_args(
     return QuantArgs(args["type"], strategy, dynamic)
 
 
+GPTQ, AWQ = "gptq", "awq"
+GROUPED_METHODS = (GPTQ, AWQ)
+# GPTQ's checkpoint formats: v1 (AutoGPTQ's, what transformers writes) stores each zero point
+# minus 1; v2 (GPTQModel's own) stores it as it is.
+GPTQ_ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedScheme:
+    """Integer weights quantized in groups of input columns, each group of each output row with
+    its own scale and zero point, w = (q - zero) * scale; inputs stay in the model's dtype. GPTQ,
+    AWQ (GEMM layout) and compressed-tensors' `pack-quantized` checkpoints
+    (`gpu_worker.grouped` reads their tensors)."""
+
+    method: str  # "gptq", "awq" or "compressed-tensors"
+    bits: int  # 4, or 8 (GPTQ, compressed-tensors)
+    group_size: int  # input columns a group; -1: the whole row
+    symmetric: bool  # compressed-tensors: zero points stored (asymmetric) or not
+    act_order: bool  # the columns' groups come from a stored g_idx (GPTQ's desc_act)
+    zero_offset: int = 0  # added to each stored zero point (GPTQ v1: 1)
+
+
+StoredScheme = CompressedScheme | GroupedScheme
+
+
+def grouped_scheme(method: str, section: Mapping[str, Any]) -> GroupedScheme:
+    """config.json's GPTQ or AWQ `quantization_config` -> the scheme, or a
+    QuantizedCheckpointError saying what tgq cannot run."""
+
+    def refuse(what: str) -> QuantizedCheckpointError:
+        return QuantizedCheckpointError(
+            f"{method} checkpoints are supported with 4-bit weights ({GPTQ}: 4 or 8 bits) in"
+            f" groups, {GPTQ} in its gptq or gptq_v2 format, {AWQ} in its gemm layout with zero"
+            f" points: this one has {what}"
+        )
+
+    bits = section.get("bits", section.get("w_bit"))
+    if bits not in ((4, 8) if method == GPTQ else (4,)):
+        raise refuse(f"{bits} bits")
+    group_size = section.get("group_size", section.get("q_group_size", -1))
+    if not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
+        raise refuse(f"group_size {group_size!r}")
+    if method == AWQ:
+        version = str(section.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise refuse(f"version {version!r}")
+        if not section.get("zero_point", True):
+            raise refuse("no zero points (zero_point false)")
+        return GroupedScheme(AWQ, 4, group_size, symmetric=False, act_order=False)
+    fmt = str(section.get("checkpoint_format", "gptq"))
+    if fmt not in GPTQ_ZERO_OFFSETS:
+        raise refuse(f"checkpoint_format {fmt!r}")
+    if section.get("lm_head"):
+        raise refuse("a quantized lm_head")
+    if section.get("dynamic"):
+        raise refuse("per-module overrides (dynamic)")
+    return GroupedScheme(
+        GPTQ,
+        bits,
+        group_size,
+        symmetric=bool(section.get("sym", True)),
+        act_order=bool(section.get("desc_act", False)),
+        zero_offset=GPTQ_ZERO_OFFSETS[fmt],
+    )
+
+
 def refuse_quantized_tensors(dtypes: Mapping[str, str]) -> None:
     """`dtypes`: safetensors dtype of each stored tensor, by name. A weight stored as anything
     but a float type is refused, naming the scale tensors stored beside it."""
@@ -214,10 +328,9 @@ def refuse_quantized_tensors(dtypes: Mapping[str, str]) -> None:
     )
 
 
-def refuse_quantized_checkpoint(model_dir: str | Path) -> CompressedScheme | None:
+def refuse_quantized_checkpoint(model_dir: str | Path) -> StoredScheme | None:
     """Both checks on a model directory: its config.json, then (for a checkpoint that declares
-    no scheme tgq runs) its weight files' headers. Returns the compressed-tensors scheme, if
-    any."""
+    no scheme tgq runs) its weight files' headers. Returns the stored scheme, if any."""
     scheme = refuse_quantized_config(model_dir)
     if scheme is not None:
         return scheme

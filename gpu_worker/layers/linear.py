@@ -1,5 +1,6 @@
 """Linear layer whose matmul goes to the kernel measured fastest for its call size, over bf16
-weights or 8-bit ones quantized at load (`--quantize int8|fp8`)."""
+weights, 8-bit ones (`--quantize int8|fp8`, compressed-tensors checkpoints) or integer weights in
+groups (GPTQ, AWQ and compressed-tensors int4 checkpoints, `gpu_worker.grouped`)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,15 @@ class Linear(nn.Module):
         self.weight_scale: torch.Tensor | None  # [N] fp32: 8-bit weights' scales (`quantize`)
         self.register_buffer("weight_scale", None, persistent=False)
         self.input_quant: ActivationQuant | None = None  # W8A8 checkpoints' input rounding
+        self.groups: Groups | None = None  # grouped integer weights' zero points and groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         return self.matmul(x, self.weight, self.bias)
 
     @property
     def is_quantized(self) -> bool:
-        """Whether `weight` holds 8-bit values (`quantize`), packed or not."""
+        """Whether `weight` holds 8-bit values (`quantize`) or grouped integers (`hold_grouped`),
+        packed or not."""
         return self.weight_scale is not None
 
     def quantize(self, method: str) -> None:
@@ -61,6 +64,41 @@ class Linear(nn.Module):
         self.weight_scale = scale
         self.input_quant = input_quant
         self.matmul = _QuantizedMatmul(self, packed=False)
+
+    def hold_grouped(
+        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor
+    ) -> None:
+        """Integer weights in groups of input columns (`gpu_worker.grouped`): q [N, K] uint8,
+        scale and zero [N, G] fp32, column k in group g_idx[k]; w = (q - zero) * scale. On
+        torch until `use_quantized_kernel`."""
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale
+        self.groups = Groups(zero, g_idx)
+        self.matmul = _GroupedMatmul(self)
+
+    def use_quantized_kernel(self) -> bool:
+        """A quantized layer onto its CPU kernel where this CPU has it and the weights fit it
+        (8-bit: `use_8bit_kernel`; grouped 4-bit: `cpu_ops.linear_int4_packed`, the columns
+        permuted once so that each group is a contiguous run); whether it moved."""
+        if self.groups is None:
+            if not cpu_ops.has_avx512_8bit_linear():
+                return False
+            self.use_8bit_kernel()
+            return True
+        layout = self.groups.contiguous_layout(self.weight.detach())
+        if layout is None or not cpu_ops.has_avx512_int4_linear():
+            return False
+        perm, group_size = layout
+        q = self.weight.detach() if perm is None else self.weight.detach()[:, perm]
+        packed = cpu_ops.pack_weight_int4(q.contiguous(), group_size)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.matmul = _GroupedMatmul(self, perm=perm, group_size=group_size)
+        return True
+
+    @property
+    def on_int4_kernel(self) -> bool:
+        """Whether grouped weights run on the 4-bit kernel (`use_quantized_kernel`)."""
+        return isinstance(self.matmul, _GroupedMatmul) and self.matmul.group_size > 0
 
     def use_8bit_kernel(self) -> None:
         """A quantized layer on `cpu_ops.linear_8bit_packed` (AVX512_BF16 and VBMI), its weights
@@ -141,6 +179,66 @@ class _QuantizedMatmul:
         out = F.linear(x.float(), weight.float()) * scale
         if bias is not None:
             out = out + bias.float()
+        return out.to(x.dtype)
+
+
+INT4_LARGEST = 15
+
+
+class Groups:
+    """Grouped integer weights' zero points [N, G] fp32 and each input column's group [K]."""
+
+    def __init__(self, zero: torch.Tensor, g_idx: torch.Tensor) -> None:
+        self.zero = zero
+        self.g_idx = g_idx
+
+    def contiguous_layout(self, q: torch.Tensor) -> tuple[torch.Tensor | None, int] | None:
+        """For 4-bit values q: (the column order that makes every group a run of one size, the
+        last maybe shorter, None where K's order does; that size, a multiple of 8 or K), or None
+        where there is none (8-bit values, or groups of uneven sizes)."""
+        if q.numel() and int(q.max()) > INT4_LARGEST:
+            return None
+        columns = self.g_idx.shape[0]
+        perm = torch.argsort(self.g_idx, stable=True)
+        in_order = self.g_idx[perm]
+        size = int((in_order == 0).sum())
+        if size == 0 or (size % 8 and size != columns):
+            return None
+        if not torch.equal(in_order, torch.arange(columns) // size):
+            return None
+        if int(in_order[-1]) + 1 != self.zero.shape[1]:
+            return None
+        identity = torch.equal(perm, torch.arange(columns))
+        return (None if identity else perm), size
+
+
+class _GroupedMatmul:
+    """`Linear.matmul` over grouped integer weights: the AVX-512 4-bit kernel over the packed
+    layout (`perm`: the input columns in group order), or torch (any CPU or GPU: the weights
+    dequantized exactly to fp32, w = (q - zero) * scale, the sums in fp32, rounded once to x's
+    dtype)."""
+
+    def __init__(
+        self, linear: Linear, *, perm: torch.Tensor | None = None, group_size: int = 0
+    ) -> None:
+        self.linear = linear
+        self.perm = perm
+        self.group_size = group_size  # 0: on torch
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        scale, groups = self.linear.weight_scale, self.linear.groups
+        assert scale is not None and groups is not None
+        if self.group_size:
+            if self.perm is not None:
+                x = x.index_select(1, self.perm)
+            return cpu_ops.linear_int4_packed(
+                x, weight, scale, groups.zero, self.group_size, self.linear.out_features, bias
+            )
+        g = groups.g_idx
+        w = (weight.float() - groups.zero[:, g]) * scale[:, g]
+        out = F.linear(x.float(), w, None if bias is None else bias.float())
         return out.to(x.dtype)
 
 

@@ -371,8 +371,9 @@ class DecoderForCausalLM(nn.Module):
         over weights packed once, or torch's oneDNN), and the lm_head on the AVX-512 kernel (a
         tied lm_head gets its own packed copy; the embedding keeps its rows; the greedy head's
         exact logits are those of that kernel); otherwise kernels/cpu_ops.py picks per call.
-        Linears with 8-bit weights (`loader.quantize_linears`, `gpu_worker.compressed`) run on
-        the 8-bit kernel where the CPU has AVX512_VBMI too, else stay on torch. With AVX512_VNNI
+        Quantized linears (`loader.quantize_linears`, `gpu_worker.compressed`,
+        `gpu_worker.grouped`) run on their kernel where the CPU has it (`Linear.
+        use_quantized_kernel`), else stay on torch. With AVX512_VNNI
         too, one rank and `greedy_head`, argmax-only rows get their tokens from
         `self.greedy_head` (kernels.greedy_head), which keeps the head's [N, K] rows and an int8
         copy, screened on the kernel measured fastest per row count (VNNI or AMX-INT8). On one
@@ -417,11 +418,9 @@ class DecoderForCausalLM(nn.Module):
     def _switch_linear(self, module: Linear, layer_kernels: list[tuple[int, str]] | None) -> bool:
         """One linear onto the CPU kernels (`layer_kernels`: the packed kernels' thresholds, None
         without AVX512_BF16); whether it switched."""
-        if module.is_quantized:  # 8-bit: its one kernel, or torch where the CPU lacks it
-            if not cpu_ops.has_avx512_8bit_linear():
-                return False
-            module.use_8bit_kernel()
-        elif layer_kernels is None:
+        if module.is_quantized:  # its one kernel, or torch where the CPU or the layout lacks it
+            return module.use_quantized_kernel()
+        if layer_kernels is None:
             out_fp32 = module is self.lm_head
             module.matmul = functools.partial(cpu_ops.linear_bf16, out_fp32=out_fp32)
         elif module is self.lm_head:

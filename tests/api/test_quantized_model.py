@@ -19,10 +19,10 @@ from tests.polling import eventually
 def test_the_api_does_not_start_on_a_quantized_checkpoint(
     text_model_dir: Path, pg_url: str, tmp_path: Path
 ) -> None:
-    model_dir = tmp_path / "awq"
+    model_dir = tmp_path / "awq-gemv"
     shutil.copytree(text_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    section = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    section = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}
     (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
     stack = Stack(model_dir, pg_url, tmp_path)
     try:
@@ -31,8 +31,9 @@ def test_the_api_does_not_start_on_a_quantized_checkpoint(
     finally:
         stack.stop()
     assert (
-        "quantized checkpoints are not supported yet: this one uses quant_method 'awq'"
-        " (config.json quantization_config)"
+        "awq checkpoints are supported with 4-bit weights (gptq: 4 or 8 bits) in groups, gptq in"
+        " its gptq or gptq_v2 format, awq in its gemm layout with zero points: this one has"
+        " version 'gemv'"
     ) in str(caught.value)
 
 

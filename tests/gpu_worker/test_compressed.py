@@ -229,7 +229,8 @@ def test_config_parsing_names_what_it_cannot_run() -> None:
     assert compressed_scheme(
         section(weights=weights, input_activations=inputs)
     ) == CompressedScheme(QuantArgs("float", "channel", False), QuantArgs("float", "token", True))
-    assert compressed_scheme(section(weights=weights)).activations is None
+    weight_only = compressed_scheme(section(weights=weights))
+    assert isinstance(weight_only, CompressedScheme) and weight_only.activations is None
     refusals = {
         "weights of 4 bits of type 'int'": section(
             weights={**weights, "num_bits": 4, "type": "int"}

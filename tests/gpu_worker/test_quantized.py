@@ -43,10 +43,9 @@ def quantized_copy(source: Path, target: Path, section: dict[str, Any], key: str
     [
         ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
          "quantization_config", "fp8"),
-        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
-         "quantization_config", "awq"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
-         "quantization_config", "gptq"),
+        ({"quant_method": "hqq", "quant_config": {"weight_quant_params": {"nbits": 4}}},
+         "quantization_config", "hqq"),
+        ({"quant_method": "eetq", "weights": "int8"}, "quantization_config", "eetq"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
          "quantization_config", "bitsandbytes"),
         ({"load_in_8bit": True}, "quantization_config", "bitsandbytes"),  # before quant_method
