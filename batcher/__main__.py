@@ -64,7 +64,7 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
             model_dir, options.num_shard, device=options.device, dtype=dtype,
             block_size=options.block_size, num_blocks=options.num_blocks,
             kv_cache_bytes=kv_cache_bytes, threads_per_rank=options.threads_per_rank,
-            custom_kernels=custom_kernels,
+            custom_kernels=custom_kernels, kv_cache_dtype=options.kv_cache_dtype,
         )  # fmt: skip
         return ShardedRunner(sharded)
     from tgq.gpu_worker.runner import ModelRunner, RunnerConfig  # torch, at start-up only
@@ -73,7 +73,7 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
         model_dir, device=options.device, dtype=dtype, block_size=options.block_size,
         num_blocks=options.num_blocks, kv_cache_bytes=kv_cache_bytes,
         greedy_head=options.greedy_head, custom_kernels=custom_kernels,
-        quantize=options.quantize,
+        quantize=options.quantize, kv_cache_dtype=options.kv_cache_dtype,
     )  # fmt: skip
     return ModelRunner(config)
 
@@ -93,14 +93,17 @@ def served_with(runner: StepRunner) -> ServedWith:
         loaded.num_cpu_kernel_modules,
         loaded.quantize,
         weight_bytes(loaded.model),
+        str(runner.kv_dtype).removeprefix("torch."),
     )
 
 
 def describe(options: BatcherOptions, runner: StepRunner) -> str:
     """The start-up line: what the options made of the model (tests read it)."""
+    served = served_with(runner)
     return (
-        f"on {options.device} x{options.num_shard}: {served_with(runner)};"
-        f" KV {runner.num_blocks} blocks of {runner.block_size} tokens;"
+        f"on {options.device} x{options.num_shard}: {served};"
+        f" KV {runner.num_blocks} blocks of {runner.block_size} tokens"
+        f" in {served.kv_dtype or served.dtype};"
         f" batches of {options.max_batch_size} requests, {options.max_batch_prefill_tokens} tokens"
     )
 

@@ -82,6 +82,11 @@ class BatcherOptions(BaseSettings):
         description="quantize the decoder layers' linears at load, weights only, one scale per"
         " output row: int8, or fp8 (E4M3); one rank",
     )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="the KV cache's element type: auto (the model's dtype), or fp8 / fp8_e4m3"
+        " (E4M3, one byte a value, scale 1: half a bf16 cache's bytes); cpu and torch attention",
+    )
 
     # The scheduler (TGI's meanings).
     max_batch_size: int = Field(_SCHEDULER.max_batch_size, ge=1, description="requests in one step")

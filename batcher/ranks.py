@@ -48,6 +48,7 @@ class ShardConfig:
     threads_per_rank: int | None = None  # CPU: torch threads of each rank
     attention_backend: str = "auto"
     custom_kernels: bool = True  # False: torch attention and plain torch ops on every rank
+    kv_cache_dtype: str = "auto"  # `--kv-cache-dtype`
     start_timeout_s: float = 600.0  # loading the model
     step_timeout_s: float = 120.0  # one step (longer than the ranks' collective timeout)
     hang_timeout_s: float = 5.0  # a rank without a heartbeat this long is hung
@@ -62,6 +63,7 @@ class ServedWith:
     num_cpu_kernel_modules: int  # modules on the C++ CPU kernels (0: plain torch ops)
     quantize: str | None = None  # "int8": the linears quantized at load
     weight_bytes: int | None = None  # the model's weights as held (one rank's; None: not asked)
+    kv_dtype: str | None = None  # the KV cache's element type ("float8_e4m3fn"); None: dtype's
 
     def __str__(self) -> str:
         quantized = f" with {self.quantize} linears" if self.quantize else ""
@@ -105,7 +107,10 @@ class ShardedRunner:
             self._block_size: int = block_sizes.pop()
             first = capacities[0]
             self.served = ServedWith(
-                first["dtype"], first["attention"], first["num_cpu_kernel_modules"]
+                first["dtype"],
+                first["attention"],
+                first["num_cpu_kernel_modules"],
+                kv_dtype=first["kv_dtype"],
             )
             log.info("ranks' KV capacities %s: allocating %d blocks each",
                      [m["num_blocks"] for m in capacities], self._num_blocks)  # fmt: skip
@@ -178,6 +183,7 @@ class ShardedRunner:
                 ("--num-blocks", config.num_blocks),
                 ("--kv-cache-bytes", config.kv_cache_bytes),
                 ("--threads", config.threads_per_rank),
+                ("--kv-cache-dtype", config.kv_cache_dtype),
             ):
                 if value is not None:
                     command += [flag, str(value)]

@@ -3,7 +3,8 @@ vocab 32000): the decode step at batch 1 and tokens/s at batch 16, tgq each time
 same run, CPU, 2 threads. The decoder layers' linears are int8 or FP8 E4M3 with one scale per
 output row (the lm_head stays bf16, read through its int8 greedy screen either way); and the same
 model as compressed-tensors FP8-dynamic and INT8 W8A8 checkpoints written by the library (8-bit
-weights, inputs quantized per token at run time).
+weights, inputs quantized per token at run time), and 4-bit weights in groups of 128: GPTQ and AWQ
+checkpoints (`devtools.grouped_checkpoint`) and a compressed-tensors W4A16 one.
 
 Each figure is `bench_engine`'s difference of a long and a short run, fastest of a few, taken in
 turns (bf16, int8, fp8, bf16, ...). Prints one table and writes JSON and a bar chart to
@@ -30,8 +31,10 @@ from bench.harness import (
     write_results,
 )
 from tgq.devtools.compressed_checkpoint import write_compressed
+from tgq.devtools.grouped_checkpoint import write_grouped
 
 PROMPT_LEN = 16
+GROUP_SIZE = 128  # the group size GPTQ and AWQ checkpoints are usually published with
 BATCHES = (1, 16)
 
 
@@ -42,7 +45,7 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(metrics), figsize=(width * len(metrics), 3.4))
     for ax, metric in zip(axes, metrics, strict=True):
         bar_panel(ax, metric, list(results), [results[n][metric] for n in results], "%.2f")
-    save_figure(fig, "tgq 8-bit weights vs bf16, medium model, CPU 2 threads", path)
+    save_figure(fig, "tgq 8-bit and 4-bit weights vs bf16, medium model, CPU 2 threads", path)
 
 
 def main() -> None:
@@ -56,7 +59,11 @@ def main() -> None:
     path = medium_llama_2k(args.cache)
     compressed = {
         scheme: write_compressed(path, args.cache / f"medium-llama-2k-{scheme}", scheme)
-        for scheme in ("FP8_DYNAMIC", "W8A8")
+        for scheme in ("FP8_DYNAMIC", "W8A8", "W4A16")
+    }
+    grouped = {
+        fmt: write_grouped(path, args.cache / f"medium-llama-2k-{fmt}", fmt, GROUP_SIZE)
+        for fmt in ("gptq", "awq")
     }
     engines: Engines = {
         "bf16": TgqEngine(path, "auto"),
@@ -64,6 +71,9 @@ def main() -> None:
         "fp8": TgqEngine(path, "auto", quantize="fp8"),
         "ct-fp8-dyn": TgqEngine(compressed["FP8_DYNAMIC"], "auto"),
         "ct-w8a8": TgqEngine(compressed["W8A8"], "auto"),
+        "gptq-int4": TgqEngine(grouped["gptq"], "auto"),
+        "awq-int4": TgqEngine(grouped["awq"], "auto"),
+        "ct-w4a16": TgqEngine(compressed["W4A16"], "auto"),
     }
     results: dict[str, dict[str, float]] = {name: {} for name in engines}
     for engine in engines.values():

@@ -1,11 +1,13 @@
-"""What `--quantize int8` and `--quantize fp8`, and compressed-tensors FP8-dynamic and INT8 W8A8
-checkpoints written by the library, cost in quality against the same model unquantized, on real
-text (the bundled corpus of Python's documentation):
+"""What `--quantize int8` and `--quantize fp8`, compressed-tensors FP8-dynamic, INT8 W8A8 and
+W4A16 (int4 in groups of 128) checkpoints written by the library, and GPTQ and AWQ int4
+checkpoints (groups of 128, rounded to nearest: `devtools.grouped_checkpoint`) cost in quality
+against the same model unquantized, on real text (the bundled corpus of Python's documentation):
 
 - mean KL divergence KL(bf16 || quantized) of the next-token distributions, and how often their
   argmax agrees, over `--positions` positions of corpus text (teacher forcing: transformers on
   the bf16 weights, and on the quantized ones dequantized, q * scale, which tgq's quantized
-  layers compute exactly, or running the compressed checkpoint through the library's forward;
+  layers compute exactly, or running the compressed checkpoint through the library's forward, or
+  on the GPTQ/AWQ weights dequantized to bf16;
   tests/gpu_worker/test_quantize.py and test_compressed.py check those equalities);
 - free-running greedy agreement through tgq itself: 64 corpus prompts x 128 new tokens, bf16
   against `--quantize`: the share of tokens before the first divergence.
@@ -33,6 +35,7 @@ from tgq.batcher.offline import OfflineEngine
 from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.devtools.corpus import load_corpus
 from tgq.devtools.demo import demo_model
+from tgq.devtools.grouped_checkpoint import dequantized_dir, write_grouped
 from tgq.devtools.quantized_reference import dequantize_in_place
 from tgq.gpu_worker.layers.linear import quantize_rows
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
@@ -52,7 +55,9 @@ def corpus_ids(model_dir: Path, count: int) -> list[int]:
 
 
 METHODS = ("int8", "fp8")  # `--quantize`
-SCHEMES = ("FP8_DYNAMIC", "W8A8")  # compressed-tensors checkpoints the library writes
+SCHEMES = ("FP8_DYNAMIC", "W8A8", "W4A16")  # compressed-tensors checkpoints the library writes
+GROUPED = ("gptq", "awq")  # 4-bit checkpoints devtools.grouped_checkpoint writes (groups of 128)
+GROUP_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,9 @@ def variants(model_dir: Path, cache: Path) -> dict[str, Variant]:
     for scheme in SCHEMES:
         path = write_compressed(model_dir, cache / f"{model_dir.name}-{scheme}", scheme)
         found[f"ct {scheme}"] = Variant(path, None, library(path))
+    for fmt in GROUPED:
+        path = write_grouped(model_dir, cache / f"{model_dir.name}-{fmt}", fmt, GROUP_SIZE)
+        found[f"{fmt} int4"] = Variant(path, None, library(dequantized_dir(path)))
     return found
 
 

@@ -21,10 +21,10 @@ without act-order, formats v1 and v2), AWQ (4 bits, GEMM layout) and compressed-
 `pack-quantized` (4 or 8 bits, symmetric or with zero points, per group or channel).
 
 Anything else a checkpoint declares (FP8 blocks, bitsandbytes, AWQ's GEMV layout, GPTQ's Marlin
-format, ...) is refused with what it uses. Two signs are read: `config.json`'s `quantization_config`, and, for
-checkpoints without one, a `.weight` tensor whose stored dtype (from the safetensors headers, no
-tensor data) is not a float type: loading the integers as if they were the weights and ignoring
-their scales would serve garbage.
+format, ...) is refused with what it uses. Two signs are read: `config.json`'s
+`quantization_config`, and, for checkpoints without one, a `.weight` tensor whose stored dtype
+(from the safetensors headers, no tensor data) is not a float type: loading the integers as if
+they were the weights and ignoring their scales would serve garbage.
 """
 
 from __future__ import annotations

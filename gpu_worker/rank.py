@@ -26,7 +26,13 @@ from tgq.gpu_worker.kv_cache import num_blocks_for_budget
 from tgq.gpu_worker.loader import LoadedModel, load_model
 from tgq.gpu_worker.parallel import TensorParallel
 from tgq.gpu_worker.plan import plan_from_wire
-from tgq.gpu_worker.runner import ModelRunner, RunnerConfig, kv_budget, pick_attention
+from tgq.gpu_worker.runner import (
+    ModelRunner,
+    RunnerConfig,
+    kv_budget,
+    kv_cache_dtype,
+    pick_attention,
+)
 
 log = logging.getLogger("gpu_worker.rank")
 PR_SET_PDEATHSIG = 1
@@ -42,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 or fp8_e4m3")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     parser.add_argument("--attention-backend", default="auto", help="a kernels registry key")
     parser.add_argument(
@@ -97,16 +104,19 @@ def main(argv: list[str] | None = None) -> None:
         args.model_id, dtype=args.dtype, device=str(device), block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         attention_backend=args.attention_backend, custom_kernels=custom_kernels,
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     backend, block_size = pick_attention(config, device)
+    kv_dtype = kv_cache_dtype(config, loaded.dtype, backend)
     capacity = args.num_blocks or num_blocks_for_budget(
-        loaded.local_config, block_size, loaded.dtype, kv_budget(config, device)
+        loaded.local_config, block_size, kv_dtype, kv_budget(config, device)
     )
     ready = {
         "type": "ready", "num_blocks": capacity, "block_size": block_size,
         # What the batcher logs it serves with.
         "dtype": str(loaded.dtype).removeprefix("torch."), "attention": backend.name,
         "num_cpu_kernel_modules": loaded.num_cpu_kernel_modules,
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
     }  # fmt: skip
     protocol.write(args.fd_out, protocol.encode(ready))
     try:

@@ -59,6 +59,8 @@ class RunnerConfig:
     # none of the C++ CPU kernels (linear, norms, greedy head, decode path) nor flash-attn.
     custom_kernels: bool = True
     quantize: str | None = None  # "int8" or "fp8" (`--quantize`): the linears quantized at load
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3" (`--kv-cache-dtype`): E4M3, one byte a value
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -94,11 +96,14 @@ class ModelRunner:
             self.backend.choose_kernels(
                 local.num_heads, local.num_kv_heads, local.head_dim, self.loaded.dtype
             )
+        self.kv_dtype = kv_cache_dtype(config, self.loaded.dtype, self.backend)
+        if isinstance(self.backend, CpuPagedAttention):
+            self.backend.use_kv_dtype(self.kv_dtype, self.loaded.dtype)
         self.num_blocks = config.num_blocks or num_blocks_for_budget(
-            local, self.block_size, self.loaded.dtype, kv_budget(config, self.device)
+            local, self.block_size, self.kv_dtype, kv_budget(config, self.device)
         )
         self.kv_caches = allocate_kv_cache(
-            local, self.num_blocks, self.block_size, self.loaded.dtype, self.device
+            local, self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
         self.sampler = Sampler(self.device, custom_kernels=config.custom_kernels)
         self.sequences: dict[str, _Sequence] = {}
@@ -429,6 +434,28 @@ def pick_attention(config: RunnerConfig, device: torch.device) -> tuple[Attentio
     rule = block_size_rule(backend.name)
     block_size = rule.default if config.block_size is None else config.block_size
     return backend, rule.check(backend.name, block_size)
+
+
+def kv_cache_dtype(
+    config: RunnerConfig, model_dtype: torch.dtype, backend: AttentionBackend[Any]
+) -> torch.dtype:
+    """The KV cache's element type (`--kv-cache-dtype`): the model's, or FP8 E4M3 where the
+    attention backend stores and reads it (`AttentionBackend.fp8_kv`; else a ValueError)."""
+    if config.kv_cache_dtype == "auto":
+        return model_dtype
+    if config.kv_cache_dtype not in FP8_KV_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported (auto, fp8, fp8_e4m3)"
+        )
+    if not backend.fp8_kv:
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} needs the cpu or torch attention backend,"
+            f" not {backend.name!r}"
+        )
+    return torch.float8_e4m3fn
+
+
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
 
 
 def kv_budget(config: RunnerConfig, device: torch.device) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from tgq.kernels import cpu_ops
 from tgq.kernels.choice import Choices, choose, measure
+from tgq.kernels.kv_write import write_kv_slots
 from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention, attend_multi
 
 # Prompt chunk lengths the prefill kernels are timed at, and decode batch sizes (at a context of
@@ -36,6 +37,13 @@ class CpuPagedAttention(TorchPagedAttention):
         # Set by choose_kernels; None: the own kernels wherever they serve.
         self.prefill_choices: Choices | None = None
         self.decode_choices: Choices | None = None
+        # An FP8 cache the own kernels cannot read (`use_kv_dtype`): every step on torch's path.
+        self.kv_on_torch = False
+
+    def use_kv_dtype(self, kv_dtype: torch.dtype, query_dtype: torch.dtype) -> None:
+        """The KV cache's element type: an FP8 cache is converted by torch's gather before
+        SDPA (the own kernels read the query's dtype)."""
+        self.kv_on_torch = kv_dtype != query_dtype
 
     def choose_kernels(
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -92,6 +100,8 @@ class CpuPagedAttention(TorchPagedAttention):
         SDPA runs it: its ops' shapes follow the widest block table."""
         if not meta.num_single or meta.multi or self._torch_decode(meta.num_single):
             return None
+        if self.kv_on_torch:
+            return None
         return ("decode", meta.num_single)
 
     def write_kv(
@@ -102,6 +112,9 @@ class CpuPagedAttention(TorchPagedAttention):
         value: torch.Tensor,
         meta: TorchMetadata,
     ) -> None:
+        if k_cache.dtype != key.dtype:  # an FP8 cache: converted on the way in
+            write_kv_slots(k_cache, v_cache, key, value, meta.slot_mapping)
+            return
         cpu_ops.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)
 
     def _attend_single(
@@ -114,7 +127,7 @@ class CpuPagedAttention(TorchPagedAttention):
         sliding_window: int | None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if self._torch_decode(query.shape[0]):
+        if self._torch_decode(query.shape[0]) or k_cache.dtype != query.dtype:
             return super()._attend_single(
                 query, k_cache, v_cache, meta, scale, sliding_window, softcap
             )

@@ -50,6 +50,7 @@ class FlashMetadata:
 
 class FlashAttention:
     name = "flash"
+    fp8_kv = False  # flash-attn reads caches of the query's dtype
 
     def __init__(self) -> None:
         self._varlen = _varlen_func()

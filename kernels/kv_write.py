@@ -1,8 +1,20 @@
-"""The KV-write op shared by backends: scatter new K/V rows into their cache slots."""
+"""The KV-write op shared by backends: scatter new K/V rows into their cache slots, converted to
+the cache's element type (FP8 E4M3: `--kv-cache-dtype fp8`)."""
 
 from __future__ import annotations
 
 import torch
+
+# Caches of one byte a value, and the largest finite E4M3 value (what larger values saturate to).
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+E4M3_LARGEST = 448.0
+
+
+def to_fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x / scale in fp32, saturated to [-448, 448], to the nearest E4M3 value (ties to even):
+    what an FP8 cache stores for x (it stands for the stored value times `scale`)."""
+    scaled = x.float() / scale if scale != 1.0 else x.float()
+    return scaled.clamp(-E4M3_LARGEST, E4M3_LARGEST).to(torch.float8_e4m3fn)
 
 
 def write_kv_slots(
@@ -13,5 +25,8 @@ def write_kv_slots(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[2:]
+    if k_cache.dtype in FP8_CACHE_DTYPES:  # torch has no fp8 index_copy_: move the bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        key, value = to_fp8(key).view(torch.uint8), to_fp8(value).view(torch.uint8)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tgq.kernels.interface import AttentionStep
-from tgq.kernels.kv_write import write_kv_slots
+from tgq.kernels.kv_write import FP8_CACHE_DTYPES, write_kv_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,14 @@ def _blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_blocks * block_size, num_kv_heads, head_dim]."""
-    gathered = cache.index_select(0, block_ids.reshape(-1))
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_blocks * block_size, num_kv_heads, head_dim] in
+    `dtype` (an FP8 cache's values converted: exact, every E4M3 value is a bf16 value)."""
+    ids = block_ids.reshape(-1)
+    if cache.dtype in FP8_CACHE_DTYPES:  # torch has no fp8 index_select: move the bytes
+        gathered = cache.view(torch.uint8).index_select(0, ids).view(cache.dtype).to(dtype)
+    else:
+        gathered = cache.index_select(0, ids)
     return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
 
 
@@ -77,8 +82,8 @@ def attend_multi(
     sliding_window: int | None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    keys = _gather(k_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)  # [Hkv, L, D]
-    values = _gather(v_cache, seq.block_ids)[: seq.kv_len].transpose(0, 1)
+    keys = _gather(k_cache, seq.block_ids, query.dtype)[: seq.kv_len].transpose(0, 1)  # [Hkv, L, D]
+    values = _gather(v_cache, seq.block_ids, query.dtype)[: seq.kv_len].transpose(0, 1)
     mask = None
     # A whole prompt with no window is plain causal attention: `is_causal` lets the flash kernel
     # skip the blocks above the diagonal, which an explicit mask does not (same values; a 2,048-
@@ -115,6 +120,7 @@ def attend_multi(
 
 class TorchPagedAttention:
     name = "torch"
+    fp8_kv = True  # stores and reads an FP8 E4M3 cache (`--kv-cache-dtype fp8`)
 
     def prepare(self, step: AttentionStep, device: torch.device) -> TorchMetadata:
         num_single = step.num_single
@@ -199,8 +205,9 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
-        keys = _gather(k_cache, meta.single_block_tables).transpose(1, 2)  # [B, Hkv, L, D]
-        values = _gather(v_cache, meta.single_block_tables).transpose(1, 2)
+        tables = meta.single_block_tables
+        keys = _gather(k_cache, tables, query.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        values = _gather(v_cache, tables, query.dtype).transpose(1, 2)
         key_pos = torch.arange(keys.shape[2], device=query.device)
         lens = meta.single_kv_lens[:, None]
         mask = key_pos[None, :] < lens  # [B, L]

@@ -83,20 +83,29 @@ def assert_memory_matches_the_log(info: dict[str, object], log: str) -> None:
     assert info["kv_block_size"] == int(log.split(" blocks of ", 1)[1].split(" tokens", 1)[0])
 
 
-@pytest.mark.parametrize("mode", ["embedded", "services"])
-def test_a_compressed_tensors_checkpoint_serves_and_says_so(
-    mode: str, text_model_dir: Path, pg_url: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("mode", "fmt", "method"),
+    [("embedded", "FP8_DYNAMIC", "compressed-tensors"), ("services", "gptq", "gptq")],
+)
+def test_a_quantized_checkpoint_serves_and_says_so(
+    mode: str, fmt: str, method: str, text_model_dir: Path, pg_url: str, tmp_path: Path
 ) -> None:
+    """A compressed-tensors (8-bit) and a GPTQ (4-bit, groups of 32) checkpoint: /info names the
+    method, and the weights' size is the start-up line's."""
     from tgq.devtools.compressed_checkpoint import write_compressed
+    from tgq.devtools.grouped_checkpoint import write_grouped
 
-    model_dir = write_compressed(text_model_dir, tmp_path / "fp8-dynamic", "FP8_DYNAMIC")
+    if fmt == "gptq":
+        model_dir = write_grouped(text_model_dir, tmp_path / fmt, fmt, 32)
+    else:
+        model_dir = write_compressed(text_model_dir, tmp_path / fmt, fmt)
     stack = Stack(model_dir, pg_url, tmp_path, redis_url=None if mode == "embedded" else REDIS_URL)
     with running(stack, batcher=mode == "services"):
         info = reported_info(stack.url)
-        assert info["quantize"] == "compressed-tensors"
+        assert info["quantize"] == method
         body = {"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}}
         answer = httpx.post(f"{stack.url}/generate", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["details"]["generated_tokens"] == 5
         log = stack.api_log() if mode == "embedded" else (tmp_path / "batcher-b0.log").read_text()
-    assert "with compressed-tensors linears" in log
+    assert f"with {method} linears" in log
     assert_memory_matches_the_log(info, log)

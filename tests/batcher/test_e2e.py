@@ -43,14 +43,16 @@ def make_engine(
     *,
     dtype: str | None = None,
     quantize: str | None = None,
+    kv_cache_dtype: str = "auto",
     **limits: Any,
 ) -> LLMEngine:
     """The runner as served ("auto": the CPU kernels here), in the checkpoint's dtype or
-    `dtype`, `--quantize`d or not; the torch oracle itself is checked against transformers in
-    tests/gpu_worker."""
+    `dtype`, `--quantize`d or not, with the KV cache in `kv_cache_dtype`; the torch oracle itself
+    is checked against transformers in tests/gpu_worker."""
     config = RunnerConfig(
-        str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, quantize=quantize
-    )
+        str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype,
+        quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     runner = ModelRunner(config, _loaded(model_dir, dtype, quantize))
     return LLMEngine(runner, SchedulerConfig(**limits), model=runner.model_config)
 
