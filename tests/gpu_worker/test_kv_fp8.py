@@ -16,6 +16,8 @@ import torch
 from tests.batcher.test_e2e import BLOCK_SIZE, GREEDY_LOGPROBS, STOPPING, make_engine, mixed_prompts
 from tests.gpu_worker.test_parity import assert_matches, generate_greedy
 from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.engine import LLMEngine
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 from tgq.kernels.kv_write import to_fp8
 
@@ -115,9 +117,6 @@ def test_bf16_is_within_the_bf16_tolerance(
         str(model_dir), dtype="bfloat16", num_blocks=512, block_size=BLOCK_SIZE,
         kv_cache_dtype="fp8", custom_kernels=custom_kernels,
     )  # fmt: skip
-    from tgq.batcher.engine import LLMEngine
-    from tgq.batcher.scheduler import SchedulerConfig
-
     runner = ModelRunner(config)
     engine = LLMEngine(
         runner,
