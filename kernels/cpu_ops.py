@@ -35,16 +35,19 @@ __all__ = [
     "has_amx_int8",
     "has_avx512_8bit_linear",
     "has_avx512_bf16",
+    "has_avx512_int4_linear",
     "has_avx512_vnni_bf16",
     "is_available",
     "linear_8bit_packed",
     "linear_bf16",
     "linear_bf16_packed",
+    "linear_int4_packed",
     "moe_experts_bf16",
     "offset_rms_norm",
     "op_program",
     "pack_weight_8bit",
     "pack_weight_bf16",
+    "pack_weight_int4",
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantize_inputs",
@@ -63,6 +66,8 @@ _SOURCES = [
         "linear_avx512_bf16.cpp",
         "linear_8bit.cpp",
         "linear_8bit_avx512.cpp",
+        "linear_int4.cpp",
+        "linear_int4_avx512.cpp",
         "input_quant.cpp",
         "paged_attention.cpp",
         "attention_avx512.cpp",
@@ -329,6 +334,36 @@ def linear_8bit_packed(
     return out
 
 
+def pack_weight_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] uint8 of 4-bit values 0..15 -> the layout `linear_int4_packed` reads, [ceil(N/16),
+    ceil(K/8), 64] uint8: the tiles and pairs of `pack_weight_bf16`, eight K values (four pairs)
+    a 64-byte block, each 16-bit word the four pairs' nibbles of one column and K parity
+    (linear_kernels.h). `group_size` (a multiple of 8, or K) is checked, not stored."""
+    packed: torch.Tensor = _ops().pack_weight_int4(q, group_size)
+    return packed
+
+
+def linear_int4_packed(
+    x: torch.Tensor,  # [M, K] bf16
+    packed: torch.Tensor,  # pack_weight_int4(q [N, K], group_size)
+    scale: torch.Tensor,  # [N, G] fp32, G = ceil(K / group_size)
+    zero: torch.Tensor,  # [N, G] fp32
+    group_size: int,
+    out_features: int,  # N
+    bias: torch.Tensor | None = None,
+    *,
+    out_fp32: bool = False,
+) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
+    """`x @ w^T + bias` over grouped 4-bit weights, w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g]
+    with g = k // group_size (needs `has_avx512_int4_linear()`): fp32 sums of exact products,
+    each group's folded in with its scale and zero, rounded once to bf16 (with `out_fp32`, the
+    fp32 sums themselves). Each row's result is the same whatever else is in the call."""
+    out: torch.Tensor = _ops().linear_int4_packed(
+        x, packed, scale, zero, group_size, out_features, bias, out_fp32
+    )
+    return out
+
+
 def quantize_inputs(
     x: torch.Tensor,  # [M, K] fp32 or bf16
     *,
@@ -347,6 +382,12 @@ def quantize_inputs(
 def has_avx512_8bit_linear() -> bool:
     """Whether `linear_8bit_packed` runs here: AVX512_BF16 and AVX512_VBMI."""
     return has_avx512_bf16() and "avx512vbmi" in _cpu_flags()
+
+
+def has_avx512_int4_linear() -> bool:
+    """Whether `linear_int4_packed` runs here: AVX512_BF16 (the 4-bit values decode with
+    AVX512BW shifts and logic alone)."""
+    return has_avx512_bf16()
 
 
 def has_avx512_bf16() -> bool:
