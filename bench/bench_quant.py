@@ -34,6 +34,12 @@ from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.devtools.grouped_checkpoint import write_grouped
 
 PROMPT_LEN = 16
+# The FP8 KV cache against bf16's: a decode step of 16 sequences with this much context each,
+# where attention reads the cache (the prompts are prefilled once: later runs hit the prefix
+# cache).
+KV_CONTEXT, KV_BATCH = 4096, 16
+KV_BLOCKS = KV_BATCH * (KV_CONTEXT // 16 + 4) + 64
+METRIC_KV = f"decode_b{KV_BATCH}_ctx4k_ms"
 GROUP_SIZE = 128  # the group size GPTQ and AWQ checkpoints are usually published with
 BATCHES = (1, 16)
 
@@ -96,6 +102,27 @@ def main() -> None:
             f"{results[n][metric]:>9.2f} {results[n][metric] / base:>6.3f}" + " " for n in others
         )
         print(f"{metric:<22}{base:>10.2f} {ratios}")
+    del engines
+    kv_cache(path, args)
+
+
+def kv_cache(path: Path, args: argparse.Namespace) -> None:
+    """The decode step of KV_BATCH sequences of KV_CONTEXT tokens, bf16 cache against FP8."""
+    steps: dict[str, dict[str, float]] = {}
+    prompts = random_prompts(KV_BATCH, KV_CONTEXT)
+    for kv in ("auto", "fp8"):  # one at a time: each holds a 4,096-token context per row
+        engine = TgqEngine(path, "auto", kv_cache_dtype=kv, num_blocks=KV_BLOCKS)
+        engine.generate(prompts, 1)  # the prefill, once: the runs below hit the prefix cache
+        step = best_decode_step({kv: engine}, prompts, 2, 2 + args.steps, args.repeats)[kv]
+        steps["bf16 KV" if kv == "auto" else "fp8 KV"] = {METRIC_KV: step * 1e3}
+        del engine
+    write_results("quant-kv", args, steps, None)
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 1, figsize=(3.6, 3.4))
+    bar_panel(ax, METRIC_KV, list(steps), [v[METRIC_KV] for v in steps.values()], "%.2f")
+    save_figure(fig, "tgq FP8 KV cache vs bf16, medium model", RESULTS / "quant-kv-cpu.png")
+    bf16, fp8 = steps["bf16 KV"][METRIC_KV], steps["fp8 KV"][METRIC_KV]
+    print(f"{METRIC_KV:<22}{'bf16 KV':>10}{bf16:>9.2f}{'fp8 KV':>10}{fp8:>9.2f}{fp8 / bf16:>8.3f}")
 
 
 if __name__ == "__main__":

@@ -442,14 +442,23 @@ class HFEngine:
 
 
 class TgqEngine:
-    def __init__(self, model_dir: Path, backend: str, quantize: str | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        backend: str,
+        quantize: str | None = None,
+        *,
+        kv_cache_dtype: str = "auto",
+        num_blocks: int = 2200,
+    ) -> None:
         self.runner = ModelRunner(
             RunnerConfig(
                 str(model_dir),
-                num_blocks=2200,
+                num_blocks=num_blocks,
                 block_size=16,
                 attention_backend=backend,
                 quantize=quantize,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )
         self.engine = OfflineEngine(self.runner)

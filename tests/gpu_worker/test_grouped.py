@@ -282,7 +282,9 @@ def test_bf16_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
         monkeypatch.setattr(cpu_ops, "has_avx512_int4_linear", lambda: False)
     model_dir = checkpoints("llama3-gqa", fmt)
     _loaded.cache_clear()  # the monkeypatch must reach the load
-    engine = make_engine(model_dir, dtype="bfloat16", max_batch_prefill_tokens=16)
+    engine = make_engine(
+        model_dir, dtype="bfloat16", max_batch_prefill_tokens=16, max_batch_size=16
+    )
     _loaded.cache_clear()
     linears = quantized_linears(engine)
     assert linears and all(m.on_int4_kernel == kernel for m in linears)
