@@ -96,15 +96,24 @@ struct Int4Call {
 // Per tile and group, the 16 columns' scale and (zero + 16) * scale: [G][2][16] floats.
 constexpr int64_t kScaleFloats = 2 * kPackColumns;
 
+// One tile's columns of the [N, G] scales and zeros, gathered group by group (columns past N
+// read as zeros: their lanes are never stored).
 void tile_scales(const Int4Linear& a, int64_t tile, float* dst) {
-  const int64_t n0 = tile * kPackColumns;
-  for (int c = 0; c < kPackColumns; ++c) {
-    const int64_t n = n0 + c;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i rows = _mm256_mullo_epi32(lane, _mm256_set1_epi32(static_cast<int>(a.groups)));
+  for (int h = 0; h < kHalves; ++h) {
+    const int64_t n = tile * kPackColumns + h * kVec;
+    const int columns = static_cast<int>(std::clamp<int64_t>(a.N - n, 0, kVec));
+    const __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(columns), lane));
     for (int64_t g = 0; g < a.groups; ++g) {
-      const float s = n < a.N ? a.scale[n * a.groups + g] : 0.0f;
-      const float z = n < a.N ? a.zero[n * a.groups + g] : 0.0f;
-      dst[g * kScaleFloats + c] = s;
-      dst[g * kScaleFloats + kPackColumns + c] = (z + kOffset) * s;
+      // n past N (no lane loads): an address in bounds all the same.
+      const int64_t at = std::min(n, a.N - 1) * a.groups + g;
+      const __m256 s = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.scale + at, rows, mask, 4);
+      const __m256 z = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), a.zero + at, rows, mask, 4);
+      float* out = dst + g * kScaleFloats + h * kVec;
+      _mm256_storeu_ps(out, s);
+      _mm256_storeu_ps(out + kPackColumns,
+                       _mm256_mul_ps(_mm256_add_ps(z, _mm256_set1_ps(kOffset)), s));
     }
   }
 }
