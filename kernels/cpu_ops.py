@@ -37,6 +37,7 @@ __all__ = [
     "has_avx512_bf16",
     "has_avx512_int4_linear",
     "has_avx512_vnni_bf16",
+    "has_int4_linear",
     "is_available",
     "linear_8bit_packed",
     "linear_bf16",
@@ -68,6 +69,7 @@ _SOURCES = [
         "linear_8bit_avx512.cpp",
         "linear_int4.cpp",
         "linear_int4_avx512.cpp",
+        "linear_int4_avx2.cpp",
         "input_quant.cpp",
         "paged_attention.cpp",
         "attention_avx512.cpp",
@@ -353,13 +355,17 @@ def linear_int4_packed(
     bias: torch.Tensor | None = None,
     *,
     out_fp32: bool = False,
+    kernel: str = "auto",
 ) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
     """`x @ w^T + bias` over grouped 4-bit weights, w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g]
-    with g = k // group_size (needs `has_avx512_int4_linear()`): fp32 sums of exact products,
-    each group's folded in with its scale and zero, rounded once to bf16 (with `out_fp32`, the
-    fp32 sums themselves). Each row's result is the same whatever else is in the call."""
+    with g = k // group_size (needs `has_int4_linear()`): fp32 sums of exact products, each
+    group's folded in with its scale and zero, rounded once to bf16 (with `out_fp32`, the fp32
+    sums themselves). Each row's result is the same whatever else is in the call. `kernel`:
+    "auto" takes "avx512" (AVX512_BF16, `has_avx512_int4_linear()`) where it can, else "avx2"
+    (any CPU the kernels run on); both read the same packed weights. Tests name kernels to check
+    each one."""
     out: torch.Tensor = _ops().linear_int4_packed(
-        x, packed, scale, zero, group_size, out_features, bias, out_fp32
+        x, packed, scale, zero, group_size, out_features, bias, out_fp32, kernel
     )
     return out
 
@@ -384,9 +390,16 @@ def has_avx512_8bit_linear() -> bool:
     return has_avx512_bf16() and "avx512vbmi" in _cpu_flags()
 
 
+def has_int4_linear() -> bool:
+    """Whether `linear_int4_packed` runs here, i.e. grouped 4-bit weights can stay packed: on
+    every CPU the kernels run on (its AVX2 kernel needs only AVX2 and FMA). Builds the kernels;
+    False where they are unavailable."""
+    return is_available()
+
+
 def has_avx512_int4_linear() -> bool:
-    """Whether `linear_int4_packed` runs here: AVX512_BF16 (the 4-bit values decode with
-    AVX512BW shifts and logic alone)."""
+    """Whether `linear_int4_packed(..., kernel="avx512")` runs here: AVX512_BF16 (the 4-bit
+    values decode with AVX512BW shifts and logic alone)."""
     return has_avx512_bf16()
 
 

@@ -1,9 +1,11 @@
 // The grouped 4-bit-weight linear's ops (GPTQ, AWQ and compressed-tensors int4 checkpoints):
-// pack_weight_int4 and linear_int4_packed, the kernel in linear_int4_avx512.cpp over weights
-// packed once at load. The zeros and scales stay the checkpoint's [N, G] fp32 tensors: the kernel
+// pack_weight_int4 and linear_int4_packed over weights packed once at load, whose kernel is
+// linear_int4_avx512.cpp's on CPUs with AVX512_BF16 and linear_int4_avx2.cpp's elsewhere (the
+// same packed layout, so packing does not depend on the CPU). The zeros and scales stay the checkpoint's [N, G] fp32 tensors: the kernel
 // reads them as they are, one tile's 16 rows at a time.
 #include <ATen/ops/constant_pad_nd.h>
 #include <algorithm>
+#include <string_view>
 
 #include "linear_kernels.h"
 
@@ -61,10 +63,21 @@ void check_group_params(const char* name, const at::Tensor& t, int64_t N, int64_
   TORCH_CHECK(t.device().is_cpu(), "linear_int4_packed: CPU tensors only");
 }
 
+// kernel: "auto" (avx512 where the CPU has AVX512_BF16, else avx2), "avx512" or "avx2".
+bool use_avx512(c10::string_view name) {
+  const std::string_view kernel(name.data(), name.size());
+  TORCH_CHECK(kernel == "auto" || kernel == "avx512" || kernel == "avx2",
+              "linear_int4_packed: unknown kernel '", kernel, "' (auto, avx2, avx512)");
+  TORCH_CHECK(kernel != "avx512" || cpu_has_avx512_bf16(),
+              "linear_int4_packed: kernel 'avx512' needs a CPU with AVX512_BF16");
+  return kernel == "avx512" || (kernel == "auto" && cpu_has_avx512_bf16());
+}
+
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scale, const at::Tensor& zero, int64_t group_size,
-                              int64_t N, const std::optional<at::Tensor>& bias, bool out_fp32) {
-  TORCH_CHECK(cpu_has_avx512_bf16(), "linear_int4_packed: needs a CPU with AVX512_BF16");
+                              int64_t N, const std::optional<at::Tensor>& bias, bool out_fp32,
+                              c10::string_view kernel) {
+  const bool avx512 = use_avx512(kernel);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "linear_int4_packed: x must be [M, K] bf16, got ", x.sizes(), " ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), blocks = ceil_div(K, kInt4BlockValues);
@@ -105,7 +118,11 @@ at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                         G,
                         out_fp32 ? nullptr : mutable_data_as<bf16_bits>(out),
                         out_fp32 ? out.data_ptr<float>() : nullptr};
-  linear_int4_packed_avx512(args);
+  if (avx512) {
+    linear_int4_packed_avx512(args);
+  } else {
+    linear_int4_packed_avx2(args);
+  }
   return out;
 }
 
@@ -115,6 +132,6 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
   m.def("pack_weight_int4(Tensor q, int group_size) -> Tensor", &pack_weight_int4);
   m.def(
       "linear_int4_packed(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group_size,"
-      " int out_features, Tensor? bias, bool out_fp32=False) -> Tensor",
+      " int out_features, Tensor? bias, bool out_fp32=False, str kernel='auto') -> Tensor",
       &linear_int4_packed);
 }

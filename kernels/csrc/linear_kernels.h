@@ -80,13 +80,13 @@ void linear_8bit_packed_avx512(const PackedLinear& args, const uint8_t* codes, B
 
 // 4-bit weights in groups (GPTQ, AWQ, compressed-tensors int4): w[n, k] = (q[n, k] - zero[n, g])
 // * scale[n, g] with q in 0..15 and g = k / group_size, the groups contiguous runs of group_size
-// input columns (the last may be partial). Packed for the AVX-512 kernel: the tiles and pairs of
+// input columns (the last may be partial). Packed for the kernels: the tiles and pairs of
 // the bf16 layout, four pairs of K (eight K values, four 32-value lines) per 64-byte block, each
 // 16-bit word of a block holding one index i (= column * 2 + k % 2) of all four lines: line
 // 4j + l's value at index i is the nibble at bits 4l..4l+3 of word i of block j, i.e. q[n, k]
 // sits in block k / 8 of tile n / 16, word (n % 16) * 2 + k % 2, bits 4 * (k % 8 / 2)..+3;
 // [ceil(N / 16)][ceil(K / 8)][64] bytes, zeros past N, K. A block never straddles two groups
-// (group_size is a multiple of 8, or K itself).
+// (group_size is a multiple of 8, or K itself). The AVX-512 and the AVX2 kernels both read it.
 constexpr int64_t kInt4BlockBytes = 64;
 constexpr int64_t kInt4BlockValues = 8;  // K values per block
 
@@ -105,5 +105,7 @@ struct Int4Linear {
 // Requires cpu_has_avx512_bf16(); any M. out = sum over k of x * (q - zero) * scale + bias in
 // fp32, rounded once to bf16 (or not at all, out_f32); each row's value independent of the others.
 void linear_int4_packed_avx512(const Int4Linear& args);
+// The same on AVX2/FMA (any CPU the kernels build for), over the same packed weights.
+void linear_int4_packed_avx2(const Int4Linear& args);
 
 }  // namespace tgq_cpu

@@ -1,6 +1,7 @@
-"""The grouped 4-bit-weight linear kernel (`cpu_ops.linear_int4_packed`: GPTQ, AWQ and
-compressed-tensors int4 checkpoints): fp32 sums of x * (q - zero) * scale within fp32 rounding of
-the exact value, rounded once to bf16; the same for every row whatever else is in the call."""
+"""The grouped 4-bit-weight linear kernels (`cpu_ops.linear_int4_packed`: GPTQ, AWQ and
+compressed-tensors int4 checkpoints), AVX2 everywhere and AVX-512 where the CPU has AVX512_BF16:
+fp32 sums of x * (q - zero) * scale within fp32 rounding of the exact value, rounded once to
+bf16; the same for every row whatever else is in the call."""
 
 from __future__ import annotations
 
@@ -10,20 +11,17 @@ import torch
 from tests.kernels.markers import requires_kernels
 from tgq.kernels import cpu_ops
 
-# A CPU flag, not the build: on a CPU that has it, a failed build fails these tests.
-pytestmark = [
-    requires_kernels,
-    pytest.mark.skipif(
-        not cpu_ops.has_avx512_int4_linear(),
-        reason="the 4-bit linear kernel needs AVX512_BF16",
-    ),
-]
+pytestmark = requires_kernels
 
-# Rows of x on each side of the kernel's forms (1, 2, 3-8 and 9-16 rows in one pass, 8, 4, 2 and
-# 1 tiles side by side; 17 and more tile by tile in groups of 16), and N, K past whole tiles,
-# sets of tiles and blocks of 8: groups of 8, of 32 with a partial last group, whole-K groups of
-# K not a multiple of 8 or 32.
-ROWS = (0, 1, 2, 3, 5, 8, 9, 16, 17, 40)
+# Every kernel this CPU runs (a CPU flag, not the build: a failed build fails these tests).
+KERNELS = ("avx2", "avx512") if cpu_ops.has_avx512_int4_linear() else ("avx2",)
+
+# Rows of x on each side of the kernels' forms (AVX-512: 1, 2, 3-8 and 9-16 rows in one pass, 8,
+# 4, 2 and 1 tiles side by side, 17 and more tile by tile in groups of 16; AVX2: groups of 1-4
+# rows against 4, 2 or 1 tiles side by side), and N, K past whole tiles, sets of tiles and blocks
+# of 8: groups of 8, of 32 with a partial last group, whole-K groups of K not a multiple of 8 or
+# 32.
+ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 40)
 SHAPES = ((1, 8, 8), (40, 24, 8), (33, 136, 32), (140, 256, 128), (16, 40, 40), (5, 13, 13))
 
 
@@ -47,10 +45,11 @@ def dequantized(
     return (q.double() - zero.double()[:, g]) * scale.double()[:, g]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp32_sums_are_the_exact_value_within_fp32_rounding(
-    n: int, k: int, group_size: int, with_bias: bool
+    n: int, k: int, group_size: int, with_bias: bool, kernel: str
 ) -> None:
     q, scale, zero = quantized(n, k, group_size, n * k)
     w = dequantized(q, scale, zero, group_size)
@@ -59,7 +58,7 @@ def test_fp32_sums_are_the_exact_value_within_fp32_rounding(
     for m in ROWS:
         x = torch.randn(m, k).bfloat16()
         ours = cpu_ops.linear_int4_packed(
-            x, packed, scale, zero, group_size, n, bias, out_fp32=True
+            x, packed, scale, zero, group_size, n, bias, out_fp32=True, kernel=kernel
         )
         assert ours.dtype == torch.float32 and ours.shape == (m, n)
         exact = x.double() @ w.T + (bias.double() if bias is not None else 0.0)
@@ -69,22 +68,26 @@ def test_fp32_sums_are_the_exact_value_within_fp32_rounding(
         assert ((ours.double() - exact).abs() <= bound).all(), (m, n, k, group_size)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
 def test_bf16_output_is_the_fp32_output_rounded_to_nearest_even(
-    n: int, k: int, group_size: int
+    n: int, k: int, group_size: int, kernel: str
 ) -> None:
     q, scale, zero = quantized(n, k, group_size, 5)
     bias = torch.randn(n).bfloat16()
     packed = cpu_ops.pack_weight_int4(q, group_size)
     x = torch.randn(40, k).bfloat16()
-    wide = cpu_ops.linear_int4_packed(x, packed, scale, zero, group_size, n, bias, out_fp32=True)
-    ours = cpu_ops.linear_int4_packed(x, packed, scale, zero, group_size, n, bias)
+    wide = cpu_ops.linear_int4_packed(
+        x, packed, scale, zero, group_size, n, bias, out_fp32=True, kernel=kernel
+    )
+    ours = cpu_ops.linear_int4_packed(x, packed, scale, zero, group_size, n, bias, kernel=kernel)
     assert ours.dtype == torch.bfloat16
     assert torch.equal(ours, wide.bfloat16())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("out_fp32", [False, True])
-def test_each_row_is_the_same_alone_as_in_any_batch(out_fp32: bool) -> None:
+def test_each_row_is_the_same_alone_as_in_any_batch(out_fp32: bool, kernel: str) -> None:
     n, k, group_size = 140, 200, 64  # 8 tiles and a partial one; a partial last group of 8
     q, scale, zero = quantized(n, k, group_size, 3)
     packed = cpu_ops.pack_weight_int4(q, group_size)
@@ -92,7 +95,7 @@ def test_each_row_is_the_same_alone_as_in_any_batch(out_fp32: bool) -> None:
 
     def linear(rows: torch.Tensor) -> torch.Tensor:
         return cpu_ops.linear_int4_packed(
-            rows, packed, scale, zero, group_size, n, out_fp32=out_fp32
+            rows, packed, scale, zero, group_size, n, out_fp32=out_fp32, kernel=kernel
         )
 
     alone = torch.cat([linear(x[i : i + 1]) for i in range(40)])
@@ -127,3 +130,20 @@ def test_bad_inputs_are_refused() -> None:
         cpu_ops.linear_int4_packed(x.float(), packed, scale, zero, 8, 20)
     with pytest.raises(RuntimeError, match=r"bias must be \[20\]"):
         cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, torch.ones(3))
+
+
+def test_kernels_are_named_and_auto_takes_the_cpus() -> None:
+    q, scale, zero = quantized(20, 16, 8, 1)
+    packed = cpu_ops.pack_weight_int4(q, 8)
+    x = torch.randn(3, 16).bfloat16()
+    auto = cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, out_fp32=True)
+    named = cpu_ops.linear_int4_packed(
+        x, packed, scale, zero, 8, 20, out_fp32=True, kernel=KERNELS[-1]
+    )
+    assert torch.equal(auto, named)
+    assert cpu_ops.has_int4_linear()
+    with pytest.raises(RuntimeError, match=r"unknown kernel 'amx' \(auto, avx2, avx512\)"):
+        cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, kernel="amx")
+    if not cpu_ops.has_avx512_int4_linear():
+        with pytest.raises(RuntimeError, match="kernel 'avx512' needs a CPU with AVX512_BF16"):
+            cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, kernel="avx512")
