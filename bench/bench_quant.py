@@ -6,6 +6,9 @@ model as compressed-tensors FP8-dynamic and INT8 W8A8 checkpoints written by the
 weights, inputs quantized per token at run time), and 4-bit weights in groups of 128: GPTQ and AWQ
 checkpoints (`devtools.grouped_checkpoint`) and a compressed-tensors W4A16 one.
 
+Then `--kv-cache-dtype fp8` against the bf16 cache: the decode step of 16 sequences with 4,096
+tokens of context each (prefilled once; the timed runs hit the prefix cache), one engine at a time.
+
 Each figure is `bench_engine`'s difference of a long and a short run, fastest of a few, taken in
 turns (bf16, int8, fp8, bf16, ...). Prints one table and writes JSON and a bar chart to
 bench/results/.
@@ -14,6 +17,7 @@ bench/results/.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,27 +64,39 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--engines",
+        default="int8,fp8,ct-fp8-dyn,ct-w8a8,gptq-int4,awq-int4,ct-w4a16",
+        help="comma-separated, beside bf16 (on a CPU without the 8-bit kernel, int8 and fp8 run"
+        " on torch: slow)",
+    )
+    parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache comparison")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = medium_llama_2k(args.cache)
-    compressed = {
-        scheme: write_compressed(path, args.cache / f"medium-llama-2k-{scheme}", scheme)
-        for scheme in ("FP8_DYNAMIC", "W8A8", "W4A16")
+
+    def checkpoint(name: str) -> Path:
+        """The medium model stored in `name`'s format (written once, kept in the cache)."""
+        if name in ("gptq", "awq"):
+            out = args.cache / f"medium-llama-2k-{name}"
+            return write_grouped(path, out, name, GROUP_SIZE)
+        return write_compressed(path, args.cache / f"medium-llama-2k-{name}", name)
+
+    makers: dict[str, Callable[[], TgqEngine]] = {
+        "bf16": lambda: TgqEngine(path, "auto"),
+        "int8": lambda: TgqEngine(path, "auto", quantize="int8"),
+        "fp8": lambda: TgqEngine(path, "auto", quantize="fp8"),
+        "ct-fp8-dyn": lambda: TgqEngine(checkpoint("FP8_DYNAMIC"), "auto"),
+        "ct-w8a8": lambda: TgqEngine(checkpoint("W8A8"), "auto"),
+        "gptq-int4": lambda: TgqEngine(checkpoint("gptq"), "auto"),
+        "awq-int4": lambda: TgqEngine(checkpoint("awq"), "auto"),
+        "ct-w4a16": lambda: TgqEngine(checkpoint("W4A16"), "auto"),
     }
-    grouped = {
-        fmt: write_grouped(path, args.cache / f"medium-llama-2k-{fmt}", fmt, GROUP_SIZE)
-        for fmt in ("gptq", "awq")
-    }
-    engines: Engines = {
-        "bf16": TgqEngine(path, "auto"),
-        "int8": TgqEngine(path, "auto", quantize="int8"),
-        "fp8": TgqEngine(path, "auto", quantize="fp8"),
-        "ct-fp8-dyn": TgqEngine(compressed["FP8_DYNAMIC"], "auto"),
-        "ct-w8a8": TgqEngine(compressed["W8A8"], "auto"),
-        "gptq-int4": TgqEngine(grouped["gptq"], "auto"),
-        "awq-int4": TgqEngine(grouped["awq"], "auto"),
-        "ct-w4a16": TgqEngine(compressed["W4A16"], "auto"),
-    }
+    chosen = ["bf16", *(n for n in args.engines.split(",") if n and n != "bf16")]
+    unknown = sorted(set(chosen) - set(makers))
+    if unknown:
+        parser.error(f"unknown engines {unknown} (choose from {sorted(makers)})")
+    engines: Engines = {name: makers[name]() for name in chosen}
     results: dict[str, dict[str, float]] = {name: {} for name in engines}
     for engine in engines.values():
         engine.generate(random_prompts(1, PROMPT_LEN), 4)  # warm-up
@@ -91,9 +107,9 @@ def main() -> None:
         for name, seconds in step.items():
             results[name][f"decode_b{batch}_step_ms"] = seconds * 1e3
             results[name][f"decode_b{batch}_tok_s"] = batch / seconds
-    int8 = engines["int8"]
-    assert isinstance(int8, TgqEngine)
-    write_results("quant", args, results, int8.runner)
+    last = engines[chosen[-1]]
+    assert isinstance(last, TgqEngine)
+    write_results("quant", args, results, last.runner)
     plot(results, RESULTS / "quant-cpu.png")
     others = [name for name in results if name != "bf16"]
     print(f"{'metric':<22}{'bf16':>10}" + "".join(f"{f'{n}/bf16':>17}" for n in others))
@@ -103,7 +119,8 @@ def main() -> None:
         )
         print(f"{metric:<22}{base:>10.2f} {ratios}")
     del engines
-    kv_cache(path, args)
+    if not args.no_kv:
+        kv_cache(path, args)
 
 
 def kv_cache(path: Path, args: argparse.Namespace) -> None:

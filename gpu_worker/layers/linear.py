@@ -86,7 +86,7 @@ class Linear(nn.Module):
             self.use_8bit_kernel()
             return True
         layout = self.groups.contiguous_layout(self.weight.detach())
-        if layout is None or not cpu_ops.has_avx512_int4_linear():
+        if layout is None or not cpu_ops.has_int4_linear():
             return False
         perm, group_size = layout
         q = self.weight.detach() if perm is None else self.weight.detach()[:, perm]
