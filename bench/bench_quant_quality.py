@@ -127,19 +127,32 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(".cache/bench"))
     parser.add_argument("--positions", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--models", default="demo,medium,qwen3", help="comma-separated: demo, medium, qwen3"
+    )
+    parser.add_argument(
+        "--variants", default="", help="comma-separated labels (e.g. 'int8,gptq int4'); all"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = {
-        "demo (trained)": demo_model(),
-        "medium (random)": chat_llama(args.cache, "medium"),
-        "medium qwen3 (random)": chat_llama(args.cache, "medium", "Qwen3ForCausalLM"),
+    makers: dict[str, tuple[str, Callable[[], Path]]] = {
+        "demo": ("demo (trained)", demo_model),
+        "medium": ("medium (random)", lambda: chat_llama(args.cache, "medium")),
+        "qwen3": (
+            "medium qwen3 (random)",
+            lambda: chat_llama(args.cache, "medium", "Qwen3ForCausalLM"),
+        ),
     }
+    models = {makers[m][0]: makers[m][1]() for m in args.models.split(",") if m}
+    wanted = {v.strip() for v in args.variants.split(",") if v.strip()}
     results: dict[str, dict[str, float]] = {}
     for name, path in models.items():
         ids = corpus_ids(path, PROMPTS * PROMPT_LEN * 4)
         prompts = [ids[i * PROMPT_LEN * 4 :][:PROMPT_LEN] for i in range(PROMPTS)]
         baseline = generate(path, None, prompts)
         for label, variant in variants(path, args.cache).items():
+            if wanted and label not in wanted:
+                continue
             forced = teacher_forced(path, variant.reference(), args.positions)
             outputs = generate(variant.model_dir, variant.quantize, prompts)
             results[f"{name} {label}"] = {

@@ -37,7 +37,15 @@ class Linear(nn.Module):
         self.weight_scale: torch.Tensor | None  # [N] fp32: 8-bit weights' scales (`quantize`)
         self.register_buffer("weight_scale", None, persistent=False)
         self.input_quant: ActivationQuant | None = None  # W8A8 checkpoints' input rounding
-        self.groups: Groups | None = None  # grouped integer weights' zero points and groups
+        # Grouped integer weights (`hold_grouped`): zero points [N, G] fp32, each input column's
+        # group [K], and on the 4-bit kernel the input columns in group order (None: K's order).
+        # Buffers, so that a recorded decode step (kernels.replay) takes them as constants.
+        self.weight_zero: torch.Tensor | None
+        self.register_buffer("weight_zero", None, persistent=False)
+        self.weight_g_idx: torch.Tensor | None
+        self.register_buffer("weight_g_idx", None, persistent=False)
+        self.weight_perm: torch.Tensor | None
+        self.register_buffer("weight_perm", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         return self.matmul(x, self.weight, self.bias)
@@ -73,27 +81,35 @@ class Linear(nn.Module):
         torch until `use_quantized_kernel`."""
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
-        self.groups = Groups(zero, g_idx)
+        self.weight_zero = zero
+        self.weight_g_idx = g_idx
         self.matmul = _GroupedMatmul(self)
 
     def use_quantized_kernel(self) -> bool:
         """A quantized layer onto its CPU kernel where this CPU has it and the weights fit it
         (8-bit: `use_8bit_kernel`; grouped 4-bit: `cpu_ops.linear_int4_packed`, the columns
         permuted once so that each group is a contiguous run); whether it moved."""
-        if self.groups is None:
+        if self.weight_zero is None or self.weight_g_idx is None:
             if not cpu_ops.has_avx512_8bit_linear():
                 return False
             self.use_8bit_kernel()
             return True
-        layout = self.groups.contiguous_layout(self.weight.detach())
+        q = self.weight.detach()
+        layout = contiguous_groups(q, self.weight_g_idx, self.weight_zero.shape[1])
         if layout is None or not cpu_ops.has_int4_linear():
             return False
         perm, group_size = layout
-        q = self.weight.detach() if perm is None else self.weight.detach()[:, perm]
+        q = q if perm is None else q[:, perm]
         packed = cpu_ops.pack_weight_int4(q.contiguous(), group_size)
         self.weight = nn.Parameter(packed, requires_grad=False)
-        self.matmul = _GroupedMatmul(self, perm=perm, group_size=group_size)
+        self.weight_perm = perm
+        self.matmul = _GroupedMatmul(self, group_size=group_size)
         return True
+
+    @property
+    def is_grouped(self) -> bool:
+        """Whether `weight` holds grouped integer weights (`hold_grouped`), packed or not."""
+        return self.weight_zero is not None
 
     @property
     def on_int4_kernel(self) -> bool:
@@ -185,31 +201,24 @@ class _QuantizedMatmul:
 INT4_LARGEST = 15
 
 
-class Groups:
-    """Grouped integer weights' zero points [N, G] fp32 and each input column's group [K]."""
-
-    def __init__(self, zero: torch.Tensor, g_idx: torch.Tensor) -> None:
-        self.zero = zero
-        self.g_idx = g_idx
-
-    def contiguous_layout(self, q: torch.Tensor) -> tuple[torch.Tensor | None, int] | None:
-        """For 4-bit values q: (the column order that makes every group a run of one size, the
-        last maybe shorter, None where K's order does; that size, a multiple of 8 or K), or None
-        where there is none (8-bit values, or groups of uneven sizes)."""
-        if q.numel() and int(q.max()) > INT4_LARGEST:
-            return None
-        columns = self.g_idx.shape[0]
-        perm = torch.argsort(self.g_idx, stable=True)
-        in_order = self.g_idx[perm]
-        size = int((in_order == 0).sum())
-        if size == 0 or (size % 8 and size != columns):
-            return None
-        if not torch.equal(in_order, torch.arange(columns) // size):
-            return None
-        if int(in_order[-1]) + 1 != self.zero.shape[1]:
-            return None
-        identity = torch.equal(perm, torch.arange(columns))
-        return (None if identity else perm), size
+def contiguous_groups(
+    q: torch.Tensor, g_idx: torch.Tensor, groups: int
+) -> tuple[torch.Tensor | None, int] | None:
+    """For 4-bit values q [N, K] with column k in group g_idx[k] of `groups`: (the column order
+    that makes every group a run of one size, the last maybe shorter, None where K's order does;
+    that size, a multiple of 8 or K), or None where there is none (8-bit values, or groups of
+    uneven sizes)."""
+    if q.numel() and int(q.max()) > INT4_LARGEST:
+        return None
+    columns = g_idx.shape[0]
+    perm = torch.argsort(g_idx, stable=True)
+    in_order = g_idx[perm]
+    size = int((in_order == 0).sum())
+    if size == 0 or (size % 8 and size != columns):
+        return None
+    if not torch.equal(in_order, torch.arange(columns) // size) or int(in_order[-1]) + 1 != groups:
+        return None
+    return (None if torch.equal(perm, torch.arange(columns)) else perm), size
 
 
 class _GroupedMatmul:
@@ -218,26 +227,23 @@ class _GroupedMatmul:
     dequantized exactly to fp32, w = (q - zero) * scale, the sums in fp32, rounded once to x's
     dtype)."""
 
-    def __init__(
-        self, linear: Linear, *, perm: torch.Tensor | None = None, group_size: int = 0
-    ) -> None:
+    def __init__(self, linear: Linear, *, group_size: int = 0) -> None:
         self.linear = linear
-        self.perm = perm
         self.group_size = group_size  # 0: on torch
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        scale, groups = self.linear.weight_scale, self.linear.groups
-        assert scale is not None and groups is not None
+        linear = self.linear
+        scale, zero, g = linear.weight_scale, linear.weight_zero, linear.weight_g_idx
+        assert scale is not None and zero is not None and g is not None
         if self.group_size:
-            if self.perm is not None:
-                x = x.index_select(1, self.perm)
+            if linear.weight_perm is not None:
+                x = x.index_select(1, linear.weight_perm)
             return cpu_ops.linear_int4_packed(
-                x, weight, scale, groups.zero, self.group_size, self.linear.out_features, bias
+                x, weight, scale, zero, self.group_size, linear.out_features, bias
             )
-        g = groups.g_idx
-        w = (weight.float() - groups.zero[:, g]) * scale[:, g]
+        w = (weight.float() - zero[:, g]) * scale[:, g]
         out = F.linear(x.float(), w, None if bias is None else bias.float())
         return out.to(x.dtype)
 

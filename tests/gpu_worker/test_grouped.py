@@ -204,9 +204,9 @@ def test_pack_quantized_is_the_librarys_decompression_bit_for_bit(
 
 
 def dequantized(linear: Linear) -> torch.Tensor:
-    assert linear.weight_scale is not None and linear.groups is not None
-    g = linear.groups.g_idx
-    zero, scale = linear.groups.zero[:, g], linear.weight_scale[:, g]
+    g, zero, scale = linear.weight_g_idx, linear.weight_zero, linear.weight_scale
+    assert g is not None and zero is not None and scale is not None
+    zero, scale = zero[:, g], scale[:, g]
     return (linear.weight.float() - zero) * scale
 
 
@@ -264,7 +264,7 @@ def test_fp32_is_transformers_on_the_dequantized_weights(
 
 def quantized_linears(engine: Any) -> list[Linear]:
     model = engine.runner.loaded.model
-    return [m for m in model.modules() if isinstance(m, Linear) and m.groups is not None]
+    return [m for m in model.modules() if isinstance(m, Linear) and m.is_grouped]
 
 
 @pytest.mark.parametrize("fmt", ["gptq-act-order", "awq", "INT4_G32"])
