@@ -2,6 +2,9 @@
 // block table (no gather copy), fp32 math on bf16 or fp32 data; here the AVX2 kernel, which serves
 // every CPU, head size and dtype, and the dispatch to the AVX-512 one (attention_avx512.cpp).
 // paged_prefill_attention: the checks in front of prefill_avx512.cpp's kernel.
+//
+// Both also take FP8 E4M3 caches beside a bf16 query (the AVX-512 kernels only, where
+// fp8_kv_attention_serves): a byte stands for its E4M3 value times the cache's fp32 scale.
 #include "attention_kernels.h"
 #include "linear_kernels.h"
 
@@ -237,25 +240,64 @@ bool avx512_attention_serves(at::ScalarType dtype, int64_t head_dim) {
   return dtype == at::kBFloat16 && cpu_has_avx512_bf16() && avx512_attention_supports(head_dim);
 }
 
+// Whether they take FP8 E4M3 caches (with a bf16 query) of this head size on this CPU: the
+// 8-bit linear's ISA (AVX512_BF16 and AVX512_VBMI) decodes the bytes.
+bool fp8_kv_attention_serves(int64_t head_dim) {
+  return cpu_has_avx512_8bit_linear() && avx512_attention_supports(head_dim);
+}
+
 // "auto": the AVX-512 kernel where it serves the call, else AVX2; "avx2" and "avx512" name one
-// (tests check each).
-bool use_avx512(std::string_view path, const at::Tensor& query) {
+// (tests check each). Only the AVX-512 kernel reads fp8 caches.
+bool use_avx512(std::string_view path, const at::Tensor& query, bool fp8_cache) {
+  TORCH_CHECK(path == "auto" || path == "avx2" || path == "avx512",
+              "paged_decode_attention: unknown path '", path, "' (auto, avx2, avx512)");
+  if (fp8_cache) {
+    TORCH_CHECK(path != "avx2", "paged_decode_attention: path 'avx2' does not read fp8 caches");
+    TORCH_CHECK(fp8_kv_attention_serves(query.size(2)), "paged_decode_attention: fp8 caches need "
+                "a CPU with AVX512_BF16 and AVX512_VBMI and a head size that is a multiple of 32 "
+                "up to 256, got ", query.size(2), " (fp8_kv_attention_serves)");
+    return true;
+  }
   const bool served = avx512_attention_serves(query.scalar_type(), query.size(2));
   if (path == "auto") return served;
   if (path == "avx2") return false;
-  TORCH_CHECK(path == "avx512", "paged_decode_attention: unknown path '", path,
-              "' (auto, avx2, avx512)");
   TORCH_CHECK(served, "paged_decode_attention: path 'avx512' needs bf16, a CPU with AVX512_BF16 "
               "and a head size that is a multiple of 32 up to 256, got ", query.scalar_type(),
               " and ", query.size(2));
   return true;
 }
 
+// The caches' dtypes against the query's: all bf16 or all fp32, or fp8 E4M3 caches and a bf16
+// query. True for fp8 caches, whose scales must be finite and positive; other caches take none
+// (scales 1).
+bool check_cache_dtypes(const char* op, const at::Tensor& query, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, double k_scale, double v_scale) {
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), op,
+              ": k_cache and v_cache must share a dtype, got ", k_cache.scalar_type(), " and ",
+              v_cache.scalar_type());
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  if (fp8) {
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16, op,
+                ": fp8 caches need a bf16 query, got ", query.scalar_type());
+    TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+                op, ": k_scale and v_scale must be finite and > 0, got ", k_scale, " and ",
+                v_scale);
+  } else {
+    TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), op,
+                ": query, k_cache and v_cache must share a dtype (or the caches be "
+                "float8_e4m3fn beside a bf16 query)");
+    TORCH_CHECK(k_scale == 1.0 && v_scale == 1.0, op,
+                ": k_scale and v_scale apply to fp8 caches only, got ", k_scale, " and ",
+                v_scale, " for ", k_cache.scalar_type(), " caches");
+  }
+  return fp8;
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& kv_lens, double scale,
                                   int64_t sliding_window, double softcap,
-                                  c10::string_view path_arg) {
+                                  c10::string_view path_arg, double k_scale, double v_scale) {
   const std::string_view path(path_arg.data(), path_arg.size());
   TORCH_CHECK(query.dim() == 3, "paged_decode_attention: query must be [B, H, D], got ",
               query.sizes());
@@ -268,9 +310,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
               " vs cache ", k_cache.size(3));
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_decode_attention: ", heads,
               " query heads is not a multiple of ", kv_heads, " kv heads");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
-                  query.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: query, k_cache and v_cache must share a dtype");
+  const bool fp8 =
+      check_cache_dtypes("paged_decode_attention", query, k_cache, v_cache, k_scale, v_scale);
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat,
               "paged_decode_attention: dtype must be bf16 or fp32, got ", query.scalar_type());
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
@@ -292,14 +333,18 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   at::Tensor tables = block_tables.to(at::kLong).contiguous();
   at::Tensor lens = kv_lens.to(at::kLong).contiguous();
   check_block_tables(tables, lens, k_cache.size(1), k_cache.size(0));
+  // k_scale multiplies the score scale in fp32 (exact, so the same scores, where k_scale is a
+  // power of two; 1 leaves them the bf16 kernel's).
+  const float score_scale = static_cast<float>(scale) * static_cast<float>(k_scale);
   DecodeShape shape{heads, kv_heads, d, k_cache.size(1), tables.size(1), sliding_window,
-                    static_cast<float>(scale), static_cast<float>(softcap)};
+                    score_scale, static_cast<float>(softcap)};
   at::Tensor out = at::empty(query.sizes(), query.options());  // contiguous, whatever query is
-  if (use_avx512(path, query)) {
-    paged_decode_bf16_avx512(DecodeArgs{shape, batch, query.stride(0), data_as<bf16_bits>(query),
-                                        data_as<bf16_bits>(k_cache), data_as<bf16_bits>(v_cache),
-                                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                                        mutable_data_as<bf16_bits>(out)});
+  if (use_avx512(path, query, fp8)) {
+    paged_decode_bf16_avx512(DecodeArgs{
+        shape, batch, query.stride(0), data_as<bf16_bits>(query),
+        fp8 ? KvFormat::kFp8E4M3 : KvFormat::kBf16, k_cache.data_ptr(), v_cache.data_ptr(),
+        static_cast<float>(v_scale), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+        mutable_data_as<bf16_bits>(out)});
   } else if (query.scalar_type() == at::kFloat) {
     decode_dispatch<float>(shape, query, k_cache, v_cache, tables, lens, out);
   } else {
@@ -312,10 +357,29 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 // paged_prefill_attention: one sequence's prefill chunk (attention_avx512's companion,
 // prefill_avx512.cpp); bf16 on AVX512_BF16 CPUs only; the torch backend serves every other case.
 
+// The `used` blocks of an fp8 cache that block_ids names, decoded to bf16 into a cache of their
+// own (block i: block_ids[i]'s values). The prefill kernels read each K row once per tile of 16
+// queries (and AMX's copy of the keys is bf16 anyway): decoding once per call costs one pass
+// over the sequence's bytes, beside a chunk's compute.
+at::Tensor decoded_blocks(const at::Tensor& cache, const int64_t* block_ids, int64_t used) {
+  const int64_t block_values = cache.size(1) * cache.size(2) * cache.size(3);
+  at::Tensor out = at::empty({used, cache.size(1), cache.size(2), cache.size(3)},
+                             cache.options().dtype(at::kBFloat16));
+  const auto* bytes = static_cast<const uint8_t*>(cache.data_ptr());
+  bf16_bits* values = mutable_data_as<bf16_bits>(out);
+  at::parallel_for(0, used, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      e4m3_rows_to_bf16(bytes + block_ids[i] * block_values, block_values, 1, block_values,
+                        values + i * block_values);
+    }
+  });
+  return out;
+}
+
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_ids,
                                    int64_t kv_len, double scale, int64_t sliding_window,
-                                   c10::string_view kernel_arg) {
+                                   c10::string_view kernel_arg, double k_scale, double v_scale) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "paged_prefill_attention: needs a CPU with AVX512_BF16");
   const std::string_view kernel(kernel_arg.data(), kernel_arg.size());
   TORCH_CHECK(kernel == "avx512" || kernel == "amx", "paged_prefill_attention: unknown kernel '",
@@ -331,12 +395,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
               "of 32 up to 256, got ", d);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && k_cache.device().is_cpu() &&
-                  v_cache.device().is_cpu() && k_cache.size(3) == d,
-              "paged_prefill_attention: k_cache and v_cache must both be contiguous bf16 CPU "
+                  k_cache.device().is_cpu() && v_cache.device().is_cpu() && k_cache.size(3) == d,
+              "paged_prefill_attention: k_cache and v_cache must both be contiguous CPU "
               "[num_blocks, block_size, Hkv, ", d, "], got ", k_cache.sizes(), " and ",
               v_cache.sizes());
+  const bool fp8 =
+      check_cache_dtypes("paged_prefill_attention", query, k_cache, v_cache, k_scale, v_scale);
+  TORCH_CHECK(!fp8 || cpu_has_avx512_8bit_linear(), "paged_prefill_attention: fp8 caches need "
+              "a CPU with AVX512_VBMI (fp8_kv_attention_serves)");
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_prefill_attention: ", heads,
               " query heads is not a multiple of ", kv_heads, " kv heads");
@@ -354,11 +420,18 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
     TORCH_CHECK(id[i] >= 0 && id[i] < k_cache.size(0), "paged_prefill_attention: block_ids[",
                 i, "] = ", id[i], " is outside the cache's ", k_cache.size(0), " blocks");
   }
+  // fp8: the kernels read the decoded blocks, in order (block i is the sequence's block i).
+  const at::Tensor keys = fp8 ? decoded_blocks(k_cache, id, used) : k_cache;
+  const at::Tensor values = fp8 ? decoded_blocks(v_cache, id, used) : v_cache;
+  std::vector<int64_t> in_order(fp8 ? used : 0);
+  std::iota(in_order.begin(), in_order.end(), 0);
   at::Tensor out = at::empty({num_queries, heads, d}, query.options());
+  // k_scale multiplies the score scale in fp32, as paged_decode_attention does.
+  const float score_scale = static_cast<float>(scale) * static_cast<float>(k_scale);
   (kernel == "amx" ? paged_prefill_bf16_amx : paged_prefill_bf16_avx512)(PrefillArgs{
-      heads, kv_heads, d, block_size, num_queries, kv_len, sliding_window,
-      static_cast<float>(scale), data_as<bf16_bits>(query), query.stride(0),
-      data_as<bf16_bits>(k_cache), data_as<bf16_bits>(v_cache), id,
+      heads, kv_heads, d, block_size, num_queries, kv_len, sliding_window, score_scale,
+      static_cast<float>(v_scale), data_as<bf16_bits>(query), query.stride(0),
+      data_as<bf16_bits>(keys), data_as<bf16_bits>(values), fp8 ? in_order.data() : id,
       mutable_data_as<bf16_bits>(out)});
   return out;
 }
@@ -368,13 +441,15 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
 TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
   m.def("attention_avx512_serves(ScalarType dtype, int head_dim) -> bool",
         &avx512_attention_serves);
+  m.def("fp8_kv_attention_serves(int head_dim) -> bool", &fp8_kv_attention_serves);
   m.def(
       "paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_ids, "
-      "int kv_len, float scale, int sliding_window, str kernel='avx512') -> Tensor",
+      "int kv_len, float scale, int sliding_window, str kernel='avx512', float k_scale=1.0, "
+      "float v_scale=1.0) -> Tensor",
       &paged_prefill_attention);
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor kv_lens, float scale, int sliding_window, float softcap=0.0, str path='auto')"
-      " -> Tensor",
+      "Tensor kv_lens, float scale, int sliding_window, float softcap=0.0, str path='auto', "
+      "float k_scale=1.0, float v_scale=1.0) -> Tensor",
       &paged_decode_attention);
 }
