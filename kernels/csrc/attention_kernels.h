@@ -48,11 +48,11 @@ inline int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
   return (num_kv_heads + splits - 1) / splits;
 }
 
-// The head sizes the AVX-512 kernels (decode and prefill) serve: whole 64-byte lines of bf16, up
-// to 256 values. With bf16 and cpu_has_avx512_bf16(), avx512_attention_serves (paged_attention.cpp,
+// The head sizes the AVX-512 kernels (decode and prefill) serve: one or more whole 64-byte lines
+// of bf16, up to 256 values. With bf16 and cpu_has_avx512_bf16(), avx512_attention_serves (paged_attention.cpp,
 // also an op for the Python backend) is this rule.
 inline bool avx512_attention_supports(int64_t head_dim) {
-  return head_dim % 32 == 0 && head_dim <= 256;
+  return head_dim > 0 && head_dim % 32 == 0 && head_dim <= 256;
 }
 
 // Where row `offset` of cache block `block_id`, kv head h, starts in a [num_blocks, block_size,
