@@ -29,6 +29,7 @@ __all__ = [
     "argmax",
     "avx512_attention_serves",
     "fp8_kv_attention_serves",
+    "fp8_kv_decode_path",
     "gelu_tanh_mul",
     "greedy_head_argmax",
     "hardware_unsupported_reason",
@@ -409,12 +410,20 @@ def avx512_attention_serves(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 def fp8_kv_attention_serves(head_dim: int) -> bool:
-    """Whether `paged_decode_attention` (path "auto" or "avx512") and `paged_prefill_attention`
-    take float8_e4m3fn caches beside a bf16 query of this head size on this CPU: AVX512_BF16 and
-    AVX512_VBMI (the 8-bit linear's decoding), a multiple of 32 up to 256. Elsewhere the caller
-    gathers and converts the cache itself (`cache.to(bf16) * scale`); these ops refuse."""
+    """Whether the AVX-512 kernels take float8_e4m3fn caches beside a bf16 query of this head
+    size on this CPU: `paged_prefill_attention` (which has no other kernel) and
+    `paged_decode_attention`'s "avx512" path. AVX512_BF16 and AVX512_VBMI (the 8-bit linear's
+    decoding), a multiple of 32 up to 256. Where not, prefill refuses fp8 caches (the caller
+    converts, `cache.to(bf16) * scale`) and decode takes them on its "avx2" path."""
     served: bool = _ops().fp8_kv_attention_serves(head_dim)
     return served
+
+
+def fp8_kv_decode_path(head_dim: int) -> str:
+    """The path `paged_decode_attention(..., path="auto")` takes for float8_e4m3fn caches beside
+    a bf16 query of this head size: "avx512" where `fp8_kv_attention_serves(head_dim)`, else
+    "avx2" (any head size, any CPU the kernels run on)."""
+    return "avx512" if fp8_kv_attention_serves(head_dim) else "avx2"
 
 
 def paged_decode_attention(
@@ -438,11 +447,12 @@ def paged_decode_attention(
     AVX512_BF16 CPU, head size a multiple of 32 up to 256) where it can, else "avx2" (any case).
     Tests name paths to check each one.
 
-    float8_e4m3fn caches with a bf16 query: the "avx512" kernel only, where
-    `fp8_kv_attention_serves(D)` ("avx2" refuses them). It decodes the bytes to bf16 as it reads
-    them and applies the scales in fp32 outside the sums: scores use `fp32(scale) * fp32(k_scale)`
-    as their scale, the output is `acc * (v_scale / sum)`. With both scales 1 (or powers of two)
-    the output is bit-identical to the bf16 kernel's on `cache.to(bf16) * scale`.
+    float8_e4m3fn caches with a bf16 query: both paths ("auto" takes `fp8_kv_decode_path(D)`).
+    They decode the bytes as they read them (AVX-512: to bf16; AVX2: each block's rows to fp32
+    once per task) and apply the scales in fp32 outside the sums: scores use
+    `fp32(scale) * fp32(k_scale)` as their scale, the output is `acc * (v_scale / sum)`. With both
+    scales 1 (or powers of two) each path's output is bit-identical to the same path's on the bf16
+    caches `cache.to(bf16) * scale`.
     """
     out: torch.Tensor = _ops().paged_decode_attention(
         query,

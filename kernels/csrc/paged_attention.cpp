@@ -3,10 +3,13 @@
 // every CPU, head size and dtype, and the dispatch to the AVX-512 one (attention_avx512.cpp).
 // paged_prefill_attention: the checks in front of prefill_avx512.cpp's kernel.
 //
-// Both also take FP8 E4M3 caches beside a bf16 query (the AVX-512 kernels only, where
-// fp8_kv_attention_serves): a byte stands for its E4M3 value times the cache's fp32 scale.
+// Both also take FP8 E4M3 caches beside a bf16 query (a byte stands for its E4M3 value times the
+// cache's fp32 scale): the AVX-512 kernels where fp8_kv_attention_serves, and decode's AVX2
+// kernel on any CPU (it decodes each block to fp32 first, below).
 #include "attention_kernels.h"
 #include "linear_kernels.h"
+
+#include <type_traits>
 
 namespace {
 
@@ -111,7 +114,49 @@ struct HeadState {
   std::vector<float> acc;       // [Q, D], sum of p * v under the running max
   std::vector<float> scores;    // [Q, block_size]
   std::vector<float> max, sum;  // [Q], running max score and sum of p
+  std::vector<float> k_rows, v_rows;  // fp8 caches: [block_size, kv heads of the task, D]
 };
+
+// An FP8 E4M3 cache's bytes, as the AVX2 kernel reads them (decode_task's C).
+using e4m3_byte = uint8_t;
+
+// ----------------------------------------------------------------------------------------------
+// FP8 E4M3 -> fp32 for the AVX2 kernel. A byte s.eeee.mmm, sign-extended to 16 bits and shifted
+// left by 7 with bit 14 cleared, is the fp16 s.0eeee.mmm0000000 (exponent bias 15 against 7), whose
+// value is exactly the byte's times 2^-8, subnormals included; F16C widens it exactly (it takes
+// fp16 subnormals whatever MXCSR's DAZ says), and the 2^8 rides in the scales (decode_dispatch).
+// E4M3's NaN (magnitude 0x7F) gets fp16's all-ones exponent. 16 values: ~12 instructions.
+constexpr float kE4m3Unscale = 256.0f;  // decoded value * 256 = the byte's E4M3 value
+
+__attribute__((target("f16c"))) inline float e4m3_scaled_f32(e4m3_byte byte) {
+  uint16_t half = static_cast<uint16_t>((static_cast<int16_t>(static_cast<int8_t>(byte)) << 7) &
+                                        0xBFFF);
+  if ((half & 0x3F80) == 0x3F80) half |= 0x7C00;
+  return _cvtsh_ss(half);
+}
+
+// num_rows rows of row_values bytes, `stride` bytes apart -> contiguous rows of fp32 at out,
+// each the byte's value times 2^-8.
+__attribute__((target("f16c"))) void e4m3_rows_to_scaled_f32(const e4m3_byte* rows,
+                                                              int64_t stride, int64_t num_rows,
+                                                              int64_t row_values, float* out) {
+  const __m256i keep = _mm256_set1_epi16(static_cast<int16_t>(0xBFFF));
+  const __m256i magnitude = _mm256_set1_epi16(0x3F80);
+  const __m256i all_ones_exponent = _mm256_set1_epi16(0x7C00);
+  for (int64_t r = 0; r < num_rows; ++r, out += row_values) {
+    const e4m3_byte* row = rows + r * stride;
+    int64_t i = 0;
+    for (; i + 16 <= row_values; i += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+      __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), keep);
+      const __m256i is_nan = _mm256_cmpeq_epi16(_mm256_and_si256(half, magnitude), magnitude);
+      half = _mm256_or_si256(half, _mm256_and_si256(is_nan, all_ones_exponent));
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm256_castsi256_si128(half)));
+      _mm256_storeu_ps(out + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)));
+    }
+    for (; i < row_values; ++i) out[i] = e4m3_scaled_f32(row[i]);
+  }
+}
 
 struct BlockSpan {
   int64_t num_tokens;  // tokens of the block to attend, from the first one k and v point at
@@ -163,11 +208,13 @@ void attend_block(HeadState& st, const BlockSpan& b, const T* k, const T* v) {
 }
 
 // One sequence, kv heads h0 .. h1 - 1 (query heads h0 * G .. h1 * G - 1); query and out point at
-// the sequence's [H, D] rows.
-template <typename T>
-void decode_task(const DecodeShape& s, HeadState& st, const T* query, const T* k_cache,
-                 const T* v_cache, const int64_t* table, int64_t kv_len, int64_t h0, int64_t h1,
-                 T* out) {
+// the sequence's [H, D] rows. C is the caches' element: T, or e4m3_byte, whose block rows of the
+// task's heads are decoded to fp32 once (into st.k_rows, st.v_rows) before the G query heads
+// read them; each output is acc * (v_scale / sum).
+template <typename T, typename C>
+void decode_task(const DecodeShape& s, HeadState& st, const T* query, const C* k_cache,
+                 const C* v_cache, const int64_t* table, int64_t kv_len, int64_t h0, int64_t h1,
+                 float v_scale, T* out) {
   const int64_t g = s.num_heads / s.num_kv_heads, d = s.head_dim, bs = s.block_size;
   const int64_t row_stride = s.num_kv_heads * d;  // between tokens of one block
   const int64_t num_q = (h1 - h0) * g;
@@ -180,39 +227,50 @@ void decode_task(const DecodeShape& s, HeadState& st, const T* query, const T* k
   for (int64_t bi = first / bs; bi * bs < kv_len; ++bi) {
     const int64_t t0 = std::max(first, bi * bs), t1 = std::min(kv_len, (bi + 1) * bs);
     const int64_t base = ((table[bi] * bs + (t0 - bi * bs)) * s.num_kv_heads + h0) * d;
-    attend_block(st, BlockSpan{t1 - t0, h1 - h0, g, row_stride, d, bs, s.softcap},
-                 k_cache + base, v_cache + base);
+    if constexpr (std::is_same_v<C, e4m3_byte>) {
+      const int64_t width = (h1 - h0) * d;  // the task's heads of one token are contiguous
+      e4m3_rows_to_scaled_f32(k_cache + base, row_stride, t1 - t0, width, st.k_rows.data());
+      e4m3_rows_to_scaled_f32(v_cache + base, row_stride, t1 - t0, width, st.v_rows.data());
+      attend_block(st, BlockSpan{t1 - t0, h1 - h0, g, width, d, bs, s.softcap},
+                   st.k_rows.data(), st.v_rows.data());
+    } else {
+      attend_block(st, BlockSpan{t1 - t0, h1 - h0, g, row_stride, d, bs, s.softcap},
+                   k_cache + base, v_cache + base);
+    }
   }
   for (int64_t j = 0; j < num_q; ++j) {
-    const float inv = 1.0f / st.sum[j];
+    const float inv = v_scale / st.sum[j];
     for (int64_t i = 0; i < d; ++i) store_out(out + (h0 * g + j) * d + i, st.acc[j * d + i] * inv);
   }
 }
 
-template <typename T>
+// C: the caches' element (decode_task); v_scale 1 but for fp8 caches.
+template <typename T, typename C = T>
 void decode_dispatch(const DecodeShape& s, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& tables,
-                     const at::Tensor& kv_lens, at::Tensor& out) {
+                     const at::Tensor& kv_lens, float v_scale, at::Tensor& out) {
   const int64_t batch = query.size(0), g = s.num_heads / s.num_kv_heads, d = s.head_dim;
   const int64_t q_stride = query.stride(0);  // a view of the fused qkv rows is fine
   const int64_t per_task = kv_heads_per_task(batch, s.num_kv_heads);
   const int64_t tasks_per_seq = (s.num_kv_heads + per_task - 1) / per_task;
   const T* q = data_as<T>(query);
-  const T* k = data_as<T>(k_cache);
-  const T* v = data_as<T>(v_cache);
+  const C* k = data_as<C>(k_cache);
+  const C* v = data_as<C>(v_cache);
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   T* o = mutable_data_as<T>(out);
   at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t num_q = per_task * g;
-    HeadState st{std::vector<float>(num_q * d), std::vector<float>(num_q * d),
+    const int64_t decoded = std::is_same_v<C, T> ? 0 : s.block_size * per_task * d;
+    HeadState st{std::vector<float>(num_q * d),       std::vector<float>(num_q * d),
                  std::vector<float>(num_q * s.block_size), std::vector<float>(num_q),
-                 std::vector<float>(num_q)};
+                 std::vector<float>(num_q),           std::vector<float>(decoded),
+                 std::vector<float>(decoded)};
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_seq, h0 = task % tasks_per_seq * per_task;
       const int64_t h1 = std::min(s.num_kv_heads, h0 + per_task);
-      decode_task<T>(s, st, q + b * q_stride, k, v, tab + b * s.max_blocks, lens[b], h0,
-                     h1, o + b * s.num_heads * d);
+      decode_task<T, C>(s, st, q + b * q_stride, k, v, tab + b * s.max_blocks, lens[b], h0,
+                        h1, v_scale, o + b * s.num_heads * d);
     }
   });
 }
@@ -247,16 +305,18 @@ bool fp8_kv_attention_serves(int64_t head_dim) {
 }
 
 // "auto": the AVX-512 kernel where it serves the call, else AVX2; "avx2" and "avx512" name one
-// (tests check each). Only the AVX-512 kernel reads fp8 caches.
+// (tests check each). Both read fp8 caches (AVX2: with F16C, which every AVX2 CPU has).
 bool use_avx512(std::string_view path, const at::Tensor& query, bool fp8_cache) {
   TORCH_CHECK(path == "auto" || path == "avx2" || path == "avx512",
               "paged_decode_attention: unknown path '", path, "' (auto, avx2, avx512)");
   if (fp8_cache) {
-    TORCH_CHECK(path != "avx2", "paged_decode_attention: path 'avx2' does not read fp8 caches");
-    TORCH_CHECK(fp8_kv_attention_serves(query.size(2)), "paged_decode_attention: fp8 caches need "
-                "a CPU with AVX512_BF16 and AVX512_VBMI and a head size that is a multiple of 32 "
-                "up to 256, got ", query.size(2), " (fp8_kv_attention_serves)");
-    return true;
+    const bool served = fp8_kv_attention_serves(query.size(2));
+    TORCH_CHECK(path != "avx512" || served, "paged_decode_attention: path 'avx512' reads fp8 "
+                "caches on a CPU with AVX512_BF16 and AVX512_VBMI and a head size that is a "
+                "multiple of 32 up to 256, got ", query.size(2), " (fp8_kv_attention_serves)");
+    TORCH_CHECK(served || __builtin_cpu_supports("f16c"), "paged_decode_attention: path 'avx2' "
+                "reads fp8 caches on a CPU with F16C");
+    return path == "auto" ? served : path == "avx512";
   }
   const bool served = avx512_attention_serves(query.scalar_type(), query.size(2));
   if (path == "auto") return served;
@@ -345,10 +405,16 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
         fp8 ? KvFormat::kFp8E4M3 : KvFormat::kBf16, k_cache.data_ptr(), v_cache.data_ptr(),
         static_cast<float>(v_scale), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
         mutable_data_as<bf16_bits>(out)});
+  } else if (fp8) {
+    // The AVX2 kernel's decoded values are the bytes' times 2^-8: the scales take the 2^8
+    // (exactly, so the sums are those of the bf16 kernel on `cache.to(bf16) * scale`).
+    shape.scale *= kE4m3Unscale;
+    decode_dispatch<bf16_bits, e4m3_byte>(shape, query, k_cache, v_cache, tables, lens,
+                                          static_cast<float>(v_scale) * kE4m3Unscale, out);
   } else if (query.scalar_type() == at::kFloat) {
-    decode_dispatch<float>(shape, query, k_cache, v_cache, tables, lens, out);
+    decode_dispatch<float>(shape, query, k_cache, v_cache, tables, lens, 1.0f, out);
   } else {
-    decode_dispatch<bf16_bits>(shape, query, k_cache, v_cache, tables, lens, out);
+    decode_dispatch<bf16_bits>(shape, query, k_cache, v_cache, tables, lens, 1.0f, out);
   }
   return out;
 }

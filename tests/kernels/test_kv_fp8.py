@@ -154,13 +154,16 @@ def _decode_inputs(
 
 
 def _decode(
-    inputs: tuple[torch.Tensor, ...], caches: tuple[torch.Tensor, torch.Tensor], **kwargs: float
+    inputs: tuple[torch.Tensor, ...],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    path: str = "avx512",
+    **kwargs: float,
 ) -> torch.Tensor:
     query, _, _, tables, lens = inputs
     window = int(kwargs.pop("window", 0))
     scale = query.shape[-1] ** -0.5
     return cpu_ops.paged_decode_attention(
-        query, caches[0], caches[1], tables, lens, scale, window, "avx512", **kwargs
+        query, caches[0], caches[1], tables, lens, scale, window, path, **kwargs
     )
 
 
@@ -234,6 +237,58 @@ def test_decode_applies_other_scales_within_bf16_rounding(k_scale: float, v_scal
     assert ((out.double() - exact).abs() <= 2 * ulp + 4e-5 * magnitude).all()
 
 
+@pytest.mark.parametrize("head_dim", [7, 32, 64, 80, 128, 256])
+@pytest.mark.parametrize("heads", [(12, 4), (8, 1), (4, 4), (14, 2), (9, 3)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (37, 0.0), (0, 2.0), (20, 2.0)])
+def test_avx2_decode_reads_fp8_as_it_reads_the_converted_cache(
+    head_dim: int, heads: tuple[int, int], window: int, softcap: float
+) -> None:
+    """Any head size (7: no whole vector), shuffled tables, odd lengths, on every CPU."""
+    gen = torch.Generator().manual_seed(head_dim * 31 + heads[0] * 7 + heads[1] + window + 1)
+    inputs = _decode_inputs(gen, KV_LENS, heads, head_dim)
+    fp8 = (inputs[1], inputs[2])
+    bf16 = (inputs[1].bfloat16(), inputs[2].bfloat16())
+    kw = {"window": window, "softcap": softcap}
+    out = _decode(inputs, fp8, "avx2", **kw)
+    assert torch.equal(out, _decode(inputs, bf16, "avx2", **kw))
+    scaled = (bf16[0] * 0.25, bf16[1] * 8.0)
+    out = _decode(inputs, fp8, "avx2", k_scale=0.25, v_scale=8.0, **kw)
+    assert torch.equal(out, _decode(inputs, scaled, "avx2", **kw))
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 48])
+def test_avx2_decode_reads_fp8_at_other_block_sizes(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    inputs = _decode_inputs(gen, [1, 47, 48, 49, 200], (8, 2), 64, block_size)
+    bf16 = (inputs[1].bfloat16(), inputs[2].bfloat16())
+    assert torch.equal(
+        _decode(inputs, (inputs[1], inputs[2]), "avx2"), _decode(inputs, bf16, "avx2")
+    )
+
+
+@pytest.mark.parametrize("path", ["avx2", pytest.param("avx512", marks=_DECODES_FP8)])
+def test_decode_decodes_every_byte_exactly(path: str) -> None:
+    """One token: each output is its V row, so every byte (NaNs and subnormals included) must come
+    out as torch's conversion, through the vector lanes and (AVX2, head size 264) the scalar tail,
+    which holds bytes 0xF8-0xFF."""
+    for head_dim in (256, 264) if path == "avx2" else (256,):
+        v_row = (torch.arange(head_dim) + 240).remainder(256).to(torch.uint8).view(FP8)
+        v_cache = v_row.reshape(1, 1, 1, head_dim)
+        k_cache = torch.zeros_like(v_cache)
+        query = torch.ones(1, 2, head_dim, dtype=torch.bfloat16)
+        out = cpu_ops.paged_decode_attention(
+            query, k_cache, v_cache, torch.tensor([[0]]), torch.tensor([1]), 1.0, 0, path
+        )
+        assert torch.equal(out[0, 0].isnan(), v_row.float().isnan())
+        assert torch.equal(out[0, 1].nan_to_num(), v_row.bfloat16().nan_to_num())
+
+
+def test_fp8_kv_decode_path_names_the_kernel_that_reads_fp8() -> None:
+    for head_dim in (7, 32, 64, 256, 288):
+        expected = "avx512" if cpu_ops.fp8_kv_attention_serves(head_dim) else "avx2"
+        assert cpu_ops.fp8_kv_decode_path(head_dim) == expected
+
+
 def test_fp8_kv_attention_serves_whole_lines_where_the_cpu_decodes() -> None:
     served = cpu_ops.has_avx512_8bit_linear()
     assert [cpu_ops.fp8_kv_attention_serves(d) for d in (32, 64, 128, 256)] == [served] * 4
@@ -246,7 +301,6 @@ def test_fp8_kv_attention_serves_whole_lines_where_the_cpu_decodes() -> None:
         (torch.bfloat16, (FP8, torch.bfloat16), "auto", (1.0, 1.0), "must share a dtype"),
         (FP8, (FP8, FP8), "auto", (1.0, 1.0), "fp8 caches need a bf16 query"),
         (torch.float32, (FP8, FP8), "auto", (1.0, 1.0), "fp8 caches need a bf16 query"),
-        (torch.bfloat16, (FP8, FP8), "avx2", (1.0, 1.0), "'avx2' does not read fp8 caches"),
         (torch.bfloat16, (FP8, FP8), "auto", (-1.0, 1.0), "finite and > 0"),
         (torch.bfloat16, (torch.bfloat16,) * 2, "auto", (1.0, 0.5), "fp8 caches only"),
     ],
