@@ -28,6 +28,8 @@ __all__ = [
     "apply_token_mask_",
     "argmax",
     "avx512_attention_serves",
+    "fp8_kv_attention_serves",
+    "fp8_kv_decode_path",
     "gelu_tanh_mul",
     "greedy_head_argmax",
     "hardware_unsupported_reason",
@@ -73,6 +75,7 @@ _SOURCES = [
         "input_quant.cpp",
         "paged_attention.cpp",
         "attention_avx512.cpp",
+        "kv_fp8_avx512.cpp",
         "prefill_avx512.cpp",
         "kv_write.cpp",
         "cpu_fused.cpp",
@@ -460,6 +463,23 @@ def avx512_attention_serves(dtype: torch.dtype, head_dim: int) -> bool:
     return served
 
 
+def fp8_kv_attention_serves(head_dim: int) -> bool:
+    """Whether the AVX-512 kernels take float8_e4m3fn caches beside a bf16 query of this head
+    size on this CPU: `paged_prefill_attention` (which has no other kernel) and
+    `paged_decode_attention`'s "avx512" path. AVX512_BF16 and AVX512_VBMI (the 8-bit linear's
+    decoding), a multiple of 32 up to 256. Where not, prefill refuses fp8 caches (the caller
+    converts, `cache.to(bf16) * scale`) and decode takes them on its "avx2" path."""
+    served: bool = _ops().fp8_kv_attention_serves(head_dim)
+    return served
+
+
+def fp8_kv_decode_path(head_dim: int) -> str:
+    """The path `paged_decode_attention(..., path="auto")` takes for float8_e4m3fn caches beside
+    a bf16 query of this head size: "avx512" where `fp8_kv_attention_serves(head_dim)`, else
+    "avx2" (any head size, any CPU the kernels run on)."""
+    return "avx512" if fp8_kv_attention_serves(head_dim) else "avx2"
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [B, H, D], one token per sequence; each row's heads contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -471,6 +491,8 @@ def paged_decode_attention(
     path: str = "auto",
     *,
     softcap: float = 0.0,  # > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+    k_scale: float = 1.0,  # float8_e4m3fn caches: a byte stands for its value times its scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, H, D] in query's dtype
     """Softmax attention of each query over its sequence's cached K/V, read through the table.
 
@@ -478,9 +500,26 @@ def paged_decode_attention(
     products are exact and sums fp32. `path` picks the kernel: "auto" takes "avx512" (bf16 on an
     AVX512_BF16 CPU, head size a multiple of 32 up to 256) where it can, else "avx2" (any case).
     Tests name paths to check each one.
+
+    float8_e4m3fn caches with a bf16 query: both paths ("auto" takes `fp8_kv_decode_path(D)`).
+    They decode the bytes as they read them (AVX-512: to bf16; AVX2: each block's rows to fp32
+    once per task) and apply the scales in fp32 outside the sums: scores use
+    `fp32(scale) * fp32(k_scale)` as their scale, the output is `acc * (v_scale / sum)`. With both
+    scales 1 (or powers of two) each path's output is bit-identical to the same path's on the bf16
+    caches `cache.to(bf16) * scale`.
     """
     out: torch.Tensor = _ops().paged_decode_attention(
-        query, k_cache, v_cache, block_tables, kv_lens, scale, sliding_window, softcap, path
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        kv_lens,
+        scale,
+        sliding_window,
+        softcap,
+        path,
+        k_scale,
+        v_scale,
     )
     return out
 
@@ -494,13 +533,20 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int = 0,  # > 0: each query attends only its last `sliding_window` positions
     kernel: str = "avx512",
+    *,
+    k_scale: float = 1.0,  # float8_e4m3fn caches: a byte stands for its value times its scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [Q, H, D] bf16
     """Causal softmax attention of a prefill chunk over its sequence's cached K/V (any cached
     prefix included), read through the block table. AVX512_BF16 CPUs, head sizes a multiple of 32
     up to 256; products exact, sums fp32, p rounded to bf16 before p @ v (as torch's flash
-    kernel does). `kernel` "amx": both products on AMX tiles (needs `has_amx_bf16()`)."""
+    kernel does). `kernel` "amx": both products on AMX tiles (needs `has_amx_bf16()`).
+
+    float8_e4m3fn caches (where `fp8_kv_attention_serves(D)`, either kernel): the sequence's
+    blocks are decoded to bf16 once per call, the scales applied as `paged_decode_attention`
+    applies them; bit-identical to the bf16 caches `cache.to(bf16)` with unit scales."""
     out: torch.Tensor = _ops().paged_prefill_attention(
-        query, k_cache, v_cache, block_ids, kv_len, scale, sliding_window, kernel
+        query, k_cache, v_cache, block_ids, kv_len, scale, sliding_window, kernel, k_scale, v_scale
     )
     return out
 
@@ -511,10 +557,16 @@ def write_kv_(
     key: torch.Tensor,  # [T, Hkv, D]; any token stride (a view of qkv), heads contiguous
     value: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, slot = block_id * block_size + offset
+    k_scale: float = 1.0,  # float8_e4m3fn caches only: the stored byte is e4m3(x / scale)
+    v_scale: float = 1.0,
 ) -> None:
     """`kernels.kv_write.write_kv_slots` in one op: no copy of strided key/value first, and every
-    slot is checked against the cache before anything is written."""
-    _ops().write_kv_(k_cache, v_cache, key, value, slot_mapping)
+    slot is checked against the cache before anything is written.
+
+    Caches of key's dtype take the rows as they are. float8_e4m3fn caches take bf16 or fp32 rows,
+    each value stored as torch's `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`
+    (round to nearest even, saturating: no NaN but from a NaN)."""
+    _ops().write_kv_(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,15 +15,24 @@ struct DecodeShape {
   float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2)
 };
 
-// One bf16 call, checked: tables [batch, max_blocks] and kv_lens [batch] int64, every block id a
-// sequence reads inside the cache.
+// How the AVX-512 kernels' KV cache holds its values: bf16, or FP8 E4M3 bytes, each standing for
+// its value times the cache's scale (one fp32 scale per cache tensor).
+enum class KvFormat { kBf16, kFp8E4M3 };
+
+// One call with a bf16 query, checked: tables [batch, max_blocks] and kv_lens [batch] int64,
+// every block id a sequence reads inside the cache. An fp8 cache's scales are applied in fp32,
+// outside the sums: shape.scale is the score scale times k_scale, and v_scale multiplies each
+// output (acc * (v_scale / sum)); with both 1 the arithmetic is the bf16 kernel's on the decoded
+// values, step for step.
 struct DecodeArgs {
   DecodeShape shape;
   int64_t batch;
   int64_t q_stride;  // elements between sequences' query rows (a view of the fused qkv is fine)
   const bf16_bits* query;
-  const bf16_bits* k_cache;
-  const bf16_bits* v_cache;
+  KvFormat kv_format;
+  const void* k_cache;  // bf16_bits or E4M3 bytes, as kv_format says
+  const void* v_cache;
+  float v_scale;
   const int64_t* tables;
   const int64_t* kv_lens;
   bf16_bits* out;  // [batch, num_heads, head_dim], contiguous
@@ -39,11 +48,11 @@ inline int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
   return (num_kv_heads + splits - 1) / splits;
 }
 
-// The head sizes the AVX-512 kernels (decode and prefill) serve: whole 64-byte lines of bf16, up
-// to 256 values. With bf16 and cpu_has_avx512_bf16(), avx512_attention_serves (paged_attention.cpp,
+// The head sizes the AVX-512 kernels (decode and prefill) serve: one or more whole 64-byte lines
+// of bf16, up to 256 values. With bf16 and cpu_has_avx512_bf16(), avx512_attention_serves (paged_attention.cpp,
 // also an op for the Python backend) is this rule.
 inline bool avx512_attention_supports(int64_t head_dim) {
-  return head_dim % 32 == 0 && head_dim <= 256;
+  return head_dim > 0 && head_dim % 32 == 0 && head_dim <= 256;
 }
 
 // Where row `offset` of cache block `block_id`, kv head h, starts in a [num_blocks, block_size,
@@ -53,8 +62,15 @@ inline int64_t cache_row_offset(int64_t block_id, int64_t offset, int64_t h, int
   return ((block_id * block_size + offset) * num_kv_heads + h) * head_dim;
 }
 
-// Requires cpu_has_avx512_bf16() (linear_kernels.h) and avx512_attention_supports(head_dim).
+// Requires cpu_has_avx512_bf16() (linear_kernels.h) and avx512_attention_supports(head_dim);
+// with an fp8 cache, cpu_has_avx512_8bit_linear() too.
 void paged_decode_bf16_avx512(const DecodeArgs& args);
+
+// num_rows rows of row_values (a multiple of 32) FP8 E4M3 bytes, `stride` bytes apart, decoded to
+// bf16 (exactly: every E4M3 value is a bf16 value) into contiguous rows at out. Requires
+// cpu_has_avx512_8bit_linear() (AVX512_BF16 and AVX512_VBMI, as the 8-bit linear's decoding).
+void e4m3_rows_to_bf16(const uint8_t* rows, int64_t stride, int64_t num_rows, int64_t row_values,
+                       bf16_bits* out);
 
 // One sequence's prefill chunk: its num_queries new tokens, at positions kv_len - num_queries ..
 // kv_len - 1, attend causally (and within the window) to its first kv_len tokens, whose K/V are
@@ -64,6 +80,7 @@ struct PrefillArgs {
   int64_t num_queries, kv_len;
   int64_t sliding_window;  // 0 = attend to the whole sequence
   float scale;
+  float v_scale;  // each output is acc * (v_scale / sum): an fp8 cache's scale for V, else 1
   const bf16_bits* query;  // [num_queries, num_heads, head_dim], tokens q_stride apart
   int64_t q_stride;
   const bf16_bits* k_cache;

@@ -2,12 +2,106 @@
 // [num_blocks * block_size, Hkv, D] view) = key[t], and the same for value: one copy per token and
 // tensor. key and value may be views of the fused qkv activation (any token stride, each token's
 // heads contiguous), so nothing is copied first. Slots are checked before anything is written.
+//
+// FP8 E4M3 caches take bf16 or fp32 rows, each value quantized with its cache's fp32 scale: the
+// byte is torch's `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`, bit for bit.
 #include "avx2_common.h"
 
 namespace {
 
+using tgq_cpu::bf16_bits;
+using tgq_cpu::kVec;
+
+// The E4M3 bytes (in the low byte of each lane) of 8 values as torch rounds them: y = x / scale
+// in fp32, saturated to +-448 (a NaN stays one), then to nearest, ties to even:
+//  - |y| >= 2^-6 (normal): the fp32 significand rounded to 3 bits in the integer domain, the
+//    exponent rebiased from 127 to 7;
+//  - below (subnormal, m * 2^-9): |y| + 2^14 rounds, in the fp32 add, to a multiple of 2^-9 (the
+//    ulp at 2^14), whose low bits are m; m = 8 is 2^-6, whose code is 8 too;
+//  - a NaN: 0x7F. The sign bit is y's.
+inline __m256i e4m3_codes(__m256 x, __m256 scale) {
+  const __m256 limit = _mm256_set1_ps(448.0f);
+  // max/min return their second operand when either is NaN: a NaN y passes through.
+  const __m256 y = _mm256_min_ps(limit, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), limit),
+                                                      _mm256_div_ps(x, scale)));
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i magnitude = _mm256_xor_si256(bits, sign);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, 20), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_add_epi32(magnitude, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFFF)));
+  const __m256i normal =
+      _mm256_sub_epi32(_mm256_srli_epi32(rounded, 20), _mm256_set1_epi32(120 << 3));
+  const __m256 magic = _mm256_set1_ps(16384.0f);
+  const __m256i subnormal =
+      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(magnitude), magic)),
+                       _mm256_castps_si256(magic));
+  const __m256i is_normal = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32((121 << 23) - 1));
+  const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
+  __m256i code = _mm256_blendv_epi8(subnormal, normal, is_normal);
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), is_nan);
+  return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+}
+
+// The low bytes of the 8 lanes, to out[0..7].
+inline void store_bytes(__m256i codes, uint8_t* out) {
+  const __m256i words = _mm256_packus_epi32(codes, codes);  // per 128-bit half: c0-3 c0-3
+  const __m256i bytes = _mm256_packus_epi16(words, words);  // per half: c0-3 four times
+  const __m256i both =
+      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(both));
+}
+
+// n values of x -> their E4M3 bytes at out.
+template <typename T>
+void e4m3_row(const T* x, int64_t n, __m256 scale, uint8_t* out) {
+  int64_t i = 0;
+  for (; i + kVec <= n; i += kVec) store_bytes(e4m3_codes(tgq_cpu::load8(x + i), scale), out + i);
+  if (i < n) {  // the tail, through a zero-padded vector
+    float tail[kVec] = {};
+    uint8_t bytes[kVec];
+    for (int64_t j = i; j < n; ++j) tail[j - i] = tgq_cpu::to_f32(x[j]);
+    store_bytes(e4m3_codes(_mm256_loadu_ps(tail), scale), bytes);
+    std::memcpy(out + i, bytes, n - i);
+  }
+}
+
+// A token's Hkv * D values of key or value -> their bytes in an fp8 cache row.
+using QuantizeRow = void (*)(const char* row, int64_t n, float scale, char* out);
+
+template <typename T>
+void quantize_row(const char* row, int64_t n, float scale, char* out) {
+  e4m3_row(reinterpret_cast<const T*>(row), n, _mm256_set1_ps(scale),
+           reinterpret_cast<uint8_t*>(out));
+}
+
+// key and value share a dtype, and so do the caches: the same one (rows copied as they are, no
+// scales: both 1), or float8_e4m3fn caches beside bf16 or fp32 rows, with finite scales > 0.
+// Returns how rows are quantized, nullptr where they are copied.
+QuantizeRow check_dtypes(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& key, const at::Tensor& value, double k_scale,
+                         double v_scale) {
+  const at::ScalarType rows = key.scalar_type(), cache = k_cache.scalar_type();
+  TORCH_CHECK(rows == value.scalar_type() && cache == v_cache.scalar_type(),
+              "write_kv_: key and value must share a dtype, and so must the caches");
+  if (rows == cache) {
+    TORCH_CHECK(k_scale == 1.0 && v_scale == 1.0, "write_kv_: k_scale and v_scale apply to "
+                "float8_e4m3fn caches of bf16 or fp32 rows only, got ", k_scale, " and ",
+                v_scale, " for ", cache, " rows and caches");
+    return nullptr;
+  }
+  TORCH_CHECK(cache == at::kFloat8_e4m3fn && (rows == at::kBFloat16 || rows == at::kFloat),
+              "write_kv_: key, value and the caches must share a dtype, or the caches be "
+              "float8_e4m3fn and key and value bf16 or fp32, got ", rows, " and ", cache);
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+              "write_kv_: k_scale and v_scale must be finite and > 0, got ", k_scale, " and ",
+              v_scale);
+  return rows == at::kFloat ? quantize_row<float> : quantize_row<bf16_bits>;
+}
+
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,
-               const at::Tensor& value, const at::Tensor& slot_mapping) {
+               const at::Tensor& value, const at::Tensor& slot_mapping, double k_scale,
+               double v_scale) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
               "write_kv_: k_cache and v_cache must both be contiguous [num_blocks, block_size, "
@@ -21,12 +115,10 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == d,
                 "write_kv_: each token's key and value heads must be contiguous");
-    TORCH_CHECK(t->scalar_type() == k_cache.scalar_type() &&
-                    v_cache.scalar_type() == k_cache.scalar_type(),
-                "write_kv_: key, value and the caches must share a dtype");
     TORCH_CHECK(t->device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
                 "write_kv_: CPU tensors only");
   }
+  const QuantizeRow quantize = check_dtypes(k_cache, v_cache, key, value, k_scale, v_scale);
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
                   slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu(),
               "write_kv_: slot_mapping must be [", key.size(0), "] int64 on the CPU, got ",
@@ -38,7 +130,9 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_: slot_mapping[", t, "] = ",
                 slot[t], " is outside the cache's ", num_slots, " slots");
   }
-  const int64_t row_bytes = kv_heads * d * k_cache.element_size();
+  const int64_t row_values = kv_heads * d, row_bytes = row_values * k_cache.element_size();
+  // torch's `x.float() / scale` divides by the scale rounded to fp32.
+  const float k_scale_f = static_cast<float>(k_scale), v_scale_f = static_cast<float>(v_scale);
   const auto* kp = static_cast<const char*>(key.data_ptr());
   const auto* vp = static_cast<const char*>(value.data_ptr());
   const int64_t k_stride = key.stride(0) * key.element_size();
@@ -50,8 +144,13 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,
   const int64_t grain = std::max<int64_t>(1, kBytesPerTask / (2 * row_bytes));
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slot[t] * row_bytes, kp + t * k_stride, row_bytes);
-      std::memcpy(vc + slot[t] * row_bytes, vp + t * v_stride, row_bytes);
+      if (quantize == nullptr) {
+        std::memcpy(kc + slot[t] * row_bytes, kp + t * k_stride, row_bytes);
+        std::memcpy(vc + slot[t] * row_bytes, vp + t * v_stride, row_bytes);
+      } else {
+        quantize(kp + t * k_stride, row_values, k_scale_f, kc + slot[t] * row_bytes);
+        quantize(vp + t * v_stride, row_values, v_scale_f, vc + slot[t] * row_bytes);
+      }
     }
   });
 }
@@ -61,6 +160,6 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,
 TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
   m.def(
       "write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, "
-      "Tensor slot_mapping) -> ()",
+      "Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0) -> ()",
       &write_kv_);
 }

@@ -17,8 +17,6 @@
 #include "linear_kernels.h"
 
 #include <array>
-#include <cmath>
-#include <limits>
 #include <utility>
 
 namespace tgq_cpu {
@@ -32,6 +30,7 @@ bool cpu_has_avx512_8bit_linear() {
 }  // namespace tgq_cpu
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")
+#include "e4m3_avx512.h"
 #include "linear_avx512_tiles.h"
 
 namespace tgq_cpu {
@@ -39,42 +38,25 @@ namespace {
 
 static_assert(kByteBlockBytes == 2 * kLine);
 
-// The value of magnitude code c (0..127) of E4M3 (bias 7, no infinities, 0x7F NaN): subnormal
-// m * 2^-9 at exponent 0, else (1 + m / 8) * 2^(e - 7) (the OCP FP8 specification's E4M3).
-float e4m3_magnitude(int c) {
-  const int e = c >> 3, m = c & 7;
-  if (c == 0x7F) return std::numeric_limits<float>::quiet_NaN();
-  return e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
-}
-
-// The low and high bytes of bf16(value of code c) for c = 0..127, 64 entries a register.
+// The bf16 lines of a packed block: the format's byte tables (e4m3_avx512.h), and int8's -128.
 struct ByteToBf16 {
-  __m512i lo0, lo1, hi0, hi1, sign, minus128_high;
+  Bf16ByteTables tables;
+  __m512i sign, minus128_high;
   bool has_minus128;  // the byte 0x80 is -128 (bf16 0xC300), not -0
 
-  explicit ByteToBf16(ByteCode code) : has_minus128(code == ByteCode::kInt8Minus128) {
-    alignas(64) uint8_t lo[128], hi[128];
-    for (int c = 0; c < 128; ++c) {
-      const float f = code == ByteCode::kFp8E4M3 ? e4m3_magnitude(c) : static_cast<float>(c);
-      uint32_t bits = 0;
-      std::memcpy(&bits, &f, sizeof(bits));  // exact: the low 16 bits are zero
-      lo[c] = static_cast<uint8_t>(bits >> 16);
-      hi[c] = static_cast<uint8_t>(bits >> 24);
-    }
-    lo0 = _mm512_load_si512(lo);
-    lo1 = _mm512_load_si512(lo + 64);
-    hi0 = _mm512_load_si512(hi);
-    hi1 = _mm512_load_si512(hi + 64);
-    sign = _mm512_set1_epi8(static_cast<char>(0x80));
-    minus128_high = _mm512_set1_epi8(static_cast<char>(0xC3));
-  }
+  explicit ByteToBf16(ByteCode code)
+      : tables([code](int c) {
+          return code == ByteCode::kFp8E4M3 ? e4m3_magnitude(c) : static_cast<float>(c);
+        }),
+        sign(_mm512_set1_epi8(static_cast<char>(0x80))),
+        minus128_high(_mm512_set1_epi8(static_cast<char>(0xC3))),
+        has_minus128(code == ByteCode::kInt8Minus128) {}
 
   // One packed block (64 weights) -> its two bf16 lines (pairs 2j and 2j + 1 of the tile).
   void lines(const uint8_t* block, __m512i& first, __m512i& second) const {
-    const __m512i q = _mm512_loadu_si512(block);  // sign and code: vpermt2b reads bits 0-6
-    const __m512i low = _mm512_permutex2var_epi8(lo0, q, lo1);
-    __m512i high = _mm512_permutex2var_epi8(hi0, q, hi1);
-    high = _mm512_ternarylogic_epi32(high, q, sign, 0xF8);  // high | (q & 0x80)
+    const __m512i q = _mm512_loadu_si512(block);
+    __m512i low, high;
+    tables.bytes(q, low, high);
     if (has_minus128) {  // the low byte of bf16(-128) is table[0]'s, 0
       high = _mm512_mask_mov_epi8(high, _mm512_cmpeq_epi8_mask(q, sign), minus128_high);
     }
