@@ -16,7 +16,6 @@ import torch
 
 from tgq.kernels import cpu_ops
 from tgq.kernels.choice import Choices, choose, measure
-from tgq.kernels.kv_write import write_kv_slots
 from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention, attend_multi
 
 # Prompt chunk lengths the prefill kernels are timed at, and decode batch sizes (at a context of
@@ -37,13 +36,16 @@ class CpuPagedAttention(TorchPagedAttention):
         # Set by choose_kernels; None: the own kernels wherever they serve.
         self.prefill_choices: Choices | None = None
         self.decode_choices: Choices | None = None
-        # An FP8 cache the own kernels cannot read (`use_kv_dtype`): every step on torch's path.
+        # An FP8 cache beside queries the own kernels cannot pair it with (`use_kv_dtype`):
+        # every step on torch's path.
         self.kv_on_torch = False
 
     def use_kv_dtype(self, kv_dtype: torch.dtype, query_dtype: torch.dtype) -> None:
-        """The KV cache's element type: an FP8 cache is converted by torch's gather before
-        SDPA (the own kernels read the query's dtype)."""
-        self.kv_on_torch = kv_dtype != query_dtype
+        """The KV cache's element type. An FP8 cache beside bf16 queries is read by the own
+        kernels as it is (decode: AVX-512 or AVX2, `cpu_ops.fp8_kv_decode_path`; prefill: the
+        AVX-512 kernel where `cpu_ops.fp8_kv_attention_serves`, else torch's gather, which
+        converts); beside fp32 queries, by torch's path only."""
+        self.kv_on_torch = query_dtype not in (kv_dtype, torch.bfloat16)
 
     def choose_kernels(
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -112,10 +114,7 @@ class CpuPagedAttention(TorchPagedAttention):
         value: torch.Tensor,
         meta: TorchMetadata,
     ) -> None:
-        if k_cache.dtype != key.dtype:  # an FP8 cache: converted on the way in
-            write_kv_slots(k_cache, v_cache, key, value, meta.slot_mapping)
-            return
-        cpu_ops.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)
+        cpu_ops.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)  # FP8: converted
 
     def _attend_single(
         self,
@@ -127,7 +126,7 @@ class CpuPagedAttention(TorchPagedAttention):
         sliding_window: int | None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if self._torch_decode(query.shape[0]) or k_cache.dtype != query.dtype:
+        if self._torch_decode(query.shape[0]) or self.kv_on_torch:
             return super()._attend_single(
                 query, k_cache, v_cache, meta, scale, sliding_window, softcap
             )
@@ -155,11 +154,15 @@ class CpuPagedAttention(TorchPagedAttention):
         kernel = "avx512"
         if self.prefill_choices is not None:
             kernel = self.prefill_choices.pick("prefill_attention", seq.query_len)
+        head_dim = query.shape[-1]
+        fp8 = k_cache.dtype != query.dtype
+        if fp8 and kernel == "amx":  # the AMX kernel's FP8 reading has not run on hardware
+            kernel = "avx512"
         if (
             kernel == "torch"
             or softcap is not None
-            or k_cache.dtype != query.dtype
-            or not cpu_ops.avx512_attention_serves(query.dtype, query.shape[-1])
+            or not cpu_ops.avx512_attention_serves(query.dtype, head_dim)
+            or (fp8 and not cpu_ops.fp8_kv_attention_serves(head_dim))
         ):
             return super()._attend_multi(
                 query, k_cache, v_cache, seq, scale, sliding_window, softcap
