@@ -34,7 +34,8 @@ class Linear(nn.Module):
         self.matmul: MatmulFn = F.linear
         self.weight_rows: torch.Tensor | None  # [N, K] kept beside packed weights
         self.register_buffer("weight_rows", None, persistent=False)
-        self.weight_scale: torch.Tensor | None  # [N] fp32: 8-bit weights' scales (`quantize`)
+        # fp32 scales: [N] of 8-bit weights (`quantize`), [N, G] of grouped ones (`hold_grouped`)
+        self.weight_scale: torch.Tensor | None
         self.register_buffer("weight_scale", None, persistent=False)
         self.input_quant: ActivationQuant | None = None  # W8A8 checkpoints' input rounding
         # Grouped integer weights (`hold_grouped`): zero points [N, G] fp32, each input column's
