@@ -61,6 +61,7 @@ SAMPLES: dict[str, str | list[str]] = {
     "num_blocks": "9", "block_size": "32", "max_batch_size": "3", "max_batch_prefill_tokens": "99",
     "max_batch_total_tokens": "5000", "waiting_served_ratio": "0.8", "max_waiting_tokens": "7",
     "max_grammar_cache": "21", "tool_call_parser": "mistral", "quantize": "int8",
+    "kv_cache_dtype": "fp8",
     "otlp_endpoint": "http://c:4318", "otlp_service_name": "s", "inject_fault": "engine_step:5",
     "hostname": "0.0.0.0", "port": "8080", "database_url": "postgresql+asyncpg://d/x",
     "compute_type": "cpu", "max_concurrent_requests": "9", "max_best_of": "3",

@@ -274,7 +274,8 @@ def test_the_batcher_runs_as_the_flags_say(served: Served) -> None:
     line = next(x for x in served.log_text().splitlines() if f"batcher {BATCHER_ID} serving" in x)
     expected = (
         f"on cpu x{NUM_SHARD}: dtype bfloat16, attention torch, 0 modules on C++ kernels;"
-        f" KV {NUM_KV_BLOCKS} blocks of {BLOCK_SIZE} tokens; batches of 2 requests, 64 tokens"
+        f" KV {NUM_KV_BLOCKS} blocks of {BLOCK_SIZE} tokens in bfloat16; batches of 2 requests,"
+        " 64 tokens"
     )
     assert line.endswith(expected), line
     metrics = httpx.get(f"{served.url}/metrics", timeout=10).text

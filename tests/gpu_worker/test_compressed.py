@@ -246,7 +246,11 @@ def test_config_parsing_names_what_it_cannot_run() -> None:
             weights=weights, input_activations={**inputs, "dynamic": False}
         ),
         "quantized output activations": section(weights=weights, output_activations=inputs),
-        "format 'pack-quantized'": {**section(weights=weights), "format": "pack-quantized"},
+        "pack-quantized weights of 8 bits of type 'float'": {
+            **section(weights=weights),
+            "format": "pack-quantized",
+        },
+        "format 'marlin-24'": {**section(weights=weights), "format": "marlin-24"},
         "a kv_cache_scheme": {**section(weights=weights), "kv_cache_scheme": {"num_bits": 8}},
         "no config_groups": {"quant_method": "compressed-tensors", "format": "float-quantized"},
     }
