@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +68,14 @@ class Variant:
     reference: Callable[[], Any]  # transformers' model of the same weights, bf16
 
 
-def variants(model_dir: Path, cache: Path) -> dict[str, Variant]:
+def variants(model_dir: Path, cache: Path, wanted: set[str]) -> dict[str, Variant]:
+    """The quantized variants of `model_dir` labelled in `wanted` (all where empty), their
+    checkpoints written on first use; the library's W4A16 only where every linear's inputs
+    are whole groups of 128 (it has no partial groups)."""
     from transformers import AutoModelForCausalLM
+
+    def keep(label: str) -> bool:
+        return not wanted or label in wanted
 
     def dequantized(method: str) -> Callable[[], Any]:
         rows = functools.partial(quantize_rows, method=method)
@@ -78,11 +85,17 @@ def variants(model_dir: Path, cache: Path) -> dict[str, Variant]:
     def library(path: Path) -> Callable[[], Any]:
         return lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
 
-    found = {m: Variant(model_dir, m, dequantized(m)) for m in METHODS}
+    config = json.loads((model_dir / "config.json").read_text())
+    whole_groups = all(config[k] % GROUP_SIZE == 0 for k in ("hidden_size", "intermediate_size"))
+    found = {m: Variant(model_dir, m, dequantized(m)) for m in METHODS if keep(m)}
     for scheme in SCHEMES:
+        if not keep(f"ct {scheme}") or (scheme == "W4A16" and not whole_groups):
+            continue
         path = write_compressed(model_dir, cache / f"{model_dir.name}-{scheme}", scheme)
         found[f"ct {scheme}"] = Variant(path, None, library(path))
     for fmt in GROUPED:
+        if not keep(f"{fmt} int4"):
+            continue
         path = write_grouped(model_dir, cache / f"{model_dir.name}-{fmt}", fmt, GROUP_SIZE)
         found[f"{fmt} int4"] = Variant(path, None, library(dequantized_dir(path)))
     return found
@@ -150,9 +163,7 @@ def main() -> None:
         ids = corpus_ids(path, PROMPTS * PROMPT_LEN * 4)
         prompts = [ids[i * PROMPT_LEN * 4 :][:PROMPT_LEN] for i in range(PROMPTS)]
         baseline = generate(path, None, prompts)
-        for label, variant in variants(path, args.cache).items():
-            if wanted and label not in wanted:
-                continue
+        for label, variant in variants(path, args.cache, wanted).items():
             forced = teacher_forced(path, variant.reference(), args.positions)
             outputs = generate(variant.model_dir, variant.quantize, prompts)
             results[f"{name} {label}"] = {
