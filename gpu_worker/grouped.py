@@ -28,16 +28,22 @@ import torch
 
 from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.models.sources import Source
-from tgq.gpu_worker.quantization import AWQ, GPTQ, GroupedScheme, QuantizedCheckpointError
+from tgq.gpu_worker.quantization import (
+    AWQ,
+    COMPRESSED_TENSORS,
+    GPTQ,
+    GroupedScheme,
+    QuantizedCheckpointError,
+)
 from tgq.gpu_worker.weights import Checkpoint
 
 # The tensor that marks a stored linear as quantized, per method.
-PACKED_WEIGHT = {GPTQ: "qweight", AWQ: "qweight", "compressed-tensors": "weight_packed"}
+PACKED_WEIGHT = {GPTQ: "qweight", AWQ: "qweight", COMPRESSED_TENSORS: "weight_packed"}
 # Every tensor a format stores beside (or instead of) `weight`, per method.
 STORED = {
     GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
     AWQ: ("qweight", "qzeros", "scales"),
-    "compressed-tensors": (
+    COMPRESSED_TENSORS: (
         "weight_packed",
         "weight_scale",
         "weight_zero_point",
@@ -83,7 +89,7 @@ def read_grouped(
     checkpoint: Checkpoint, prefix: str, scheme: GroupedScheme, in_features: int
 ) -> GroupedWeights:
     """The stored linear `prefix` ("model.layers.0.mlp.down_proj.") as GroupedWeights."""
-    readers = {GPTQ: _read_gptq, AWQ: _read_awq, "compressed-tensors": _read_packed}
+    readers = {GPTQ: _read_gptq, AWQ: _read_awq, COMPRESSED_TENSORS: _read_packed}
     weights = readers[scheme.method](checkpoint, prefix, scheme, in_features)
     _check_shapes(prefix, weights, in_features)
     return weights

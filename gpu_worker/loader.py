@@ -21,6 +21,7 @@ from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.layers.moe import SparseMoE
 from tgq.gpu_worker.models import model_class
 from tgq.gpu_worker.models.decoder import DecoderForCausalLM
+from tgq.gpu_worker.models.sources import Source
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.gpu_worker.quantization import (
     CompressedScheme,
@@ -93,7 +94,7 @@ def load_model(
         held: set[str] = set()
         if isinstance(scheme, GroupedScheme):
             held = load_grouped(quantizable_linears(model), sources, checkpoint, scheme)
-        fill_parameters(model, checkpoint, skip=held)
+        fill_parameters(model, checkpoint, sources, skip=held)
         if isinstance(scheme, CompressedScheme):
             load_compressed(quantizable_linears(model), sources, checkpoint, scheme)
         if scheme is not None:
@@ -149,12 +150,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def fill_parameters(
-    model: DecoderForCausalLM, checkpoint: Checkpoint, skip: set[str] | frozenset[str] = frozenset()
+    model: DecoderForCausalLM,
+    checkpoint: Checkpoint,
+    sources_by_name: dict[str, list[Source]],
+    skip: set[str] | frozenset[str] = frozenset(),
 ) -> None:
-    """Copy every parameter's checkpoint tensors into it, but those named in `skip` (held
-    already); a missing tensor is an error."""
+    """Copy every parameter's checkpoint tensors (`sources_by_name`, the model's
+    `checkpoint_sources`) into it, but those named in `skip` (held already); a missing tensor is
+    an error."""
     params = dict(model.named_parameters(remove_duplicate=True))
-    for name, sources in model.checkpoint_sources().items():
+    for name, sources in sources_by_name.items():
         if name in skip:
             continue
         param = params[name]
