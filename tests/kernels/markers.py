@@ -14,14 +14,12 @@ requires_kernels = pytest.mark.skipif(
 
 # The kernels 8-bit weights can load onto (`cpu_ops.eight_bit_kernel`), each where this CPU runs
 # it, and torch's path (any CPU).
+requires_avx512_8bit = pytest.mark.skipif(
+    not cpu_ops.has_avx512_8bit_linear(),
+    reason="the avx512 8-bit linear kernel needs AVX512_BF16 and AVX512_VBMI",
+)
 EIGHT_BIT_KERNELS = [
-    pytest.param(
-        "avx512",
-        marks=pytest.mark.skipif(
-            not cpu_ops.has_avx512_8bit_linear(),
-            reason="the avx512 8-bit linear kernel needs AVX512_BF16 and AVX512_VBMI",
-        ),
-    ),
+    pytest.param("avx512", marks=requires_avx512_8bit),
     pytest.param("avx2", marks=requires_kernels),
     "torch",
 ]

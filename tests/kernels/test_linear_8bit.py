@@ -12,13 +12,12 @@ import math
 import pytest
 import torch
 
-from tests.kernels.markers import EIGHT_BIT_KERNELS, requires_kernels
+from tests.kernels.markers import EIGHT_BIT_KERNELS, requires_avx512_8bit, requires_kernels
 from tgq.kernels import cpu_ops
 
 # A CPU flag, not the build: on a CPU that has them, a failed build fails these tests.
 pytestmark = requires_kernels
 KERNELS = EIGHT_BIT_KERNELS[:2]  # not torch's path
-needs_avx512 = KERNELS[0].marks[0]
 
 # Rows of x on each side of the kernel's forms (1-2, 3-4 and 5-16 rows in one pass; 17 and more
 # tile by tile in groups of 16), and N, K past whole tiles and blocks.
@@ -80,7 +79,7 @@ def test_every_e4m3_code_decodes_to_its_specified_value(kernel: str) -> None:
     assert torch.equal(out[finite], w[finite, 0].float())  # torch's own conversion agrees
 
 
-@needs_avx512
+@requires_avx512_8bit
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("out_fp32", [False, True])
