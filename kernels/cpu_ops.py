@@ -40,6 +40,7 @@ __all__ = [
     "has_avx512_bf16",
     "has_avx512_int4_linear",
     "has_avx512_vnni_bf16",
+    "has_avx512f_8bit_linear",
     "has_int4_linear",
     "is_available",
     "linear_8bit_packed",
@@ -71,6 +72,7 @@ _SOURCES = [
         "linear_8bit.cpp",
         "linear_8bit_avx512.cpp",
         "linear_8bit_avx2.cpp",
+        "linear_8bit_avx512f.cpp",
         "linear_int4.cpp",
         "linear_int4_avx512.cpp",
         "linear_int4_avx2.cpp",
@@ -342,12 +344,18 @@ def linear_8bit_packed(
     bias: torch.Tensor | None = None,
     *,
     out_fp32: bool = False,
+    kernel: str = "auto",
 ) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
     """bf16((x @ w^T) * scale + bias) with fp32 sums of exact products, w int8 or FP8 E4M3 as
-    `packed`'s dtype says, on the kernel its layout is for (`pack_weight_8bit`): "avx512" (needs
-    `has_avx512_8bit_linear()`) makes the sums `linear_bf16_packed` makes over w as bf16 weights;
-    "avx2" sums each column in K order. Each column's sums times its scale, rounded once."""
-    out: torch.Tensor = _ops().linear_8bit_packed(x, packed, scale, out_features, bias, out_fp32)
+    `packed`'s dtype says, on a kernel that reads its layout (`pack_weight_8bit`): the "avx512"
+    layout on the "avx512" kernel (needs `has_avx512_8bit_linear()`), the sums
+    `linear_bf16_packed` makes over w as bf16 weights; the "avx2" layout on the "avx2" kernel or
+    its 16-lane twin "avx512f" (AVX512F/BW/VL, no AVX512_BF16 needed; "auto" takes it where the
+    CPU has it), each column summed in K order, the same sums bit for bit. Each column's sums
+    times its scale, plus the bias (one FMA), rounded once."""
+    out: torch.Tensor = _ops().linear_8bit_packed(
+        x, packed, scale, out_features, bias, out_fp32, kernel
+    )
     return out
 
 
@@ -403,6 +411,12 @@ def quantize_inputs(
 def has_avx512_8bit_linear() -> bool:
     """Whether `linear_8bit_packed` runs here: AVX512_BF16 and AVX512_VBMI."""
     return has_avx512_bf16() and "avx512vbmi" in _cpu_flags()
+
+
+def has_avx512f_8bit_linear() -> bool:
+    """Whether `linear_8bit_packed(..., kernel="avx512f")` runs here: AVX512F, BW and VL (and
+    F16C), with or without AVX512_BF16."""
+    return {"avx512f", "avx512bw", "avx512vl", "f16c"} <= _cpu_flags()
 
 
 def has_int4_linear() -> bool:

@@ -87,10 +87,29 @@ at::Tensor pack_weight_8bit(const at::Tensor& weight, c10::string_view layout) {
   return packed;
 }
 
+// For the avx2 layout, kernel: "auto" (avx512f where the CPU has it, else avx2), "avx2" or
+// "avx512f"; the avx512 layout takes "auto" or "avx512". Whether the 16-lane kernel runs.
+bool use_avx512f(c10::string_view name, bool avx2_layout) {
+  const std::string_view kernel(name.data(), name.size());
+  if (!avx2_layout) {
+    TORCH_CHECK(kernel == "auto" || kernel == "avx512", "linear_8bit_packed: kernel '", kernel,
+                "' does not read the avx512 layout (auto, avx512)");
+    return false;
+  }
+  TORCH_CHECK(kernel == "auto" || kernel == "avx2" || kernel == "avx512f",
+              "linear_8bit_packed: kernel '", kernel,
+              "' does not read the avx2 layout (auto, avx2, avx512f)");
+  TORCH_CHECK(kernel != "avx512f" || cpu_has_avx512f_8bit_linear(),
+              "linear_8bit_packed: kernel 'avx512f' needs a CPU with AVX512F, BW and VL");
+  return kernel == "avx512f" || (kernel == "auto" && cpu_has_avx512f_8bit_linear());
+}
+
 at::Tensor linear_8bit_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scale, int64_t N,
-                              const std::optional<at::Tensor>& bias, bool out_fp32) {
+                              const std::optional<at::Tensor>& bias, bool out_fp32,
+                              c10::string_view kernel) {
   const bool avx2 = packed.dim() == 4;
+  const bool wide = use_avx512f(kernel, avx2);
   TORCH_CHECK(avx2 || cpu_has_avx512_8bit_linear(),
               "linear_8bit_packed: the avx512 layout needs a CPU with AVX512_BF16 and AVX512_VBMI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
@@ -135,7 +154,7 @@ at::Tensor linear_8bit_packed(const at::Tensor& x, const at::Tensor& packed,
     TORCH_CHECK(dtype != at::kFloat8_e4m3fn || __builtin_cpu_supports("f16c"),
                 "linear_8bit_packed: FP8 weights on the avx2 layout need a CPU with F16C");
     linear_8bit_packed_avx2(args, static_cast<const uint8_t*>(packed.data_ptr()),
-                            dtype == at::kFloat8_e4m3fn);
+                            dtype == at::kFloat8_e4m3fn, wide);
     return out;
   }
   const ByteCode code = dtype == at::kChar   ? ByteCode::kInt8
@@ -151,7 +170,7 @@ TORCH_LIBRARY_FRAGMENT(tgq_cpu_ops, m) {
   m.def("pack_weight_8bit(Tensor weight, str kernel='avx512') -> Tensor", &pack_weight_8bit);
   m.def(
       "linear_8bit_packed(Tensor x, Tensor packed, Tensor scale, int out_features, Tensor? bias,"
-      " bool out_fp32=False) -> Tensor",
+      " bool out_fp32=False, str kernel='auto') -> Tensor",
       &linear_8bit_packed);
   m.def("has_avx512_8bit_linear() -> bool", [] { return cpu_has_avx512_8bit_linear(); });
 }

@@ -180,8 +180,13 @@ std::vector<float> widen_rows(const PackedLinear& a) {
 
 }  // namespace
 
-void linear_8bit_packed_avx2(const PackedLinear& args, const uint8_t* codes, bool fp8) {
+void linear_8bit_packed_avx2(const PackedLinear& args, const uint8_t* codes, bool fp8,
+                             bool wide) {
   const std::vector<float> x32 = widen_rows(args);
+  if (wide) {
+    linear_8bit_packed_avx512f(args, x32.data(), codes, fp8);
+    return;
+  }
   const ByteCall call{args, codes, x32.data()};
   if (fp8) {
     linear_8bit<E4m3ToF32>(call);

@@ -85,9 +85,15 @@ void linear_8bit_packed_avx512(const PackedLinear& args, const uint8_t* codes, B
 constexpr int64_t kAvx2ByteBlockValues = 4;  // K values per block
 constexpr int64_t kAvx2ByteBlockBytes = kAvx2ByteBlockValues * kPackColumns;
 // Any AVX2/FMA CPU; args.w unused, args.scale set, args.x_stride = 4 * ceil(K / 4); any M.
-// out = (sum over k in K order of x * w, in fp32) * scale + bias, rounded once to bf16 (or not
-// at all, out_f32); the weights int8 or (fp8) E4M3.
-void linear_8bit_packed_avx2(const PackedLinear& args, const uint8_t* codes, bool fp8);
+// out = fma(sum over k in K order of x * w in fp32, scale, bias), rounded once to bf16 (or not
+// at all, out_f32); the weights int8 or (fp8) E4M3. `wide`: on the 16-lane kernel (requires
+// cpu_has_avx512f_8bit_linear()), the same sums bit for bit.
+void linear_8bit_packed_avx2(const PackedLinear& args, const uint8_t* codes, bool fp8, bool wide);
+// True on CPUs with AVX512F, BW, VL and F16C; checked once.
+bool cpu_has_avx512f_8bit_linear();
+// The 16-lane kernel over x already widened to fp32 ([M, args.x_stride]).
+void linear_8bit_packed_avx512f(const PackedLinear& args, const float* x32, const uint8_t* codes,
+                                bool fp8);
 
 // 4-bit weights in groups (GPTQ, AWQ, compressed-tensors int4): w[n, k] = (q[n, k] - zero[n, g])
 // * scale[n, g] with q in 0..15 and g = k / group_size, the groups contiguous runs of group_size

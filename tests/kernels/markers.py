@@ -18,6 +18,10 @@ requires_avx512_8bit = pytest.mark.skipif(
     not cpu_ops.has_avx512_8bit_linear(),
     reason="the avx512 8-bit linear kernel needs AVX512_BF16 and AVX512_VBMI",
 )
+requires_avx512f_8bit = pytest.mark.skipif(
+    not cpu_ops.has_avx512f_8bit_linear(),
+    reason="the avx512f 8-bit linear kernel needs AVX512F, AVX512BW and AVX512VL",
+)
 EIGHT_BIT_KERNELS = [
     pytest.param("avx512", marks=requires_avx512_8bit),
     pytest.param("avx2", marks=requires_kernels),
