@@ -67,8 +67,7 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="int8,fp8,ct-fp8-dyn,ct-w8a8,gptq-int4,awq-int4,ct-w4a16",
-        help="comma-separated, beside bf16 (on a CPU without the 8-bit kernel, int8 and fp8 run"
-        " on torch: slow)",
+        help="comma-separated, beside bf16",
     )
     parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache comparison")
     args = parser.parse_args()

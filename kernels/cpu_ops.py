@@ -28,6 +28,7 @@ __all__ = [
     "apply_token_mask_",
     "argmax",
     "avx512_attention_serves",
+    "eight_bit_kernel",
     "fp8_kv_attention_serves",
     "fp8_kv_decode_path",
     "gelu_tanh_mul",
@@ -39,6 +40,7 @@ __all__ = [
     "has_avx512_bf16",
     "has_avx512_int4_linear",
     "has_avx512_vnni_bf16",
+    "has_avx512f_8bit_linear",
     "has_int4_linear",
     "is_available",
     "linear_8bit_packed",
@@ -69,6 +71,8 @@ _SOURCES = [
         "linear_avx512_bf16.cpp",
         "linear_8bit.cpp",
         "linear_8bit_avx512.cpp",
+        "linear_8bit_avx2.cpp",
+        "linear_8bit_avx512f.cpp",
         "linear_int4.cpp",
         "linear_int4_avx512.cpp",
         "linear_int4_avx2.cpp",
@@ -313,12 +317,22 @@ def moe_experts_bf16(
     return out
 
 
-def pack_weight_8bit(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] int8 or float8_e4m3fn -> the layout `linear_8bit_packed` reads, [ceil(N/16),
-    ceil(K/4), 64]: the tiles and pairs of `pack_weight_bf16`, two pairs a 64-byte block, each
-    byte sign and magnitude (linear_kernels.h); of the weight's dtype, or uint8 for int8 weights
-    that contain -128 (which decode at a little more cost)."""
-    packed: torch.Tensor = _ops().pack_weight_8bit(weight)
+def eight_bit_kernel() -> str | None:
+    """The kernel `linear_8bit_packed` runs 8-bit weights on here: "avx512" (AVX512_BF16 and
+    AVX512_VBMI), else "avx2" (any CPU the kernels run on); None where the kernels are
+    unavailable. Builds the kernels."""
+    if not is_available():
+        return None
+    return "avx512" if has_avx512_8bit_linear() else "avx2"
+
+
+def pack_weight_8bit(weight: torch.Tensor, kernel: str = "avx512") -> torch.Tensor:
+    """[N, K] int8 or float8_e4m3fn -> the layout `linear_8bit_packed` reads on `kernel`:
+    "avx512", [ceil(N/16), ceil(K/4), 64], the tiles and pairs of `pack_weight_bf16`, two pairs a
+    64-byte block, each byte sign and magnitude, of the weight's dtype or uint8 for int8 weights
+    that contain -128 (which decode at a little more cost); "avx2", [ceil(N/16), ceil(K/4), 4,
+    16], each K value's 16 column bytes side by side, of the weight's dtype (linear_kernels.h)."""
+    packed: torch.Tensor = _ops().pack_weight_8bit(weight, kernel)
     return packed
 
 
@@ -330,12 +344,18 @@ def linear_8bit_packed(
     bias: torch.Tensor | None = None,
     *,
     out_fp32: bool = False,
+    kernel: str = "auto",
 ) -> torch.Tensor:  # [M, N] bf16, or fp32 with out_fp32
-    """bf16((x @ w^T) * scale + bias) with fp32 sums of exact products (needs
-    `has_avx512_8bit_linear()`), w int8 or FP8 E4M3 as `packed`'s dtype says: the sums
-    `linear_bf16_packed` makes over w as bf16 weights, each column's times its scale, rounded
-    once."""
-    out: torch.Tensor = _ops().linear_8bit_packed(x, packed, scale, out_features, bias, out_fp32)
+    """bf16((x @ w^T) * scale + bias) with fp32 sums of exact products, w int8 or FP8 E4M3 as
+    `packed`'s dtype says, on a kernel that reads its layout (`pack_weight_8bit`): the "avx512"
+    layout on the "avx512" kernel (needs `has_avx512_8bit_linear()`), the sums
+    `linear_bf16_packed` makes over w as bf16 weights; the "avx2" layout on the "avx2" kernel or
+    its 16-lane twin "avx512f" (AVX512F/BW/VL, no AVX512_BF16 needed; "auto" takes it where the
+    CPU has it), each column summed in K order, the same sums bit for bit. Each column's sums
+    times its scale, plus the bias (one FMA), rounded once."""
+    out: torch.Tensor = _ops().linear_8bit_packed(
+        x, packed, scale, out_features, bias, out_fp32, kernel
+    )
     return out
 
 
@@ -391,6 +411,12 @@ def quantize_inputs(
 def has_avx512_8bit_linear() -> bool:
     """Whether `linear_8bit_packed` runs here: AVX512_BF16 and AVX512_VBMI."""
     return has_avx512_bf16() and "avx512vbmi" in _cpu_flags()
+
+
+def has_avx512f_8bit_linear() -> bool:
+    """Whether `linear_8bit_packed(..., kernel="avx512f")` runs here: AVX512F, BW and VL (and
+    F16C), with or without AVX512_BF16."""
+    return {"avx512f", "avx512bw", "avx512vl", "f16c"} <= _cpu_flags()
 
 
 def has_int4_linear() -> bool:

@@ -91,9 +91,10 @@ class Linear(nn.Module):
         (8-bit: `use_8bit_kernel`; grouped 4-bit: `cpu_ops.linear_int4_packed`, the columns
         permuted once so that each group is a contiguous run); whether it moved."""
         if self.weight_zero is None or self.weight_g_idx is None:
-            if not cpu_ops.has_avx512_8bit_linear():
+            kernel = cpu_ops.eight_bit_kernel()
+            if kernel is None:
                 return False
-            self.use_8bit_kernel()
+            self.use_8bit_kernel(kernel)
             return True
         q = self.weight.detach()
         layout = contiguous_groups(q, self.weight_g_idx, self.weight_zero.shape[1])
@@ -117,12 +118,13 @@ class Linear(nn.Module):
         """Whether grouped weights run on the 4-bit kernel (`use_quantized_kernel`)."""
         return isinstance(self.matmul, _GroupedMatmul) and self.matmul.group_size > 0
 
-    def use_8bit_kernel(self) -> None:
-        """A quantized layer on `cpu_ops.linear_8bit_packed` (AVX512_BF16 and VBMI), its weights
-        packed once: the same sums as the bf16 kernel over w as bf16, times the scales."""
+    def use_8bit_kernel(self, kernel: str = "avx512") -> None:
+        """A quantized layer on `cpu_ops.linear_8bit_packed`, its weights packed once for
+        `kernel` ("avx512": AVX512_BF16 and VBMI, the same sums as the bf16 kernel over w as bf16;
+        "avx2": any CPU the kernels run on), times the scales."""
         if not isinstance(self.matmul, _QuantizedMatmul) or self.matmul.packed:
             raise ValueError("use_8bit_kernel: the layer is not quantized on torch (quantize)")
-        packed = cpu_ops.pack_weight_8bit(self.weight.detach())
+        packed = cpu_ops.pack_weight_8bit(self.weight.detach(), kernel)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.matmul = _QuantizedMatmul(self, packed=True)
 
@@ -176,9 +178,9 @@ class _ChosenMatmul:
 
 
 class _QuantizedMatmul:
-    """`Linear.matmul` over 8-bit weights: the AVX-512 kernel over the packed layout, or torch
-    (any CPU or GPU: the sums in fp32 over the weights' values, times the scales, rounded once
-    to x's dtype, as the kernel rounds them)."""
+    """`Linear.matmul` over 8-bit weights: the AVX-512 or AVX2 kernel over its packed layout, or
+    torch (any CPU or GPU: the sums in fp32 over the weights' values, times the scales, rounded
+    once to x's dtype, as the kernels round them)."""
 
     def __init__(self, linear: Linear, *, packed: bool) -> None:
         self.linear = linear

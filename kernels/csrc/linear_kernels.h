@@ -78,6 +78,23 @@ bool cpu_has_avx512_8bit_linear();
 // int8 and every E4M3 value is exactly a bf16 value).
 void linear_8bit_packed_avx512(const PackedLinear& args, const uint8_t* codes, ByteCode code);
 
+// Packed for the AVX2 kernel: per tile of 16 columns and block of 4 K values, each K value's 16
+// column bytes in column order (int8 as it is, E4M3 bits as they are): w[n, k] at byte
+// ((n / 16 * ceil(K / 4) + k / 4) * 4 + k % 4) * 16 + n % 16, [ceil(N / 16)][ceil(K / 4)][4][16],
+// zeros past N, K.
+constexpr int64_t kAvx2ByteBlockValues = 4;  // K values per block
+constexpr int64_t kAvx2ByteBlockBytes = kAvx2ByteBlockValues * kPackColumns;
+// Any AVX2/FMA CPU; args.w unused, args.scale set, args.x_stride = 4 * ceil(K / 4); any M.
+// out = fma(sum over k in K order of x * w in fp32, scale, bias), rounded once to bf16 (or not
+// at all, out_f32); the weights int8 or (fp8) E4M3. `wide`: on the 16-lane kernel (requires
+// cpu_has_avx512f_8bit_linear()), the same sums bit for bit.
+void linear_8bit_packed_avx2(const PackedLinear& args, const uint8_t* codes, bool fp8, bool wide);
+// True on CPUs with AVX512F, BW, VL and F16C; checked once.
+bool cpu_has_avx512f_8bit_linear();
+// The 16-lane kernel over x already widened to fp32 ([M, args.x_stride]).
+void linear_8bit_packed_avx512f(const PackedLinear& args, const float* x32, const uint8_t* codes,
+                                bool fp8);
+
 // 4-bit weights in groups (GPTQ, AWQ, compressed-tensors int4): w[n, k] = (q[n, k] - zero[n, g])
 // * scale[n, g] with q in 0..15 and g = k / group_size, the groups contiguous runs of group_size
 // input columns (the last may be partial). Packed for the kernels: the tiles and pairs of

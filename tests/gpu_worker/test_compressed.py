@@ -23,6 +23,7 @@ from safetensors import safe_open
 from tests.batcher.test_e2e import GREEDY_LOGPROBS, STOPPING, _loaded, make_engine, mixed_prompts
 from tests.gpu_worker.test_parity import assert_matches, generate_greedy
 from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
+from tests.kernels.markers import EIGHT_BIT_KERNELS, use_eight_bit_kernel
 from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.gpu_worker.layers.activation_quant import ActivationQuant
 from tgq.gpu_worker.layers.linear import Linear
@@ -33,7 +34,6 @@ from tgq.gpu_worker.quantization import (
     QuantizedCheckpointError,
     compressed_scheme,
 )
-from tgq.kernels import cpu_ops
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,15 +151,13 @@ def test_fp32_is_transformers_running_the_checkpoint(
 
 
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W8A8", "INT8_WEIGHT_ONLY"])
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("kernel", EIGHT_BIT_KERNELS)
 def test_bf16_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
-    scheme: str, kernel: bool, compressed: Any, monkeypatch: pytest.MonkeyPatch
+    scheme: str, kernel: str, compressed: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Layers whose int8 weights use -128 decode it from its own code (a uint8 packing)."""
-    if kernel and not cpu_ops.has_avx512_8bit_linear():
-        pytest.skip("the 8-bit linear kernel needs AVX512_BF16 and AVX512_VBMI")
-    if not kernel:
-        monkeypatch.setattr(cpu_ops, "has_avx512_8bit_linear", lambda: False)
+    """Each 8-bit kernel this CPU runs, and torch's path (any CPU). On the avx512 kernel, layers
+    whose int8 weights use -128 decode it from its own code (a uint8 packing)."""
+    use_eight_bit_kernel(kernel, monkeypatch)
     model_dir = compressed("llama3-gqa", scheme)
     _loaded.cache_clear()  # the monkeypatch must reach the load
     engine = make_engine(
@@ -169,8 +167,8 @@ def test_bf16_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
     model = engine.runner.loaded.model  # type: ignore[attr-defined]
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.is_quantized]
     assert len(linears) == 4 * model.config.num_layers
-    assert all(m.matmul.packed == kernel for m in linears)  # type: ignore[attr-defined]
-    if kernel and scheme != "FP8_DYNAMIC":  # int8: most layers hold a -128
+    assert all(m.matmul.packed == (kernel != "torch") for m in linears)  # type: ignore[attr-defined]
+    if kernel == "avx512" and scheme != "FP8_DYNAMIC":  # int8: most layers hold a -128
         assert any(m.weight.dtype == torch.uint8 for m in linears)
     results = engine.generate(mixed_prompts(), GREEDY_LOGPROBS, STOPPING)
     reference = transformers_model(model_dir, torch.bfloat16)

@@ -26,11 +26,11 @@ from tests.batcher.test_e2e import (
 )
 from tests.gpu_worker.test_parity import assert_matches, generate_greedy
 from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
+from tests.kernels.markers import EIGHT_BIT_KERNELS, use_eight_bit_kernel
 from tgq.batcher.engine import LLMEngine, RequestResult
 from tgq.devtools.quantized_reference import dequantize_in_place
 from tgq.gpu_worker.layers.linear import Linear, quantize_rows
 from tgq.gpu_worker.loader import load_model, weight_bytes
-from tgq.kernels import cpu_ops
 
 # Dense, fused-checkpoint, soft-capped and mixture-of-experts families (routers stay float).
 VARIANTS = (
@@ -176,20 +176,16 @@ def quantized_linears(engine: LLMEngine) -> list[Linear]:
 
 @pytest.mark.parametrize("variant", ["llama3-gqa", "phi3-partial-window", "mixtral-top2"])
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("kernel", EIGHT_BIT_KERNELS)
 def test_bf16_quantized_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
     method: str,
     variant: str,
-    kernel: bool,
+    kernel: str,
     model_dirs: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The kernel where this CPU has AVX512_BF16 and VBMI; torch's path (any CPU) when the
-    kernel is reported missing."""
-    if kernel and not cpu_ops.has_avx512_8bit_linear():
-        pytest.skip("the 8-bit linear kernel needs AVX512_BF16 and AVX512_VBMI")
-    if not kernel:
-        monkeypatch.setattr(cpu_ops, "has_avx512_8bit_linear", lambda: False)
+    """Each 8-bit kernel this CPU runs, and torch's path (any CPU)."""
+    use_eight_bit_kernel(kernel, monkeypatch)
     model_dir, batch = model_dirs[variant], mixed_prompts()
     _loaded.cache_clear()  # the monkeypatch must reach the load
     engine = make_engine(
@@ -199,7 +195,7 @@ def test_bf16_quantized_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
     linears = quantized_linears(engine)
     held = torch.int8 if method == "int8" else torch.float8_e4m3fn
     assert linears and all(m.weight.dtype == held for m in linears)
-    assert all(m.matmul.packed == kernel for m in linears)  # type: ignore[attr-defined]
+    assert all(m.matmul.packed == (kernel != "torch") for m in linears)  # type: ignore[attr-defined]
     results = engine.generate(batch, GREEDY_LOGPROBS, STOPPING)
     reference = dequantized_transformers(model_dir, torch.bfloat16, method)
     assert_within_tolerance(model_dir, results, reference)
