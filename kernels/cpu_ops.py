@@ -76,6 +76,7 @@ _SOURCES = [
         "linear_int4.cpp",
         "linear_int4_avx512.cpp",
         "linear_int4_avx2.cpp",
+        "linear_int4_avx512f.cpp",
         "input_quant.cpp",
         "paged_attention.cpp",
         "attention_avx512.cpp",
@@ -384,9 +385,10 @@ def linear_int4_packed(
     with g = k // group_size (needs `has_int4_linear()`): fp32 sums of exact products, each
     group's folded in with its scale and zero, rounded once to bf16 (with `out_fp32`, the fp32
     sums themselves). Each row's result is the same whatever else is in the call. `kernel`:
-    "auto" takes "avx512" (AVX512_BF16, `has_avx512_int4_linear()`) where it can, else "avx2"
-    (any CPU the kernels run on); both read the same packed weights. Tests name kernels to check
-    each one."""
+    "auto" takes "avx512" (AVX512_BF16, `has_avx512_int4_linear()`) where it can, else
+    "avx512f" (AVX512F/BW/VL, `has_avx512f_8bit_linear()`: the "avx2" kernel's sums at 16 lanes,
+    bit for bit), else "avx2" (any CPU the kernels run on); all read the same packed weights.
+    Tests name kernels to check each one."""
     out: torch.Tensor = _ops().linear_int4_packed(
         x, packed, scale, zero, group_size, out_features, bias, out_fp32, kernel
     )

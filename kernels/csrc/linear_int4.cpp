@@ -1,8 +1,9 @@
 // The grouped 4-bit-weight linear's ops (GPTQ, AWQ and compressed-tensors int4 checkpoints):
 // pack_weight_int4 and linear_int4_packed over weights packed once at load, whose kernel is
-// linear_int4_avx512.cpp's on CPUs with AVX512_BF16 and linear_int4_avx2.cpp's elsewhere (the
-// same packed layout, so packing does not depend on the CPU). The zeros and scales stay the checkpoint's [N, G] fp32 tensors: the kernel
-// reads them as they are, one tile's 16 rows at a time.
+// linear_int4_avx512.cpp's on CPUs with AVX512_BF16, linear_int4_avx512f.cpp's on other
+// AVX512F/BW/VL CPUs and linear_int4_avx2.cpp's elsewhere (one packed layout, so packing does not
+// depend on the CPU). The zeros and scales stay the checkpoint's [N, G] fp32 tensors: the kernels
+// read them as they are, one tile's 16 rows at a time.
 #include <ATen/ops/constant_pad_nd.h>
 #include <algorithm>
 #include <string_view>
@@ -63,21 +64,30 @@ void check_group_params(const char* name, const at::Tensor& t, int64_t N, int64_
   TORCH_CHECK(t.device().is_cpu(), "linear_int4_packed: CPU tensors only");
 }
 
-// kernel: "auto" (avx512 where the CPU has AVX512_BF16, else avx2), "avx512" or "avx2".
-bool use_avx512(c10::string_view name) {
+enum class Int4Kernel { kAvx512, kAvx512f, kAvx2 };
+
+// kernel: "auto" (avx512 where the CPU has AVX512_BF16, else avx512f where it has AVX512F/BW/VL,
+// else avx2), "avx512", "avx512f" or "avx2".
+Int4Kernel pick_kernel(c10::string_view name) {
   const std::string_view kernel(name.data(), name.size());
-  TORCH_CHECK(kernel == "auto" || kernel == "avx512" || kernel == "avx2",
-              "linear_int4_packed: unknown kernel '", kernel, "' (auto, avx2, avx512)");
+  TORCH_CHECK(kernel == "auto" || kernel == "avx512" || kernel == "avx512f" || kernel == "avx2",
+              "linear_int4_packed: unknown kernel '", kernel, "' (auto, avx2, avx512, avx512f)");
   TORCH_CHECK(kernel != "avx512" || cpu_has_avx512_bf16(),
               "linear_int4_packed: kernel 'avx512' needs a CPU with AVX512_BF16");
-  return kernel == "avx512" || (kernel == "auto" && cpu_has_avx512_bf16());
+  TORCH_CHECK(kernel != "avx512f" || cpu_has_avx512f_8bit_linear(),
+              "linear_int4_packed: kernel 'avx512f' needs a CPU with AVX512F, BW and VL");
+  if (kernel == "avx512" || (kernel == "auto" && cpu_has_avx512_bf16())) return Int4Kernel::kAvx512;
+  if (kernel == "avx512f" || (kernel == "auto" && cpu_has_avx512f_8bit_linear())) {
+    return Int4Kernel::kAvx512f;
+  }
+  return Int4Kernel::kAvx2;
 }
 
 at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scale, const at::Tensor& zero, int64_t group_size,
                               int64_t N, const std::optional<at::Tensor>& bias, bool out_fp32,
                               c10::string_view kernel) {
-  const bool avx512 = use_avx512(kernel);
+  const Int4Kernel chosen = pick_kernel(kernel);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "linear_int4_packed: x must be [M, K] bf16, got ", x.sizes(), " ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), blocks = ceil_div(K, kInt4BlockValues);
@@ -118,10 +128,10 @@ at::Tensor linear_int4_packed(const at::Tensor& x, const at::Tensor& packed,
                         G,
                         out_fp32 ? nullptr : mutable_data_as<bf16_bits>(out),
                         out_fp32 ? out.data_ptr<float>() : nullptr};
-  if (avx512) {
+  if (chosen == Int4Kernel::kAvx512) {
     linear_int4_packed_avx512(args);
   } else {
-    linear_int4_packed_avx2(args);
+    linear_int4_packed_avx2(args, chosen == Int4Kernel::kAvx512f);
   }
   return out;
 }

@@ -241,9 +241,13 @@ void widen_rows(const Int4Linear& a, float* x32, float* sx) {
 
 }  // namespace
 
-void linear_int4_packed_avx2(const Int4Linear& a) {
+void linear_int4_packed_avx2(const Int4Linear& a, bool wide) {
   std::vector<float> x32(a.M * a.x_stride), sx(a.M * a.groups);
   widen_rows(a, x32.data(), sx.data());
+  if (wide) {
+    linear_int4_packed_avx512f(a, x32.data(), sx.data());
+    return;
+  }
   const Int4Call call{a, x32.data(), sx.data()};
   // One pass over the weights: each set of tiles, its weights in L1/L2 after the first rows,
   // against every group of 4 rows.

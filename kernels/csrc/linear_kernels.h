@@ -122,7 +122,12 @@ struct Int4Linear {
 // Requires cpu_has_avx512_bf16(); any M. out = sum over k of x * (q - zero) * scale + bias in
 // fp32, rounded once to bf16 (or not at all, out_f32); each row's value independent of the others.
 void linear_int4_packed_avx512(const Int4Linear& args);
-// The same on AVX2/FMA (any CPU the kernels build for), over the same packed weights.
-void linear_int4_packed_avx2(const Int4Linear& args);
+// The same on AVX2/FMA (any CPU the kernels build for), over the same packed weights; `wide`:
+// on the 16-lane kernel (requires cpu_has_avx512f_8bit_linear(): AVX512F/BW/VL), the same sums
+// bit for bit.
+void linear_int4_packed_avx2(const Int4Linear& args, bool wide);
+// The 16-lane kernel over x widened to fp32 ([M, x_stride]) and sx, each row's sum of x over
+// each group ([M, G]).
+void linear_int4_packed_avx512f(const Int4Linear& args, const float* x32, const float* sx);
 
 }  // namespace tgq_cpu

@@ -14,13 +14,18 @@ from tgq.kernels import cpu_ops
 pytestmark = requires_kernels
 
 # Every kernel this CPU runs (a CPU flag, not the build: a failed build fails these tests).
-KERNELS = ("avx2", "avx512") if cpu_ops.has_avx512_int4_linear() else ("avx2",)
+# In "auto"'s order of preference, last: the one it takes.
+KERNELS = (
+    "avx2",
+    *(("avx512f",) if cpu_ops.has_avx512f_8bit_linear() else ()),
+    *(("avx512",) if cpu_ops.has_avx512_int4_linear() else ()),
+)
 
 # Rows of x on each side of the kernels' forms (AVX-512: 1, 2, 3-8 and 9-16 rows in one pass, 8,
 # 4, 2 and 1 tiles side by side, 17 and more tile by tile in groups of 16; AVX2: groups of 1-4
-# rows against 4, 2 or 1 tiles side by side), and N, K past whole tiles, sets of tiles and blocks
-# of 8: groups of 8, of 32 with a partial last group, whole-K groups of K not a multiple of 8 or
-# 32.
+# rows against 2 or 1 tiles side by side; avx512f: groups of 1-8 rows against 4, 2 or 1), and N,
+# K past whole tiles, sets of tiles and blocks of 8: groups of 8, of 32 with a partial last
+# group, whole-K groups of K not a multiple of 8 or 32.
 ROWS = (0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 40)
 SHAPES = ((1, 8, 8), (40, 24, 8), (33, 136, 32), (140, 256, 128), (16, 40, 40), (5, 13, 13))
 
@@ -132,6 +137,28 @@ def test_bad_inputs_are_refused() -> None:
         cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, torch.ones(3))
 
 
+@pytest.mark.skipif(
+    not cpu_ops.has_avx512f_8bit_linear(), reason="this CPU lacks AVX512F/BW/VL (avx512f kernel)"
+)
+@pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
+def test_the_16_lane_kernel_makes_the_avx2_kernels_sums_bit_for_bit(
+    n: int, k: int, group_size: int
+) -> None:
+    q, scale, zero = quantized(n, k, group_size, n + k)
+    packed = cpu_ops.pack_weight_int4(q, group_size)
+    bias = torch.randn(n).bfloat16()
+    for m in ROWS:
+        x = torch.randn(m, k).bfloat16()
+        for out_fp32 in (False, True):
+            wide, narrow = (
+                cpu_ops.linear_int4_packed(
+                    x, packed, scale, zero, group_size, n, bias, out_fp32=out_fp32, kernel=kernel
+                )
+                for kernel in ("avx512f", "avx2")
+            )
+            assert torch.equal(wide, narrow), (m, out_fp32)
+
+
 def test_kernels_are_named_and_auto_takes_the_cpus() -> None:
     q, scale, zero = quantized(20, 16, 8, 1)
     packed = cpu_ops.pack_weight_int4(q, 8)
@@ -142,8 +169,11 @@ def test_kernels_are_named_and_auto_takes_the_cpus() -> None:
     )
     assert torch.equal(auto, named)
     assert cpu_ops.has_int4_linear()
-    with pytest.raises(RuntimeError, match=r"unknown kernel 'amx' \(auto, avx2, avx512\)"):
+    with pytest.raises(RuntimeError, match=r"unknown kernel 'amx' \(auto, avx2, avx512, avx512f\)"):
         cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, kernel="amx")
     if not cpu_ops.has_avx512_int4_linear():
         with pytest.raises(RuntimeError, match="kernel 'avx512' needs a CPU with AVX512_BF16"):
             cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, kernel="avx512")
+    if not cpu_ops.has_avx512f_8bit_linear():
+        with pytest.raises(RuntimeError, match="kernel 'avx512f' needs a CPU with AVX512F"):
+            cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, kernel="avx512f")
