@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-quant bench-quant-quality gpu-check clean lock
+.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,11 @@ bench-quant: $(STAMP)
 
 bench-quant-quality: $(STAMP)
 	$(PY) -m bench.bench_quant_quality
+
+# Needs llama.cpp's llama-batched-bench and the medium model as GGUF (docs/performance.md):
+# make bench-quant-llamacpp BATCHED_BENCH=/path/llama-batched-bench GGUF_DIR=/path/with/ggufs
+bench-quant-llamacpp: $(STAMP)
+	$(PY) -m bench.bench_quant_llamacpp --batched-bench $(BATCHED_BENCH) --gguf-dir $(GGUF_DIR)
 
 gpu-check: $(STAMP)
 	$(PY) -m bench.gpu_check

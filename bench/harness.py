@@ -78,8 +78,8 @@ def write_results(
     the machine is printed too."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     info = machine(runner)
-    record = {"args": vars(args) | {"cache": str(args.cache)}, "machine": info, "results": results}
-    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2))
+    record = {"args": vars(args), "machine": info, "results": results}
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2, default=str))  # Paths
     print_machine(info)
 
 
