@@ -34,6 +34,7 @@ from bench.harness import (
     best_decode_step,
     chat_llama,
     pyplot,
+    random_prompts,
     save_figure,
     write_results,
 )
@@ -48,8 +49,7 @@ PAIRS = (("bf16", "bf16", "bf16"), ("8-bit", "int8", "Q8_0"), ("4-bit", "gptq-in
 
 def prompts(model_dir: Path, batch: int) -> list[list[int]]:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(batch)
-    return torch.randint(3, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
+    return random_prompts(batch, PROMPT_LEN, vocab=vocab)
 
 
 def llama_cpp_steps(binary: str, gguf: Path, threads: int) -> dict[int, float]:

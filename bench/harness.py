@@ -148,10 +148,10 @@ def random_workload(
     ]
 
 
-def random_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
-    """`batch` prompts of `length` tokens, the same for the same arguments."""
+def random_prompts(batch: int, length: int, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    """`batch` prompts of `length` tokens below `vocab`, the same for the same arguments."""
     gen = torch.Generator().manual_seed(batch * 1000 + length + seed * 1_000_003)
-    return torch.randint(3, VOCAB, (batch, length), generator=gen).tolist()
+    return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
 
 
 # --- models -------------------------------------------------------------------------------------

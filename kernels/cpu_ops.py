@@ -40,7 +40,7 @@ __all__ = [
     "has_avx512_bf16",
     "has_avx512_int4_linear",
     "has_avx512_vnni_bf16",
-    "has_avx512f_8bit_linear",
+    "has_avx512f_kernels",
     "has_int4_linear",
     "is_available",
     "linear_8bit_packed",
@@ -386,7 +386,7 @@ def linear_int4_packed(
     group's folded in with its scale and zero, rounded once to bf16 (with `out_fp32`, the fp32
     sums themselves). Each row's result is the same whatever else is in the call. `kernel`:
     "auto" takes "avx512" (AVX512_BF16, `has_avx512_int4_linear()`) where it can, else
-    "avx512f" (AVX512F/BW/VL, `has_avx512f_8bit_linear()`: the "avx2" kernel's sums at 16 lanes,
+    "avx512f" (AVX512F/BW/VL, `has_avx512f_kernels()`: the "avx2" kernel's sums at 16 lanes,
     bit for bit), else "avx2" (any CPU the kernels run on); all read the same packed weights.
     Tests name kernels to check each one."""
     out: torch.Tensor = _ops().linear_int4_packed(
@@ -415,9 +415,9 @@ def has_avx512_8bit_linear() -> bool:
     return has_avx512_bf16() and "avx512vbmi" in _cpu_flags()
 
 
-def has_avx512f_8bit_linear() -> bool:
-    """Whether `linear_8bit_packed(..., kernel="avx512f")` runs here: AVX512F, BW and VL (and
-    F16C), with or without AVX512_BF16."""
+def has_avx512f_kernels() -> bool:
+    """Whether the 16-lane kernels (`kernel="avx512f"` of `linear_8bit_packed` and
+    `linear_int4_packed`) run here: AVX512F, BW and VL (and F16C), with or without AVX512_BF16."""
     return {"avx512f", "avx512bw", "avx512vl", "f16c"} <= _cpu_flags()
 
 

@@ -99,9 +99,9 @@ bool use_avx512f(c10::string_view name, bool avx2_layout) {
   TORCH_CHECK(kernel == "auto" || kernel == "avx2" || kernel == "avx512f",
               "linear_8bit_packed: kernel '", kernel,
               "' does not read the avx2 layout (auto, avx2, avx512f)");
-  TORCH_CHECK(kernel != "avx512f" || cpu_has_avx512f_8bit_linear(),
+  TORCH_CHECK(kernel != "avx512f" || cpu_has_avx512f_kernels(),
               "linear_8bit_packed: kernel 'avx512f' needs a CPU with AVX512F, BW and VL");
-  return kernel == "avx512f" || (kernel == "auto" && cpu_has_avx512f_8bit_linear());
+  return kernel == "avx512f" || (kernel == "auto" && cpu_has_avx512f_kernels());
 }
 
 at::Tensor linear_8bit_packed(const at::Tensor& x, const at::Tensor& packed,

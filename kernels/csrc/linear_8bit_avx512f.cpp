@@ -12,7 +12,7 @@
 namespace tgq_cpu {
 
 // Before the target pragma: this runs on every CPU.
-bool cpu_has_avx512f_8bit_linear() {
+bool cpu_has_avx512f_kernels() {
   static const bool supported = __builtin_cpu_supports("avx512f") &&
                                 __builtin_cpu_supports("avx512bw") &&
                                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");

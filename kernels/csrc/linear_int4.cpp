@@ -74,10 +74,10 @@ Int4Kernel pick_kernel(c10::string_view name) {
               "linear_int4_packed: unknown kernel '", kernel, "' (auto, avx2, avx512, avx512f)");
   TORCH_CHECK(kernel != "avx512" || cpu_has_avx512_bf16(),
               "linear_int4_packed: kernel 'avx512' needs a CPU with AVX512_BF16");
-  TORCH_CHECK(kernel != "avx512f" || cpu_has_avx512f_8bit_linear(),
+  TORCH_CHECK(kernel != "avx512f" || cpu_has_avx512f_kernels(),
               "linear_int4_packed: kernel 'avx512f' needs a CPU with AVX512F, BW and VL");
   if (kernel == "avx512" || (kernel == "auto" && cpu_has_avx512_bf16())) return Int4Kernel::kAvx512;
-  if (kernel == "avx512f" || (kernel == "auto" && cpu_has_avx512f_8bit_linear())) {
+  if (kernel == "avx512f" || (kernel == "auto" && cpu_has_avx512f_kernels())) {
     return Int4Kernel::kAvx512f;
   }
   return Int4Kernel::kAvx2;

@@ -87,10 +87,10 @@ constexpr int64_t kAvx2ByteBlockBytes = kAvx2ByteBlockValues * kPackColumns;
 // Any AVX2/FMA CPU; args.w unused, args.scale set, args.x_stride = 4 * ceil(K / 4); any M.
 // out = fma(sum over k in K order of x * w in fp32, scale, bias), rounded once to bf16 (or not
 // at all, out_f32); the weights int8 or (fp8) E4M3. `wide`: on the 16-lane kernel (requires
-// cpu_has_avx512f_8bit_linear()), the same sums bit for bit.
+// cpu_has_avx512f_kernels()), the same sums bit for bit.
 void linear_8bit_packed_avx2(const PackedLinear& args, const uint8_t* codes, bool fp8, bool wide);
-// True on CPUs with AVX512F, BW, VL and F16C; checked once.
-bool cpu_has_avx512f_8bit_linear();
+// True on CPUs with AVX512F, BW, VL and F16C (the 16-lane 8-bit and 4-bit kernels); checked once.
+bool cpu_has_avx512f_kernels();
 // The 16-lane kernel over x already widened to fp32 ([M, args.x_stride]).
 void linear_8bit_packed_avx512f(const PackedLinear& args, const float* x32, const uint8_t* codes,
                                 bool fp8);
@@ -123,7 +123,7 @@ struct Int4Linear {
 // fp32, rounded once to bf16 (or not at all, out_f32); each row's value independent of the others.
 void linear_int4_packed_avx512(const Int4Linear& args);
 // The same on AVX2/FMA (any CPU the kernels build for), over the same packed weights; `wide`:
-// on the 16-lane kernel (requires cpu_has_avx512f_8bit_linear(): AVX512F/BW/VL), the same sums
+// on the 16-lane kernel (requires cpu_has_avx512f_kernels(): AVX512F/BW/VL), the same sums
 // bit for bit.
 void linear_int4_packed_avx2(const Int4Linear& args, bool wide);
 // The 16-lane kernel over x widened to fp32 ([M, x_stride]) and sx, each row's sum of x over

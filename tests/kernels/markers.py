@@ -19,7 +19,7 @@ requires_avx512_8bit = pytest.mark.skipif(
     reason="the avx512 8-bit linear kernel needs AVX512_BF16 and AVX512_VBMI",
 )
 requires_avx512f_8bit = pytest.mark.skipif(
-    not cpu_ops.has_avx512f_8bit_linear(),
+    not cpu_ops.has_avx512f_kernels(),
     reason="the avx512f 8-bit linear kernel needs AVX512F, AVX512BW and AVX512VL",
 )
 EIGHT_BIT_KERNELS = [

@@ -17,7 +17,7 @@ pytestmark = requires_kernels
 # In "auto"'s order of preference, last: the one it takes.
 KERNELS = (
     "avx2",
-    *(("avx512f",) if cpu_ops.has_avx512f_8bit_linear() else ()),
+    *(("avx512f",) if cpu_ops.has_avx512f_kernels() else ()),
     *(("avx512",) if cpu_ops.has_avx512_int4_linear() else ()),
 )
 
@@ -138,7 +138,7 @@ def test_bad_inputs_are_refused() -> None:
 
 
 @pytest.mark.skipif(
-    not cpu_ops.has_avx512f_8bit_linear(), reason="this CPU lacks AVX512F/BW/VL (avx512f kernel)"
+    not cpu_ops.has_avx512f_kernels(), reason="this CPU lacks AVX512F/BW/VL (avx512f kernel)"
 )
 @pytest.mark.parametrize(("n", "k", "group_size"), SHAPES)
 def test_the_16_lane_kernel_makes_the_avx2_kernels_sums_bit_for_bit(
@@ -174,6 +174,6 @@ def test_kernels_are_named_and_auto_takes_the_cpus() -> None:
     if not cpu_ops.has_avx512_int4_linear():
         with pytest.raises(RuntimeError, match="kernel 'avx512' needs a CPU with AVX512_BF16"):
             cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, kernel="avx512")
-    if not cpu_ops.has_avx512f_8bit_linear():
+    if not cpu_ops.has_avx512f_kernels():
         with pytest.raises(RuntimeError, match="kernel 'avx512f' needs a CPU with AVX512F"):
             cpu_ops.linear_int4_packed(x, packed, scale, zero, 8, 20, kernel="avx512f")
