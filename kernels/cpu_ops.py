@@ -88,6 +88,7 @@ _SOURCES = [
         "argmax.cpp",
         "greedy_head.cpp",
         "greedy_head_avx512.cpp",
+        "greedy_head_avx2.cpp",
         "op_program.cpp",
         "token_mask.cpp",
     )
@@ -476,7 +477,9 @@ def greedy_head_argmax(
     (over the allowed columns only, with `masks`), reading the int8 screen and then only the
     rows of `weight` that could win; build its inputs with `kernels.greedy_head`. `kernel`
     screens with "avx512" (VNNI) or "amx" (AMX-INT8 tiles, `has_amx_int8()`, K % 64 == 0): the
-    same integer sums, so the same tokens."""
+    same integer sums, so the same tokens. "avx2" (any CPU the kernels run on) picks instead what
+    the CPUs without AVX512_BF16 compute: argmax(linear_bf16(x[m : m + 1], weight, path="avx2",
+    out_fp32=True)) for each row m alone."""
     out: torch.Tensor = _ops().greedy_head_argmax(
         x, weight, screen, scale, q_sum, bound_x, bound_ex, max_candidates, masks, kernel
     )

@@ -10,10 +10,15 @@ columns whose upper bound reaches the best lower bound. The token is the one
 `argmax(linear_bf16_packed(x, packed, N, out_fp32=True))` picks, ties included; a row with more
 than `max_candidates` candidates (e.g. all-equal logits) is computed in full instead.
 
-Needs AVX512_BF16 and AVX512_VNNI (`cpu_ops.has_avx512_vnni_bf16`). Where the CPU has AMX-INT8
-the screen can also run on tiles (the same integer sums, so the same tokens); `choose_kernels`
-times both and picks per number of rows (AMX took half the VNNI screen's time at 64 rows on an
-AMX Xeon, and lost at 4). Memory: the int8 screen
+Two references, as the model computes its lm_head. With a packed head (AVX512_BF16 CPUs; the
+screen needs AVX512_VNNI too, `cpu_ops.has_avx512_vnni_bf16`) the tokens are those of the packed
+kernel's logits, and where the CPU has AMX-INT8 the screen can also run on tiles (the same integer
+sums, so the same tokens); `choose_kernels` times both and picks per number of rows (AMX took half
+the VNNI screen's time at 64 rows on an AMX Xeon, and lost at 4). Without one (every other CPU the
+kernels run on) the head runs `linear_bf16`'s AVX2 kernel, whose rounding depends on how many rows
+share a call: the tokens are then those of each row's logits computed alone (kernel "avx2",
+`kernels/csrc/greedy_head_avx2.cpp`), so a greedy row's token does not depend on its batch.
+Memory: the int8 screen
 (N x K bytes) next to the packed bf16 head, and the head's [N, K] rows, which the candidates'
 exact logits read (a tied head shares them with the embedding; an untied one keeps them: 2 N x K
 bytes more, 49 MB for the medium model, 1 GiB for Llama 3's 128k x 4096 head).
@@ -56,8 +61,8 @@ def screen_unsupported_reason(weight: torch.Tensor) -> str | None:
     """Why `build_screen(weight)` cannot serve this weight here (None: it can)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return "needs a 2-d bf16 CPU weight"
-    if not cpu_ops.is_available() or not cpu_ops.has_avx512_vnni_bf16():
-        return "needs a CPU with AVX512_BF16 and AVX512_VNNI"
+    if not cpu_ops.is_available():
+        return "needs the CPU kernels"
     if weight.shape[1] % _QUAD != 0:
         return f"needs K a multiple of {_QUAD}, got {weight.shape[1]}"
     # Row chunks: a whole-head abs() would be a second copy of the head (1 GiB for Llama 3's).
@@ -119,9 +124,14 @@ def _quantize(weight: torch.Tensor) -> GreedyScreen:
     )
 
 
-def screen_kernels(k: int) -> list[str]:
-    """The kernels that can screen a head with K = `k` here: "avx512" (VNNI) wherever the screen
-    runs, and "amx" (AMX-INT8 tiles) where the CPU has them and K is a multiple of 64."""
+def screen_kernels(k: int, *, packed: bool = True) -> list[str]:
+    """The kernels that can screen a head with K = `k` here: for a `packed` head "avx512" (VNNI;
+    none without AVX512_BF16 and AVX512_VNNI), and "amx" (AMX-INT8 tiles) where the CPU has them
+    and K is a multiple of 64; for an unpacked one (the AVX2 kernel's logits) "avx2"."""
+    if not packed:
+        return ["avx2"]
+    if not cpu_ops.has_avx512_vnni_bf16():
+        return []
     names = ["avx512"]
     if k % 64 == 0 and cpu_ops.has_amx_int8():
         names.append("amx")
@@ -129,11 +139,11 @@ def screen_kernels(k: int) -> list[str]:
 
 
 class GreedyHead:
-    """argmax over `x @ weight^T` for bf16 rows x, as the packed lm_head computes the logits."""
+    """argmax over `x @ weight^T` for bf16 rows x, as the lm_head's kernel computes the logits."""
 
     def __init__(
         self,
-        packed: torch.Tensor,  # pack_weight_bf16(weight)
+        packed: torch.Tensor | None,  # pack_weight_bf16(weight), or None: the AVX2 kernel's
         weight: torch.Tensor,  # [N, K] bf16, contiguous
         screen: GreedyScreen,  # build_screen(weight)
         max_candidates: int = MAX_CANDIDATES,
@@ -143,24 +153,28 @@ class GreedyHead:
         self.out_features = weight.shape[0]
         self.screen = screen
         self.max_candidates = max_candidates
+        self.kernels = screen_kernels(weight.shape[1], packed=packed is not None)
         # [(largest rows, kernel)] (kernels.choice); set by choose_kernels where there is a
         # choice.
-        self.thresholds: list[tuple[int, str]] = [(1, "avx512")]
+        self.thresholds: list[tuple[int, str]] = [(1, self.kernels[0])]
         self.choices: Choices | None = None
 
     @classmethod
     def build(
         cls,
-        packed: torch.Tensor,
+        packed: torch.Tensor | None,
         weight: torch.Tensor,
         max_candidates: int = MAX_CANDIDATES,
         *,
         pick_kernels: bool = False,
     ) -> GreedyHead | None:
-        """The head over `weight` and its packed copy; None where the screen cannot serve this
-        weight here (`screen_unsupported_reason`). With `pick_kernels`, its screen kernels are
-        chosen by measurement (`choose_kernels`)."""
+        """The head over `weight` and its packed copy (None: the head runs the AVX2 kernel);
+        None where the screen cannot serve this weight here (`screen_unsupported_reason`, or no
+        screen kernel for a packed head). With `pick_kernels`, its screen kernels are chosen by
+        measurement (`choose_kernels`)."""
         if screen_unsupported_reason(weight) is not None:
+            return None
+        if not screen_kernels(weight.shape[1], packed=packed is not None):
             return None
         weight = weight.contiguous()
         head = cls(packed, weight, _quantize(weight), max_candidates)
@@ -172,7 +186,7 @@ class GreedyHead:
         """Runs each call on the screen kernel measured fastest for its number of rows
         (`measure_kernels` at `SCREEN_BUCKETS`; kernels.choice, cached per CPU and shape). None
         where only one kernel can run here."""
-        if len(screen_kernels(self.weight.shape[1])) < 2:
+        if len(self.kernels) < 2:
             return None
         self.choices = choose(
             {"greedy_head": list(self.weight.shape)}, lambda: self.measure_kernels(SCREEN_BUCKETS)
@@ -191,8 +205,7 @@ class GreedyHead:
 
             return make
 
-        names = screen_kernels(self.weight.shape[1])
-        return measure("greedy_head", {name: candidate(name) for name in names}, rows)
+        return measure("greedy_head", {name: candidate(name) for name in self.kernels}, rows)
 
     def _screen(self, x: torch.Tensor, masks: torch.Tensor | None, kernel: str) -> torch.Tensor:
         s = self.screen
@@ -211,10 +224,18 @@ class GreedyHead:
         tokens = self._screen(x, masks, kernel_for(self.thresholds, x.shape[0]))
         full = [row for row, token in enumerate(tokens.tolist()) if token < 0]
         if full:  # too many candidates (or non-finite x): these rows in full
-            logits = cpu_ops.linear_bf16_packed(
-                x[full], self.packed, self.out_features, out_fp32=True
-            )
+            logits = self.full_logits(x[full])
             if masks is not None:
                 cpu_ops.apply_token_mask_(logits, masks[full], torch.arange(len(full)))
             tokens[full] = cpu_ops.argmax(logits)
         return tokens
+
+    def full_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, N] fp32: the logits whose argmax the screen picks (the packed kernel's, or the AVX2
+        kernel's for each row alone)."""
+        if self.packed is not None:
+            return cpu_ops.linear_bf16_packed(x, self.packed, self.out_features, out_fp32=True)
+        rows = [
+            cpu_ops.linear_bf16(row[None], self.weight, None, "avx2", out_fp32=True) for row in x
+        ]
+        return torch.cat(rows) if rows else x.new_empty(0, self.out_features, dtype=torch.float32)

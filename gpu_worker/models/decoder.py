@@ -373,10 +373,11 @@ class DecoderForCausalLM(nn.Module):
         exact logits are those of that kernel); otherwise kernels/cpu_ops.py picks per call.
         Quantized linears (`loader.quantize_linears`, `gpu_worker.compressed`,
         `gpu_worker.grouped`) run on their kernel where the CPU has it (`Linear.
-        use_quantized_kernel`), else stay on torch. With AVX512_VNNI
-        too, one rank and `greedy_head`, argmax-only rows get their tokens from
-        `self.greedy_head` (kernels.greedy_head), which keeps the head's [N, K] rows and an int8
-        copy, screened on the kernel measured fastest per row count (VNNI or AMX-INT8). On one
+        use_quantized_kernel`), else stay on torch. On one rank with `greedy_head`,
+        argmax-only rows get their tokens from `self.greedy_head` (kernels.greedy_head), which
+        keeps the head's [N, K] rows and an int8 copy, screened on the kernel measured fastest
+        per row count (VNNI or AMX-INT8 beside a packed head; AVX2 without AVX512_BF16, each
+        row's tokens those of its logits computed alone). On one
         rank, the layers of a step the attention backend can key (`replay_key`:
         decode-only steps on the CPU kernels) run as the ops recorded from their first such
         step (`self.replay`, kernels.replay): bit-identical, without the Python between the ops.
@@ -408,11 +409,11 @@ class DecoderForCausalLM(nn.Module):
         # the one-call kernel's ops do not).
         if single and fused:
             self.replay = OpReplay(self)
-        # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head).
-        if greedy_head and pack and single:
-            self.greedy_head = GreedyHead.build(
-                self.lm_head.weight.detach(), head, pick_kernels=True
-            )
+        # Greedy rows' tokens from an int8 screen of the head (one rank holds the whole head),
+        # against the packed head or, without AVX512_BF16, the AVX2 kernel's.
+        if greedy_head and single:
+            packed = self.lm_head.weight.detach() if pack else None
+            self.greedy_head = GreedyHead.build(packed, head, pick_kernels=True)
         return switched
 
     def _switch_linear(self, module: Linear, layer_kernels: list[tuple[int, str]] | None) -> bool:

@@ -1,5 +1,6 @@
-// Checks and registration of the screened greedy lm_head (greedy_head_avx512.cpp has the kernel
-// and the proof that it picks what the full lm_head's argmax picks).
+// Checks and registration of the screened greedy lm_head (greedy_head_avx512.cpp and
+// greedy_head_avx2.cpp have the kernels and the proof that they pick what the full lm_head's
+// argmax picks).
 #include "greedy_head.h"
 
 #include "linear_kernels.h"  // kPackColumns, ceil_div
@@ -20,19 +21,21 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& q_sum, const at::Tensor& bound_x,
                               const at::Tensor& bound_ex, int64_t max_candidates,
                               const std::optional<at::Tensor>& masks, c10::string_view kernel) {
-  TORCH_CHECK(cpu_has_avx512_vnni_bf16(),
-              "greedy_head_argmax: needs a CPU with AVX512_BF16 and AVX512_VNNI");
-  const bool amx = kernel == "amx";
-  TORCH_CHECK(amx || kernel == "avx512", "greedy_head_argmax: unknown kernel '",
-              std::string_view(kernel.data(), kernel.size()), "' (avx512, amx)");
+  const bool amx = kernel == "amx", avx2 = kernel == "avx2";
+  TORCH_CHECK(amx || avx2 || kernel == "avx512", "greedy_head_argmax: unknown kernel '",
+              std::string_view(kernel.data(), kernel.size()), "' (avx512, amx, avx2)");
+  TORCH_CHECK(avx2 || cpu_has_avx512_vnni_bf16(), "greedy_head_argmax: kernel '",
+              std::string_view(kernel.data(), kernel.size()),
+              "' needs a CPU with AVX512_BF16 and AVX512_VNNI");
   TORCH_CHECK(!amx || cpu_has_amx_int8(),
               "greedy_head_argmax: kernel 'amx' needs a CPU with AMX-INT8 that Linux lets us use");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
               "greedy_head_argmax: x must be a [M, K] bf16 CPU tensor, got ", x.scalar_type(),
               " ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
-  TORCH_CHECK(K > 0 && K % kScreenQuad == 0 && K <= (1 << 20),
-              "greedy_head_argmax: K must be a positive multiple of 4 up to 2^20, got ", K);
+  TORCH_CHECK(K > 0 && K % kScreenQuad == 0 && K <= kScreenMaxK,
+              "greedy_head_argmax: K must be a positive multiple of 4 up to ", kScreenMaxK,
+              ", got ", K);
   TORCH_CHECK(!amx || K % 64 == 0, "greedy_head_argmax: kernel 'amx' needs K % 64 == 0, got ",
               K);
   TORCH_CHECK(max_candidates > 0, "greedy_head_argmax: max_candidates must be positive");
@@ -69,7 +72,11 @@ at::Tensor greedy_head_argmax(const at::Tensor& x, const at::Tensor& weight,
     args.mask_words = masks->size(1);
   }
   args.amx = amx;
-  greedy_head_avx512(args);
+  if (avx2) {
+    greedy_head_avx2(args);
+  } else {
+    greedy_head_avx512(args);
+  }
   return out;
 }
 

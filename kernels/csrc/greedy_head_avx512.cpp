@@ -49,36 +49,8 @@ constexpr float kTiny = 0x1p-70f;
 // The screen is read this far ahead into L2, as the bf16 kernel reads its weights.
 constexpr int64_t kPrefetchBytes = 4096;
 
-// One row's quantized x and the norms its bounds need.
-struct RowQuant {
-  float sx = 1.0f;     // x ~ sx * xq
-  float norm_x = 0.f;  // |x|
-  float norm_ex = 0.f; // |x - sx * xq|
-  bool usable = false; // false: non-finite or huge values; the caller computes the row in full
-};
-
-// xq + 128 as bytes (vpdpbusd multiplies unsigned by signed bytes; the q_sum term takes the 128
-// back off). ex is exact in double: sx * xq has at most 31 significant bits.
-RowQuant quantize_row(const bf16_bits* x, int64_t K, uint8_t* xu8) {
-  RowQuant r;
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f32(x[k])));
-  if (!(amax <= 0x1p32f)) return r;  // also NaN
-  if (amax > 0.f) r.sx = amax / 127.f;
-  double sum_x = 0, sum_ex = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    const float v = to_f32(x[k]);
-    const float xq = std::clamp(std::nearbyint(v / r.sx), -127.f, 127.f);
-    xu8[k] = static_cast<uint8_t>(static_cast<int>(xq) + 128);
-    const double ex = static_cast<double>(v) - static_cast<double>(r.sx) * xq;
-    sum_x += static_cast<double>(v) * v;
-    sum_ex += ex * ex;
-  }
-  r.norm_x = static_cast<float>(std::sqrt(sum_x));
-  r.norm_ex = static_cast<float>(std::sqrt(sum_ex));
-  r.usable = true;
-  return r;
-}
+// x's bytes: |xq| <= 127, stored as xq + 128.
+constexpr int kXLimit = 127;
 
 struct Bounds {
   __m512 norm_x, norm_ex;
@@ -117,6 +89,7 @@ inline void finish_row(const GreedyHeadArgs& a, const RowQuant& r, int64_t t, in
                        __m512i acc, float* screen, float* tile_max) {
   const int64_t n = t * kLanes, tiles = (a.N + kLanes - 1) / kLanes;
   const __mmask16 lanes = tile_lanes(a.N, n);
+  // 128 q_sum
   const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, a.q_sum + n), 7);
   const __m512 scale = _mm512_maskz_loadu_ps(lanes, a.scale + n);
   const __m512i dot = _mm512_sub_epi32(acc, offset);  // xq . q[n]
@@ -338,7 +311,7 @@ void greedy_head_avx512(const GreedyHeadArgs& a) {
   std::vector<int32_t> xu8(padded_rows * K / kScreenQuad);
   std::vector<RowQuant> rows(M);
   for (int64_t m = 0; m < M; ++m) {
-    rows[m] = quantize_row(a.x + m * K, K,
+    rows[m] = quantize_row(a.x + m * K, K, kXLimit,
                            reinterpret_cast<uint8_t*>(xu8.data() + m * K / kScreenQuad));
   }
   // Unusable rows are screened anyway (their output is ignored): one code path.

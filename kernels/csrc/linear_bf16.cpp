@@ -118,6 +118,21 @@ struct Tiles<float> {
   }
 };
 
+}  // namespace
+
+namespace tgq_cpu {
+
+// A call of one row runs the bf16-weight tile for one row (gemm_rows: one row does not widen).
+float linear_avx2_one_row(const float* x, const bf16_bits* w, int64_t K) {
+  float sum;
+  Tiles<bf16_bits>::full(1)(x, w, K, &sum);
+  return sum;
+}
+
+}  // namespace tgq_cpu
+
+namespace {
+
 struct GemmArgs {
   const float* x;     // [M, K]
   const float* bias;  // [N] or nullptr

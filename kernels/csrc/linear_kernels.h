@@ -78,6 +78,11 @@ bool cpu_has_avx512_8bit_linear();
 // int8 and every E4M3 value is exactly a bf16 value).
 void linear_8bit_packed_avx512(const PackedLinear& args, const uint8_t* codes, ByteCode code);
 
+// Row x's dot product with weight row w as linear_bf16's AVX2 kernel computes it in a call of one
+// row (before the bias and the rounding to x's dtype); x is the row widened to fp32. The greedy
+// head's exact logits on CPUs without AVX512_BF16 (greedy_head_avx2.cpp).
+float linear_avx2_one_row(const float* x, const bf16_bits* w, int64_t K);
+
 // Packed for the AVX2 kernel: per tile of 16 columns and block of 4 K values, each K value's 16
 // column bytes in column order (int8 as it is, E4M3 bits as they are): w[n, k] at byte
 // ((n / 16 * ceil(K / 4) + k / 4) * 4 + k % 4) * 16 + n % 16, [ceil(N / 16)][ceil(K / 4)][4][16],

@@ -221,16 +221,20 @@ def test_every_choice_on_this_machine_is_within_10_percent_of_the_fastest() -> N
 @requires_kernels
 def test_the_greedy_heads_screen_choice_is_within_10_percent_of_the_fastest() -> None:
     """The same for the greedy head's screen kernels (VNNI, AMX-INT8) over the medium model's
-    32000 x 768 head, one thread. Where only VNNI can screen (no AMX-INT8), nothing is
-    measured and every call screens on it; without VNNI there is no screen."""
+    32000 x 768 packed head, one thread. Where only VNNI can screen (no AMX-INT8), nothing is
+    measured and every call screens on it; without VNNI there is no screen for a packed head
+    (the AVX2 kernel's head has one kernel, "avx2": nothing to choose)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         gen = torch.Generator().manual_seed(2)
         weight = (torch.randn(32000, 768, generator=gen) * 0.02).bfloat16()
         head = GreedyHead.build(cpu_ops.pack_weight_bf16(weight), weight)
-        if head is None:  # no screen at all here: it needs AVX512_BF16 + VNNI
+        if head is None:  # no screen for a packed head here: it needs AVX512_BF16 + VNNI
             assert not cpu_ops.has_avx512_vnni_bf16()
+            unpacked = GreedyHead.build(None, weight)
+            assert unpacked is not None and unpacked.choose_kernels() is None
+            assert unpacked.thresholds == [(1, "avx2")]
             return
         if screen_kernels(768) == ["avx512"]:
             assert head.choose_kernels() is None and head.thresholds == [(1, "avx512")]
