@@ -140,8 +140,12 @@ def assert_matches_dequantized(model_dir: Path, method: str, results: list[Reque
         assert_matches(ours, generate_greedy(reference, ours.prompt_token_ids, len(ours.token_ids)))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("method", METHODS)
+# int8 on every family; fp8 (the same layers and path, another quantizer) on a dense and an MoE
+# one here, and on every parity and scheduling test with `make test-quantized QUANTIZE=fp8`.
+FP32_CASES = [("int8", v) for v in VARIANTS] + [("fp8", v) for v in ("llama3-gqa", "mixtral-top2")]
+
+
+@pytest.mark.parametrize(("method", "variant"), FP32_CASES)
 def test_fp32_quantized_is_transformers_on_the_dequantized_weights(
     method: str, variant: str, model_dirs: dict[str, Path]
 ) -> None:

@@ -30,9 +30,8 @@ def test_an_editable_install_serves_beside_hugging_faces_kernels(
 ) -> None:
     found = assert_kernels_is_hugging_faces(venv, tmp_path)
     assert Path(str(found["tgq"])).resolve().is_relative_to(ROOT), found
-    # With DISABLE_CUSTOM_KERNELS nothing builds the C++ kernels (the wheel's test builds them
-    # from an installed copy; the suite itself, from these very sources): the cache given
-    # stays empty.
+    # With DISABLE_CUSTOM_KERNELS nothing builds the C++ kernels (the suite itself builds them
+    # from these very sources): the cache given stays empty.
     own_cache = tmp_path / "kernel-cache"
     with serving(
         venv, model_dir, tmp_path, TGQ_KERNEL_CACHE=str(own_cache), DISABLE_CUSTOM_KERNELS="true"

@@ -2,7 +2,7 @@
 so Hugging Face's `kernels`): the venv, `tgq serve` with Postgres and Redis started from a
 directory outside the repository, the requests it must answer. `test_wheel.py` installs the wheel
 and `test_editable.py` the repository, editable: two files, so that `-n 2 --dist loadfile` runs
-them side by side (each about two minutes on two cores, most of it pip and a kernel build)."""
+them side by side (each one to two minutes on two cores, most of it pip)."""
 
 from __future__ import annotations
 
@@ -48,9 +48,10 @@ print(json.dumps({
     "tgq": tgq.__file__,
 }))
 """
-BUILD_KERNELS = """
+KERNEL_SOURCES = """
+import json
 from tgq.kernels import cpu_ops
-assert cpu_ops.is_available() or cpu_ops.hardware_unsupported_reason(), cpu_ops.unavailable_reason()
+print(json.dumps([str(path) for path in cpu_ops._SOURCES]))
 """
 
 
@@ -112,12 +113,14 @@ def new_venv(home: Path, *packages: str | Path, editable: Path | None = None) ->
     return home / "venv"
 
 
-def build_kernels(venv: Path, cache: Path, cwd: Path) -> None:
-    """Builds the installed tgq's C++ kernels into `cache` with the venv's torch and loads them
-    (on a CPU that can run them, a failed build fails the test). Done before `tgq serve` starts,
-    whose batcher then loads them from `cache`: a build there would race the health deadline
-    (minutes on a loaded machine), and a failed one would only be logged."""
-    run([venv / "bin" / "python", "-c", BUILD_KERNELS], cwd=cwd, TGQ_KERNEL_CACHE=str(cache))
+def kernel_sources(venv: Path, cwd: Path) -> list[Path]:
+    """The C++ files the installed tgq builds its kernels from (`cpu_ops._SOURCES`), each an
+    existing file of the installed package."""
+    listed = json.loads(run([venv / "bin" / "python", "-c", KERNEL_SOURCES], cwd=cwd))
+    sources = [Path(path) for path in listed]
+    site_packages = next((venv / "lib").glob("python3*/site-packages"))
+    assert sources and all(p.is_file() and p.is_relative_to(site_packages) for p in sources)
+    return sources
 
 
 def _which_kernels(venv: Path, cwd: Path) -> dict[str, object]:
