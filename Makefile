@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
+.PHONY: run generate test test-quantized test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory lint || { kill $$kernels; exit 1; }; \
 	wait $$kernels
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The parity and scheduling tests with every engine `--quantize`d, against transformers on the
+# dequantized weights (tests/quantized_mode.py); QUANTIZE=fp8 for FP8.
+QUANTIZE ?= int8
+test-quantized: $(STAMP)
+	TGQ_TEST_QUANTIZE=$(QUANTIZE) $(PY) -m pytest -q -n 2 --dist loadfile \
+		tests/gpu_worker/test_parity.py tests/batcher/test_e2e.py \
+		tests/gpu_worker/test_tensor_parallel.py
 
 # The opt-in reliability rounds (pytest's `slow` marker): long fault-injection runs.
 test-slow: $(STAMP)

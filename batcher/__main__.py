@@ -57,14 +57,15 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
     kv_cache_bytes = None if options.kv_cache_memory is None else int(options.kv_cache_memory)
     dtype = None if options.dtype == "auto" else options.dtype
     custom_kernels = not options.disable_custom_kernels
-    if options.quantize is not None:  # before any rank starts: the ranks do not quantize
-        check_quantize(options.quantize, options.num_shard)
+    if options.quantize is not None:  # before any rank starts
+        check_quantize(options.quantize)
     if options.num_shard > 1:
         sharded = ShardConfig(
             model_dir, options.num_shard, device=options.device, dtype=dtype,
             block_size=options.block_size, num_blocks=options.num_blocks,
             kv_cache_bytes=kv_cache_bytes, threads_per_rank=options.threads_per_rank,
             custom_kernels=custom_kernels, kv_cache_dtype=options.kv_cache_dtype,
+            quantize=options.quantize,
         )  # fmt: skip
         return ShardedRunner(sharded)
     from tgq.gpu_worker.runner import ModelRunner, RunnerConfig  # torch, at start-up only

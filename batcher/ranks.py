@@ -49,6 +49,7 @@ class ShardConfig:
     attention_backend: str = "auto"
     custom_kernels: bool = True  # False: torch attention and plain torch ops on every rank
     kv_cache_dtype: str = "auto"  # `--kv-cache-dtype`
+    quantize: str | None = None  # `--quantize`: each rank quantizes its slice at load
     start_timeout_s: float = 600.0  # loading the model
     step_timeout_s: float = 120.0  # one step (longer than the ranks' collective timeout)
     hang_timeout_s: float = 5.0  # a rank without a heartbeat this long is hung
@@ -110,6 +111,8 @@ class ShardedRunner:
                 first["dtype"],
                 first["attention"],
                 first["num_cpu_kernel_modules"],
+                first["quantize"],
+                first["weight_bytes"],
                 kv_dtype=first["kv_dtype"],
             )
             log.info("ranks' KV capacities %s: allocating %d blocks each",
@@ -184,6 +187,7 @@ class ShardedRunner:
                 ("--kv-cache-bytes", config.kv_cache_bytes),
                 ("--threads", config.threads_per_rank),
                 ("--kv-cache-dtype", config.kv_cache_dtype),
+                ("--quantize", config.quantize),
             ):
                 if value is not None:
                     command += [flag, str(value)]

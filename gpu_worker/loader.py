@@ -22,7 +22,7 @@ from tgq.gpu_worker.layers.moe import SparseMoE
 from tgq.gpu_worker.models import model_class
 from tgq.gpu_worker.models.decoder import DecoderForCausalLM
 from tgq.gpu_worker.models.sources import Source
-from tgq.gpu_worker.parallel import SINGLE, TensorParallel
+from tgq.gpu_worker.parallel import ROW_PARALLEL_LINEARS, SINGLE, TensorParallel
 from tgq.gpu_worker.quantization import (
     CompressedScheme,
     GroupedScheme,
@@ -101,8 +101,8 @@ def load_model(
             quantize = stored_method(scheme)
     model.eval().requires_grad_(False)
     if quantize is not None and scheme is None:
-        check_quantize(quantize, tp.world_size)
-        quantize_linears(model, quantize)
+        check_quantize(quantize)
+        quantize_linears(model, quantize, tp)
     num_fast = model.use_cpu_kernels(greedy_head=greedy_head) if cpu_kernels else 0
     log.info(
         "loaded %s (%s) as %s%s on %s, rank %d of %d: weights %.1f MiB (%d modules on the CPU"
@@ -120,12 +120,18 @@ def load_model(
     return LoadedModel(model, config, model_dir, torch_dtype, tp, num_fast, quantize)
 
 
-def quantize_linears(model: DecoderForCausalLM, method: str) -> int:
+def quantize_linears(model: DecoderForCausalLM, method: str, tp: TensorParallel = SINGLE) -> int:
     """The decoder layers' linears as 8-bit weights (`method` "int8" or "fp8") with a scale per
-    output row (`Linear.quantize`). Returns the layers quantized."""
+    output row (`Linear.quantize`). Returns the layers quantized. On several ranks a
+    row-parallel linear's rows are split along K: each row's largest magnitude is taken over
+    every rank's part (an all-reduce), so each rank holds its slice of what one process would
+    quantize, scales and values alike."""
     linears = quantizable_linears(model)
-    for module in linears.values():
-        module.quantize(method)
+    for name, module in linears.items():
+        amax = None
+        if tp.world_size > 1 and name.rsplit(".", 1)[-1] in ROW_PARALLEL_LINEARS:
+            amax = tp.all_reduce_max_(module.weight.detach().float().abs().amax(dim=1))
+        module.quantize(method, amax)
     return len(linears)
 
 

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from tgq.gpu_worker.config import ModelConfig
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a rank that stops answering fails the others' collectives
+# The row-parallel linears (by attribute name): split along their input, partial sums all-reduced.
+ROW_PARALLEL_LINEARS = frozenset({"o_proj", "down_proj"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +125,12 @@ class TensorParallel:
         """Sum over the ranks, in place."""
         if self.world_size > 1:
             dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_max_(self, x: torch.Tensor) -> torch.Tensor:
+        """Maximum over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:

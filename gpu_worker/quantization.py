@@ -50,15 +50,12 @@ class QuantizeError(ValueError):
     """`--quantize` asks for what tgq cannot do."""
 
 
-def check_quantize(method: str, world_size: int) -> None:
-    """A QuantizeError naming what is wrong with `--quantize method` on `world_size` ranks."""
+def check_quantize(method: str) -> None:
+    """A QuantizeError naming what is wrong with `--quantize method` (any number of ranks: each
+    quantizes its slice, the row-parallel ones with the whole rows' scales)."""
     if method not in QUANTIZE_METHODS:
         raise QuantizeError(
             f"--quantize {method!r} is not supported (supported: {', '.join(QUANTIZE_METHODS)})"
-        )
-    if world_size > 1:
-        raise QuantizeError(
-            f"--quantize {method} runs on one rank only (--num-shard 1), not {world_size}"
         )
 
 

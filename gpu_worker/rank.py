@@ -23,7 +23,7 @@ import torch
 
 from tgq.gpu_worker import rank_protocol as protocol
 from tgq.gpu_worker.kv_cache import num_blocks_for_budget
-from tgq.gpu_worker.loader import LoadedModel, load_model
+from tgq.gpu_worker.loader import LoadedModel, load_model, weight_bytes
 from tgq.gpu_worker.parallel import TensorParallel
 from tgq.gpu_worker.plan import plan_from_wire
 from tgq.gpu_worker.runner import (
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 or fp8_e4m3")
+    parser.add_argument("--quantize", default=None, help="int8 or fp8: this rank's slice at load")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     parser.add_argument("--attention-backend", default="auto", help="a kernels registry key")
     parser.add_argument(
@@ -98,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     tp = TensorParallel.from_env(device)
     custom_kernels = not args.disable_custom_kernels
     loaded = load_model(
-        args.model_id, device=device, dtype=args.dtype, cpu_kernels=custom_kernels, tp=tp
-    )
+        args.model_id, device=device, dtype=args.dtype, cpu_kernels=custom_kernels, tp=tp,
+        quantize=args.quantize,
+    )  # fmt: skip
     config = RunnerConfig(
         args.model_id, dtype=args.dtype, device=str(device), block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": str(loaded.dtype).removeprefix("torch."), "attention": backend.name,
         "num_cpu_kernel_modules": loaded.num_cpu_kernel_modules,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "quantize": loaded.quantize, "weight_bytes": weight_bytes(loaded.model),
     }  # fmt: skip
     protocol.write(args.fd_out, protocol.encode(ready))
     try:

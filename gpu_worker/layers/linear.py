@@ -57,11 +57,12 @@ class Linear(nn.Module):
         packed or not."""
         return self.weight_scale is not None
 
-    def quantize(self, method: str) -> None:
+    def quantize(self, method: str, amax: torch.Tensor | None = None) -> None:
         """The weights as 8-bit values, int8 or FP8 E4M3 by `method`, with one scale per output
-        row (`quantize_rows`); the layer's output is then `(x @ w^T) * scale + bias`, summed in
-        fp32, on torch until `use_8bit_kernel`."""
-        self.hold_quantized(*quantize_rows(self.weight.detach(), method))
+        row (`quantize_rows`; `amax`: the rows' largest magnitudes where this layer holds only
+        part of each row); the layer's output is then `(x @ w^T) * scale + bias`, summed in fp32,
+        on torch until `use_8bit_kernel`."""
+        self.hold_quantized(*quantize_rows(self.weight.detach(), method, amax))
 
     def hold_quantized(
         self, q: torch.Tensor, scale: torch.Tensor, input_quant: ActivationQuant | None = None
@@ -255,14 +256,19 @@ class _GroupedMatmul:
 QUANTIZED_DTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 
-def quantize_rows(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    weight: torch.Tensor, method: str, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (q [N, K], scale [N] fp32), symmetric per output row with scale =
     max |w| / (the format's largest value) in fp32 (1 for an all-zero row): `int8` rounds w /
     scale half to even into [-127, 127]; `fp8` converts w / scale to FP8 E4M3 (nearest, ties
-    to even; |w / scale| <= 448 by construction). Dequantized, q * scale."""
+    to even; |w / scale| <= 448 by construction). Dequantized, q * scale. `amax` [N] fp32: the
+    rows' max |w| when `weight` holds part of each row (a row-parallel rank's slice), so that the
+    slices quantize as the whole rows would."""
     dtype, largest = QUANTIZED_DTYPES[method]
     w = weight.float()
-    amax = w.abs().amax(dim=1)
+    if amax is None:
+        amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / largest, torch.ones_like(amax))
     scaled = (w / scale[:, None]).clamp_(-largest, largest)
     if dtype == torch.int8:

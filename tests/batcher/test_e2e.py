@@ -1,5 +1,6 @@
 """The scheduler driving the real runner: greedy output equals transformers token for token,
-whatever the chunk budget, prefix-cache state, preemption or batch composition."""
+whatever the chunk budget, prefix-cache state, preemption or batch composition (with
+TGQ_TEST_QUANTIZE, `--quantize`d against the dequantized weights: tests/quantized_mode.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from tests.gpu_worker.test_parity import LOGPROB_TOL, hf_generate, prompts
+from tests.quantized_mode import QUANTIZE
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine, RequestResult
 from tgq.batcher.request import StoppingParams
@@ -42,7 +44,7 @@ def make_engine(
     num_blocks: int = 512,
     *,
     dtype: str | None = None,
-    quantize: str | None = None,
+    quantize: str | None = QUANTIZE,
     kv_cache_dtype: str = "auto",
     **limits: Any,
 ) -> LLMEngine:

@@ -109,12 +109,9 @@ def test_quantize_reaches_the_runner_and_the_start_up_line(method: str, model_di
 
 
 def test_quantize_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
-    """An unknown method at the flag; more than one rank when the runner is built (the ranks
-    would not quantize), before any rank starts."""
+    """An unknown method at the flag (several ranks quantize their slices:
+    tests/gpu_worker/test_tensor_parallel.py)."""
     with pytest.raises(SystemExit):
         parse_args(["--model-id", "m", "--quantize", "int4"])
     message = "argument --quantize: invalid choice: 'int4' (choose from 'int8', 'fp8')"
     assert message in capsys.readouterr().err
-    options = parse_args(["--model-id", "m", "--quantize", "int8", "--num-shard", "2"])
-    with pytest.raises(ValueError, match=r"runs on one rank only \(--num-shard 1\), not 2"):
-        build_runner(options, "m")

@@ -1,4 +1,6 @@
-"""Greedy generation through the paged runner equals transformers `generate`, token for token."""
+"""Greedy generation through the paged runner equals transformers `generate`, token for token
+(with TGQ_TEST_QUANTIZE, the runner `--quantize`d against transformers on the dequantized weights:
+tests/quantized_mode.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import VARIANTS
+from tests.quantized_mode import QUANTIZE, as_reference
 from tgq.batcher.engine import RequestResult
 from tgq.batcher.offline import OfflineEngine
 from tgq.batcher.request import FinishReason
@@ -29,7 +32,7 @@ def _hf_model(model_dir: Path) -> Any:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # generate exactly NUM_NEW tokens
-    return model.eval()
+    return as_reference(model.eval())
 
 
 def hf_generate(model_dir: Path, prompt: list[int], num_new: int = NUM_NEW) -> RequestResult:
@@ -63,8 +66,9 @@ def generate_greedy(model: Any, prompt: list[int], num_new: int = NUM_NEW) -> Re
 
 def engine(model_dir: Path, block_size: int = 16, backend: str = "auto") -> OfflineEngine:
     config = RunnerConfig(
-        str(model_dir), num_blocks=128, block_size=block_size, attention_backend=backend
-    )
+        str(model_dir), num_blocks=128, block_size=block_size, attention_backend=backend,
+        quantize=QUANTIZE,
+    )  # fmt: skip
     return OfflineEngine(ModelRunner(config))
 
 

@@ -8,7 +8,6 @@ descriptions, bit for bit."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from tests.batcher.test_e2e import (
 from tests.gpu_worker.test_parity import assert_matches, generate_greedy
 from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
 from tests.kernels.markers import EIGHT_BIT_KERNELS, use_eight_bit_kernel
+from tests.quantized_mode import METHODS, REFERENCES, as_torch, reference_rows
 from tgq.batcher.engine import LLMEngine, RequestResult
 from tgq.devtools.quantized_reference import dequantize_in_place
 from tgq.gpu_worker.layers.linear import Linear, quantize_rows
@@ -42,52 +42,6 @@ VARIANTS = (
     "qwen2moe-shared-dense-layer",
     "qwen3moe-top3-norm",
 )
-
-
-def reference_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-row int8 from its description, in numpy float32: scale = max |w| / 127
-    (1 for an all-zero row), q = w / scale rounded half to even, clamped to [-127, 127]."""
-    w = w.astype(np.float32)
-    amax = np.abs(w).max(axis=-1)
-    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(w / scale[..., None]), -127, 127).astype(np.int8)
-    return q, scale
-
-
-def e4m3_magnitudes() -> np.ndarray:
-    """The 127 finite non-negative E4M3 values by code (OCP FP8: 4 exponent bits with bias 7,
-    3 mantissa bits, exponent 0 subnormal, code 0x7F NaN), increasing with the code."""
-    codes = np.arange(127)
-    exponent, mantissa = codes >> 3, codes & 7
-    normal = (1 + mantissa / 8) * 2.0 ** (exponent - 7)
-    return np.where(exponent == 0, mantissa / 8 * 2.0**-6, normal).astype(np.float64)
-
-
-def reference_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-row FP8 E4M3 from its description: scale = max |w| / 448 in float32 (1 for
-    an all-zero row); w / scale (float32) to the nearest E4M3 value, ties to the even code; the
-    E4M3 bits as uint8."""
-    w = w.astype(np.float32)
-    amax = np.abs(w).max(axis=-1)
-    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
-    scaled = np.clip(w / scale[..., None], -448, 448)
-    table, magnitude = e4m3_magnitudes(), np.abs(scaled).astype(np.float64)
-    upper = np.clip(np.searchsorted(table, magnitude), 1, 126)
-    lower = upper - 1
-    below, above = magnitude - table[lower], table[upper] - magnitude
-    code = np.where((above < below) | ((above == below) & (upper % 2 == 0)), upper, lower)
-    code = np.where(magnitude <= table[0], 0, code)
-    sign = np.where(np.signbit(scaled), 0x80, 0)
-    return (code | sign).astype(np.uint8), scale
-
-
-REFERENCES = {"int8": reference_int8, "fp8": reference_fp8}
-METHODS = tuple(REFERENCES)
-
-
-def as_torch(method: str, q: np.ndarray) -> torch.Tensor:
-    tensor = torch.from_numpy(q)
-    return tensor.view(torch.float8_e4m3fn) if method == "fp8" else tensor
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -113,14 +67,6 @@ def test_quantize_rows_is_the_formula_bit_for_bit(method: str) -> None:
     # 224: both go to the even mantissa, 224.
     q, scale = quantize_rows(torch.tensor([[448.0, 232.0, 216.0, -232.0]]), "fp8")
     assert scale.tolist() == [1.0] and q.float().tolist() == [[448.0, 224.0, 224.0, -224.0]]
-
-
-def reference_rows(method: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    def rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, scale = REFERENCES[method](w.numpy())
-        return as_torch(method, q), torch.from_numpy(scale)
-
-    return rows
 
 
 @functools.cache
@@ -224,9 +170,22 @@ def test_the_lm_head_and_routers_keep_their_dtype_and_the_weights_shrink(
     assert weight_bytes(quantized.model) < weight_bytes(plain.model)
 
 
-def test_quantize_is_refused_on_more_than_one_rank_and_for_unknown_methods(
-    model_dirs: dict[str, Path],
-) -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_slices_quantized_with_their_rows_maxima_are_the_whole_rows_slices(method: str) -> None:
+    """A row-parallel rank holds a slice of K of each row: given the whole rows' max |w| (what
+    the ranks all-reduce), its values and scales are those of the whole weight, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(37, 96, generator=gen) * torch.rand(37, 1, generator=gen)
+    w[5] = 0.0  # an all-zero row keeps scale 1
+    q, scale = quantize_rows(w, method)
+    amax = w.abs().amax(dim=1)
+    for start, stop in ((0, 48), (48, 96), (0, 32), (32, 64), (64, 96)):
+        part_q, part_scale = quantize_rows(w[:, start:stop], method, amax.clone())
+        assert torch.equal(part_scale, scale)
+        assert torch.equal(part_q.view(torch.uint8), q[:, start:stop].view(torch.uint8))
+
+
+def test_quantize_refuses_unknown_methods(model_dirs: dict[str, Path]) -> None:
     model_dir = str(model_dirs["llama3-gqa"])
     refused = r"--quantize 'int4' is not supported \(supported: int8, fp8\)"
     with pytest.raises(ValueError, match=refused):

@@ -2,7 +2,8 @@
 processes, each loading its slice of the checkpoint, and the scheduler drives them as one
 runner. Greedy output equals one process's token for token (fp32) for GQA whose KV heads split
 across the ranks, for a single KV head replicated on both, and for Qwen2 (q/k/v biases) with a
-vocabulary that does not split evenly and tied embeddings."""
+vocabulary that does not split evenly and tied embeddings; with `--quantize` (each rank its
+slice), and in the quantized mode of tests/quantized_mode.py (TGQ_TEST_QUANTIZE) everywhere."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from tests.api.stack import write_text_model
 from tests.gpu_worker.test_parity import prompts
+from tests.quantized_mode import QUANTIZE
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.grammar import GrammarSpec
 from tgq.batcher.grammar_compiler import GrammarCompiler
@@ -24,7 +26,7 @@ from tgq.batcher.ranks import ShardConfig, ShardedRunner
 from tgq.batcher.request import StoppingParams
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.config import ModelConfig, model_eos_token_ids
-from tgq.gpu_worker.loader import load_model
+from tgq.gpu_worker.loader import load_model, weight_bytes
 from tgq.gpu_worker.parallel import TensorParallel
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
@@ -104,19 +106,57 @@ def generate(
 def test_two_ranks_generate_what_one_process_does(name: str, tmp_path: Path) -> None:
     model_dir = write_model(tmp_path / name, CONFIGS[name], seed=3)
     batch = prompts(6, 500, 11, (3, 40))
-    single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    single = ModelRunner(
+        RunnerConfig(
+            str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, quantize=QUANTIZE
+        )
+    )
     expected = generate(single, batch, model_dir)
     sharded = ShardedRunner(
         ShardConfig(
-            str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1
+            str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
+            quantize=QUANTIZE,
         )
-    )
+    )  # fmt: skip
     try:
         tokens, prompt_logprobs = generate(sharded, batch, model_dir)
         assert tokens == expected[0]
         for ours, alone in zip(prompt_logprobs, expected[1], strict=True):
             assert ours == pytest.approx(alone, abs=1e-4)
         assert sharded.num_steps > 0
+    finally:
+        sharded.close()
+
+
+@pytest.mark.parametrize(("name", "method"), [("llama-gqa", "int8"), ("qwen2moe-shared", "fp8")])
+def test_two_ranks_quantize_their_slices_as_one_process_does(
+    name: str, method: str, tmp_path: Path
+) -> None:
+    """`--quantize` on two ranks: each quantizes its slice, the row-parallel o_proj and down_proj
+    (an MoE's experts' too) with the whole rows' scales (all-reduced), so the tokens equal one
+    quantized process's (fp32; that one is transformers on the dequantized weights,
+    tests/gpu_worker/test_quantize.py) and prompt logprobs are within 1e-4. The ranks report
+    the method and their weights' bytes."""
+    model_dir = write_model(tmp_path / name, CONFIGS[name], seed=3)
+    batch = prompts(6, 500, 11, (3, 40))
+    single = ModelRunner(
+        RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, quantize=method)
+    )
+    expected = generate(single, batch, model_dir)
+    sharded = ShardedRunner(
+        ShardConfig(
+            str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
+            quantize=method,
+        )
+    )  # fmt: skip
+    try:
+        tokens, prompt_logprobs = generate(sharded, batch, model_dir)
+        assert tokens == expected[0]
+        for ours, alone in zip(prompt_logprobs, expected[1], strict=True):
+            assert ours == pytest.approx(alone, abs=1e-4)
+        assert sharded.served.quantize == method
+        held = sharded.served.weight_bytes
+        assert held is not None and held < 0.6 * weight_bytes(single.loaded.model)
     finally:
         sharded.close()
 
@@ -139,11 +179,16 @@ def test_two_ranks_follow_a_grammar_as_one_process_does(tmp_path: Path) -> None:
         assert all(r.finish_detail == "grammar complete" for r in results)
         return [r.token_ids for r in results]
 
-    single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    single = ModelRunner(
+        RunnerConfig(
+            str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, quantize=QUANTIZE
+        )
+    )
     expected = constrained(single)
     config = ShardConfig(
-        str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1
-    )
+        str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
+        quantize=QUANTIZE,
+    )  # fmt: skip
     sharded = ShardedRunner(config)
     try:
         assert constrained(sharded) == expected
