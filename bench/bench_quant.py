@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="int8,fp8,ct-fp8-dyn,ct-w8a8,gptq-int4,awq-int4,ct-w4a16",
-        help="comma-separated, beside bf16",
+        help="comma-separated, beside bf16 (also: bf16-full-head, gptq-int4-full-head)",
     )
     parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache comparison")
     args = parser.parse_args()
@@ -90,6 +90,9 @@ def main() -> None:
         "gptq-int4": lambda: TgqEngine(checkpoint("gptq"), "auto"),
         "awq-int4": lambda: TgqEngine(checkpoint("awq"), "auto"),
         "ct-w4a16": lambda: TgqEngine(checkpoint("W4A16"), "auto"),
+        # Without the greedy head's int8 screen (every row's logits in full): what it buys.
+        "bf16-full-head": lambda: TgqEngine(path, "auto", greedy_head=False),
+        "gptq-int4-full-head": lambda: TgqEngine(checkpoint("gptq"), "auto", greedy_head=False),
     }
     chosen = ["bf16", *(n for n in args.engines.split(",") if n and n != "bf16")]
     unknown = sorted(set(chosen) - set(makers))

@@ -450,6 +450,7 @@ class TgqEngine:
         *,
         kv_cache_dtype: str = "auto",
         num_blocks: int = 2200,
+        greedy_head: bool = True,
     ) -> None:
         self.runner = ModelRunner(
             RunnerConfig(
@@ -459,6 +460,7 @@ class TgqEngine:
                 attention_backend=backend,
                 quantize=quantize,
                 kv_cache_dtype=kv_cache_dtype,
+                greedy_head=greedy_head,
             )
         )
         self.engine = OfflineEngine(self.runner)
