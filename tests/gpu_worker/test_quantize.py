@@ -32,17 +32,6 @@ from tgq.devtools.quantized_reference import dequantize_in_place
 from tgq.gpu_worker.layers.linear import Linear, quantize_rows
 from tgq.gpu_worker.loader import load_model, weight_bytes
 
-# Dense, fused-checkpoint, soft-capped and mixture-of-experts families (routers stay float).
-VARIANTS = (
-    "llama3-gqa",
-    "qwen2-bias",
-    "gemma2-capped-window",
-    "phi3-partial-window",
-    "mixtral-top2",
-    "qwen2moe-shared-dense-layer",
-    "qwen3moe-top3-norm",
-)
-
 
 @pytest.mark.parametrize("method", METHODS)
 def test_quantize_rows_is_the_formula_bit_for_bit(method: str) -> None:
@@ -86,9 +75,15 @@ def assert_matches_dequantized(model_dir: Path, method: str, results: list[Reque
         assert_matches(ours, generate_greedy(reference, ours.prompt_token_ids, len(ours.token_ids)))
 
 
-# int8 on every family; fp8 (the same layers and path, another quantizer) on a dense and an MoE
-# one here, and on every parity and scheduling test with `make test-quantized QUANTIZE=fp8`.
-FP32_CASES = [("int8", v) for v in VARIANTS] + [("fp8", v) for v in ("llama3-gqa", "mixtral-top2")]
+# int8 on a dense, a capped sliding-window, a partial-rotary and a many-expert family (routers
+# stay float); fp8 (the same layers and path, another quantizer) on a dense and an MoE one. Every
+# family, both methods: `make test-quantized [QUANTIZE=fp8]` (the parity, scheduling and
+# tensor-parallel tests).
+FP32_CASES = [
+    *(("int8", v) for v in ("llama3-gqa", "gemma2-capped-window", "phi3-partial-window")),
+    ("int8", "qwen3moe-top3-norm"),
+    *(("fp8", v) for v in ("llama3-gqa", "mixtral-top2")),
+]
 
 
 @pytest.mark.parametrize(("method", "variant"), FP32_CASES)

@@ -1,8 +1,6 @@
 """tgq installed as a new user installs it, in a fresh venv beside the latest transformers (and
 so Hugging Face's `kernels`): the venv, `tgq serve` with Postgres and Redis started from a
-directory outside the repository, the requests it must answer. `test_wheel.py` installs the wheel
-and `test_editable.py` the repository, editable: two files, so that `-n 2 --dist loadfile` runs
-them side by side (each one to two minutes on two cores, most of it pip)."""
+directory outside the repository, the requests it must answer (`test_install.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -92,9 +90,9 @@ def source_copy(destination: Path) -> Path:
     return destination
 
 
-def new_venv(home: Path, *packages: str | Path, editable: Path | None = None) -> Path:
-    """A fresh venv in `home` with torch, then `packages` (and `editable`, installed `-e`) under
-    the repository's pins, transformers apart; the latest `kernels` must have come with them."""
+def new_venv(home: Path, *packages: str | Path) -> Path:
+    """A fresh venv in `home` with torch, then `packages` under the repository's pins,
+    transformers apart; the latest `kernels` must have come with them."""
     run([sys.executable, "-m", "venv", home / "venv"], cwd=home)
     pip: list[str | Path] = [home / "venv" / "bin" / "python", "-m", "pip"]
     install: list[str | Path] = [*pip, "install", "-q", "--no-compile"]  # imports compile
@@ -102,11 +100,7 @@ def new_venv(home: Path, *packages: str | Path, editable: Path | None = None) ->
     pins = (ROOT / "constraints.txt").read_text().splitlines()
     constraints = home / "constraints.txt"
     constraints.write_text("\n".join(p for p in pins if not p.startswith("transformers==")) + "\n")
-    # The editable build uses the venv's setuptools, as the wheel's build uses the tests' own.
-    repository: Sequence[str | Path] = (
-        () if editable is None else ("--no-build-isolation", "-e", editable)
-    )
-    run([*install, "-c", constraints, *packages, *repository], cwd=home)
+    run([*install, "-c", constraints, *packages], cwd=home)
     listed = json.loads(run([*pip, "list", "--format", "json"], cwd=home))
     installed = {package["name"].lower(): package["version"] for package in listed}
     assert "kernels" in installed, f"the latest transformers did not pull `kernels`: {installed}"
