@@ -116,6 +116,7 @@ def test_batch_of_mixed_lengths(variant: str, backend: str, model_dirs: dict[str
         "phi3-partial-window",
         "mixtral-top2",
         "qwen2moe-shared-dense-layer",
+        "qwen3moe-top3-norm",
     ],
 )
 def test_chunked_prefill(variant: str, chunk_size: int, model_dirs: dict[str, Path]) -> None:
