@@ -80,12 +80,13 @@ class BatcherOptions(BaseSettings):
     quantize: Literal["int8", "fp8"] | None = Field(
         None,
         description="quantize the decoder layers' linears at load, weights only, one scale per"
-        " output row: int8, or fp8 (E4M3); one rank",
+        " output row: int8, or fp8 (E4M3); each rank its slice",
     )
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         "auto",
         description="the KV cache's element type: auto (the model's dtype), or fp8 / fp8_e4m3"
-        " (E4M3, one byte a value, scale 1: half a bf16 cache's bytes); cpu and torch attention",
+        " (E4M3, one byte a value: half a bf16 cache's bytes; each layer's scales from the"
+        " checkpoint's kv_cache_scheme, else 1); cpu and torch attention",
     )
 
     # The scheduler (TGI's meanings).

@@ -28,10 +28,12 @@ from tgq.gpu_worker.quantization import (
     GroupedScheme,
     check_quantize,
     check_stored_quantization,
+    declares_kv_scales,
     refuse_quantized_checkpoint,
     stored_method,
 )
 from tgq.gpu_worker.weights import Checkpoint
+from tgq.kernels.interface import KvScales
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class LoadedModel:
     num_cpu_kernel_modules: int = 0  # modules on the C++ CPU kernels (0: plain torch ops)
     # "int8" or "fp8": the linears quantized at load; "compressed-tensors", "gptq", "awq": stored
     quantize: str | None = None
+    # A checkpoint's calibrated FP8 KV-cache scales, one per layer (`read_kv_scales`); None: none
+    kv_scales: tuple[KvScales, ...] | None = None
 
     @property
     def local_config(self) -> ModelConfig:
@@ -99,6 +103,7 @@ def load_model(
             load_compressed(quantizable_linears(model), sources, checkpoint, scheme)
         if scheme is not None:
             quantize = stored_method(scheme)
+        kv_scales = read_kv_scales(checkpoint, config) if declares_kv_scales(model_dir) else None
     model.eval().requires_grad_(False)
     if quantize is not None and scheme is None:
         check_quantize(quantize)
@@ -117,7 +122,43 @@ def load_model(
         weight_bytes(model) / 2**20,
         num_fast,
     )
-    return LoadedModel(model, config, model_dir, torch_dtype, tp, num_fast, quantize)
+    return LoadedModel(model, config, model_dir, torch_dtype, tp, num_fast, quantize, kv_scales)
+
+
+# Where a compressed-tensors checkpoint stores each layer's KV-cache scales: on the attention
+# module (llm-compressor today), or as the k/v projections' output scales (its older releases).
+KV_SCALE_NAMES = (
+    ("self_attn.k_scale", "self_attn.v_scale"),
+    ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+)
+
+
+def read_kv_scales(checkpoint: Checkpoint, config: ModelConfig) -> tuple[KvScales, ...]:
+    """Each layer's calibrated FP8 KV-cache scales (a stored byte stands for its E4M3 value times
+    the scale), or a ValueError naming the tensor that is missing or not one finite scale > 0."""
+    scales = []
+    for index in range(config.num_layers):
+        prefix = f"model.layers.{index}."
+        names = next(
+            (pair for pair in KV_SCALE_NAMES if checkpoint.has(prefix + pair[0])),
+            KV_SCALE_NAMES[0],
+        )
+        values = []
+        for name in (prefix + names[0], prefix + names[1]):
+            if not checkpoint.has(name):
+                raise ValueError(
+                    f"checkpoint declares a kv_cache_scheme but has no tensor {name!r}"
+                )
+            tensor = checkpoint.get(name, torch.float32)
+            value = float(tensor.reshape(-1)[0]) if tensor.numel() == 1 else float("nan")
+            if not 0.0 < value < float("inf"):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} is not one finite scale > 0 (shape"
+                    f" {tuple(tensor.shape)})"
+                )
+            values.append(value)
+        scales.append(KvScales(*values))
+    return tuple(scales)
 
 
 def quantize_linears(model: DecoderForCausalLM, method: str, tp: TensorParallel = SINGLE) -> int:

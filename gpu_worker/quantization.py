@@ -143,9 +143,10 @@ class CompressedScheme:
     activations: QuantArgs | None  # None: inputs stay in the model's dtype (weight-only)
 
 
-def compressed_scheme(section: Mapping[str, Any]) -> StoredScheme:
-    """config.json's compressed-tensors section -> the scheme, or a QuantizedCheckpointError
-    saying which part of it tgq cannot run."""
+def compressed_scheme(section: Mapping[str, Any]) -> StoredScheme | None:
+    """config.json's compressed-tensors section -> the scheme of its linears (None where it
+    declares KV-cache scales alone), or a QuantizedCheckpointError saying which part of it tgq
+    cannot run."""
 
     def refuse(what: str) -> QuantizedCheckpointError:
         return QuantizedCheckpointError(
@@ -155,6 +156,12 @@ def compressed_scheme(section: Mapping[str, Any]) -> StoredScheme:
             f" (a scale per group or channel) and unquantized inputs: this one has {what}"
         )
 
+    _check_kv_cache_scheme(section.get("kv_cache_scheme"), refuse)
+    if not section.get("config_groups") and section.get("kv_cache_scheme"):
+        for key in ("sparsity_config", "transform_config"):
+            if section.get(key):
+                raise refuse(f"a {key}")
+        return None  # KV-cache scales alone: the weights are stored unquantized
     formats = {section.get("format")} | {
         group.get("format") for group in (section.get("config_groups") or {}).values()
     }
@@ -165,7 +172,7 @@ def compressed_scheme(section: Mapping[str, Any]) -> StoredScheme:
         if formats - {None, PACK_QUANTIZED}:
             raise refuse(f"formats {sorted(str(f) for f in formats - {None})} together")
         return _packed_scheme(section, refuse)
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    for key in ("sparsity_config", "transform_config"):
         if section.get(key):
             raise refuse(f"a {key}")
     groups = list((section.get("config_groups") or {}).values())
@@ -178,12 +185,51 @@ def compressed_scheme(section: Mapping[str, Any]) -> StoredScheme:
 
 
 _Refuse = Callable[[str], QuantizedCheckpointError]
+
+
+def _check_kv_cache_scheme(scheme: Any, refuse: _Refuse) -> None:
+    """A compressed-tensors `kv_cache_scheme` tgq reads: FP8 with one static scale per tensor,
+    stored as each attention's `k_scale` and `v_scale` (`declares_kv_scales`)."""
+    if not scheme:
+        return
+    if not isinstance(scheme, Mapping):
+        raise refuse(f"a kv_cache_scheme of {scheme!r}")
+    what = {
+        f"{scheme.get('num_bits')} bits of type {scheme.get('type')!r}": (
+            scheme.get("num_bits") != 8 or scheme.get("type") != "float"
+        ),
+        f"scales per {scheme.get('strategy')}": scheme.get("strategy") != "tensor",
+        "asymmetric values": scheme.get("symmetric", True) is not True,
+        "dynamic scales": bool(scheme.get("dynamic")),
+    }
+    for name, refused in what.items():
+        if refused:
+            raise refuse(
+                f"a kv_cache_scheme of {name} (tgq reads FP8 KV caches with a static scale per"
+                " tensor)"
+            )
+
+
+def declares_kv_scales(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's config.json declares calibrated KV-cache scales (a
+    compressed-tensors `kv_cache_scheme`, checked by `refuse_quantized_config`): each attention
+    layer's `k_scale` and `v_scale`, which an FP8 cache (`--kv-cache-dtype fp8`) applies."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        return False
+    config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
+    if quantization_method(config) != COMPRESSED_TENSORS:
+        return False
+    section = next(config[key] for key in CONFIG_KEYS if config.get(key) is not None)
+    return bool(section.get("kv_cache_scheme"))
+
+
 PACK_QUANTIZED = "pack-quantized"
 
 
 def _packed_scheme(section: Mapping[str, Any], refuse: _Refuse) -> GroupedScheme:
     """A `pack-quantized` checkpoint's one weight-only scheme (`gpu_worker.grouped` reads it)."""
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    for key in ("sparsity_config", "transform_config"):
         if section.get(key):
             raise refuse(f"a {key}")
     schemes = set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,10 @@ from tgq.gpu_worker.plan import (
 from tgq.gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs, token_mask_words
 from tgq.kernels import AttentionBackend, AttentionStep, SeqSpan, block_size_rule, get_backend
 from tgq.kernels.cpu_paged import CpuPagedAttention
+from tgq.kernels.interface import UNIT_SCALES, KvScales
+from tgq.kernels.kv_write import FP8_CACHE_DTYPES
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per pass (their fp32 logits: 32 MB at 32K)
@@ -99,6 +104,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config, self.loaded.dtype, self.backend)
         if isinstance(self.backend, CpuPagedAttention):
             self.backend.use_kv_dtype(self.kv_dtype, self.loaded.dtype)
+        self.kv_scales = use_kv_scales(self.loaded, self.kv_dtype)
         self.num_blocks = config.num_blocks or num_blocks_for_budget(
             local, self.block_size, self.kv_dtype, kv_budget(config, self.device)
         )
@@ -456,6 +462,30 @@ def kv_cache_dtype(
 
 
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
+
+
+def use_kv_scales(loaded: LoadedModel, kv_dtype: torch.dtype) -> tuple[KvScales, ...] | None:
+    """Gives the model's layers the checkpoint's calibrated KV-cache scales where the cache is
+    FP8, else unit scales; returns the scales in use (None: unit)."""
+    num_layers = loaded.config.num_layers
+    if loaded.kv_scales is not None and kv_dtype not in FP8_CACHE_DTYPES:
+        log.info(
+            "the checkpoint's FP8 KV-cache scales are not used: the KV cache is %s"
+            " (--kv-cache-dtype fp8 applies them)",
+            str(kv_dtype).removeprefix("torch."),
+        )
+    scales = loaded.kv_scales if kv_dtype in FP8_CACHE_DTYPES else None
+    loaded.model.use_kv_scales(list(scales or [UNIT_SCALES] * num_layers))
+    if scales is not None:
+        log.info(
+            "KV cache %s with the checkpoint's scales: keys %.4g-%.4g, values %.4g-%.4g",
+            str(kv_dtype).removeprefix("torch."),
+            min(s.k for s in scales),
+            max(s.k for s in scales),
+            min(s.v for s in scales),
+            max(s.v for s in scales),
+        )
+    return scales
 
 
 def kv_budget(config: RunnerConfig, device: torch.device) -> int:

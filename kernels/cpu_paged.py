@@ -16,6 +16,7 @@ import torch
 
 from tgq.kernels import cpu_ops
 from tgq.kernels.choice import Choices, choose, measure
+from tgq.kernels.interface import UNIT_SCALES, KvScales
 from tgq.kernels.torch_paged import MultiQuery, TorchMetadata, TorchPagedAttention, attend_multi
 
 # Prompt chunk lengths the prefill kernels are timed at, and decode batch sizes (at a context of
@@ -113,8 +114,11 @@ class CpuPagedAttention(TorchPagedAttention):
         key: torch.Tensor,
         value: torch.Tensor,
         meta: TorchMetadata,
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> None:
-        cpu_ops.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)  # FP8: converted
+        cpu_ops.write_kv_(  # FP8: converted
+            k_cache, v_cache, key, value, meta.slot_mapping, kv_scales.k, kv_scales.v
+        )
 
     def _attend_single(
         self,
@@ -125,10 +129,11 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> torch.Tensor:
         if self._torch_decode(query.shape[0]) or self.kv_on_torch:
             return super()._attend_single(
-                query, k_cache, v_cache, meta, scale, sliding_window, softcap
+                query, k_cache, v_cache, meta, scale, sliding_window, softcap, kv_scales
             )
         return cpu_ops.paged_decode_attention(
             query,
@@ -139,6 +144,8 @@ class CpuPagedAttention(TorchPagedAttention):
             scale,
             sliding_window or 0,
             softcap=softcap or 0.0,
+            k_scale=kv_scales.k,
+            v_scale=kv_scales.v,
         )
 
     def _attend_multi(
@@ -150,6 +157,7 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> torch.Tensor:
         kernel = "avx512"
         if self.prefill_choices is not None:
@@ -165,9 +173,11 @@ class CpuPagedAttention(TorchPagedAttention):
             or (fp8 and not cpu_ops.fp8_kv_attention_serves(head_dim))
         ):
             return super()._attend_multi(
-                query, k_cache, v_cache, seq, scale, sliding_window, softcap
+                query, k_cache, v_cache, seq, scale, sliding_window, softcap, kv_scales
             )
-        return _own_prefill(kernel)(self, query, k_cache, v_cache, seq, scale, sliding_window)
+        return _own_prefill(kernel)(
+            self, query, k_cache, v_cache, seq, scale, sliding_window, kv_scales
+        )
 
 
 def own_prefill_kernels() -> list[str]:
@@ -186,10 +196,12 @@ def _own_prefill(kernel: str) -> Callable[..., torch.Tensor]:
         seq: MultiQuery,
         scale: float,
         sliding_window: int | None,
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> torch.Tensor:
         return cpu_ops.paged_prefill_attention(
-            query, k_cache, v_cache, seq.block_ids, seq.kv_len, scale, sliding_window or 0, kernel
-        )
+            query, k_cache, v_cache, seq.block_ids, seq.kv_len, scale, sliding_window or 0,
+            kernel, k_scale=kv_scales.k, v_scale=kv_scales.v,
+        )  # fmt: skip
 
     return attend
 

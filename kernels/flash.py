@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tgq.kernels.interface import AttentionStep
+from tgq.kernels.interface import UNIT_SCALES, AttentionStep, KvScales
 from tgq.kernels.kv_write import write_kv_slots
 
 
@@ -83,6 +83,7 @@ class FlashAttention:
         key: torch.Tensor,
         value: torch.Tensor,
         meta: FlashMetadata,
+        kv_scales: KvScales = UNIT_SCALES,  # caches of the query's dtype: always 1
     ) -> None:
         write_kv_slots(k_cache, v_cache, key, value, meta.slot_mapping)
 
@@ -96,6 +97,7 @@ class FlashAttention:
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        kv_scales: KvScales = UNIT_SCALES,  # caches of the query's dtype: always 1
     ) -> torch.Tensor:
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         out: torch.Tensor = self._varlen(

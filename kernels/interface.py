@@ -64,6 +64,19 @@ class AttentionStep:
         return count
 
 
+@dataclass(frozen=True, slots=True)
+class KvScales:
+    """An FP8 cache's per-tensor scales for one layer: a stored byte stands for its E4M3 value
+    times `k` (keys) or `v` (values); what is written is e4m3(x / scale). A checkpoint's
+    calibrated scales (compressed-tensors `kv_cache_scheme`), else 1. Other caches take 1."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+UNIT_SCALES = KvScales()
+
+
 class AttentionMetadata(Protocol):
     """Whatever tensors a backend precomputes from an `AttentionStep`; shared by all layers."""
 
@@ -94,6 +107,7 @@ class AttentionBackend(Protocol[MetaT]):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         meta: MetaT,
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> None: ...
 
     def attend(
@@ -106,5 +120,6 @@ class AttentionBackend(Protocol[MetaT]):
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -23,10 +23,13 @@ def write_kv_slots(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset
+    k_scale: float = 1.0,  # FP8 caches: what a stored value stands for is it times its scale
+    v_scale: float = 1.0,
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[2:]
     if k_cache.dtype in FP8_CACHE_DTYPES:  # torch has no fp8 index_copy_: move the bytes
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        key, value = to_fp8(key).view(torch.uint8), to_fp8(value).view(torch.uint8)
+        key = to_fp8(key, k_scale).view(torch.uint8)
+        value = to_fp8(value, v_scale).view(torch.uint8)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

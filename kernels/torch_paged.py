@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tgq.kernels.interface import AttentionStep
+from tgq.kernels.interface import UNIT_SCALES, AttentionStep, KvScales
 from tgq.kernels.kv_write import FP8_CACHE_DTYPES, write_kv_slots
 
 
@@ -81,7 +81,11 @@ def attend_multi(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    kv_scales: KvScales = UNIT_SCALES,
 ) -> torch.Tensor:
+    """One multi-query sequence's attention. An FP8 cache's scales as the kernels apply them:
+    the keys' folded into the score scale, the values' onto the output."""
+    scale *= kv_scales.k
     keys = _gather(k_cache, seq.block_ids, query.dtype)[: seq.kv_len].transpose(0, 1)  # [Hkv, L, D]
     values = _gather(v_cache, seq.block_ids, query.dtype)[: seq.kv_len].transpose(0, 1)
     mask = None
@@ -103,7 +107,7 @@ def attend_multi(
     if softcap is not None:
         assert mask is not None
         out = softcapped_attention(query.transpose(0, 1), keys, values, mask, scale, softcap)
-        return out.transpose(0, 1)
+        return _times_v_scale(out.transpose(0, 1), kv_scales)
     # A leading batch axis of 1: on CPU, torch takes its flash kernel only for 4-D inputs (3-D ones
     # run the unfused math path, measured 2-3x slower on a 512-token prompt).
     out = F.scaled_dot_product_attention(
@@ -115,7 +119,11 @@ def attend_multi(
         scale=scale,
         enable_gqa=True,
     )
-    return out[0].transpose(0, 1)
+    return _times_v_scale(out[0].transpose(0, 1), kv_scales)
+
+
+def _times_v_scale(out: torch.Tensor, kv_scales: KvScales) -> torch.Tensor:
+    return out if kv_scales.v == 1.0 else out * kv_scales.v
 
 
 class TorchPagedAttention:
@@ -160,8 +168,9 @@ class TorchPagedAttention:
         key: torch.Tensor,
         value: torch.Tensor,
         meta: TorchMetadata,
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> None:
-        write_kv_slots(k_cache, v_cache, key, value, meta.slot_mapping)
+        write_kv_slots(k_cache, v_cache, key, value, meta.slot_mapping, kv_scales.k, kv_scales.v)
 
     def attend(
         self,
@@ -173,21 +182,19 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> torch.Tensor:
+        args = (scale, sliding_window, softcap, kv_scales)
         if meta.num_single and not meta.multi:  # decode only: that output is the whole output
-            return self._attend_single(
-                query, k_cache, v_cache, meta, scale, sliding_window, softcap
-            )
+            return self._attend_single(query, k_cache, v_cache, meta, *args)
         out = torch.empty_like(query)
         if meta.num_single:
             out[: meta.num_single] = self._attend_single(
-                query[: meta.num_single], k_cache, v_cache, meta, scale, sliding_window, softcap
+                query[: meta.num_single], k_cache, v_cache, meta, *args
             )
         for seq in meta.multi:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = self._attend_multi(
-                query[rows], k_cache, v_cache, seq, scale, sliding_window, softcap
-            )
+            out[rows] = self._attend_multi(query[rows], k_cache, v_cache, seq, *args)
         return out
 
     # One multi-query sequence's attention; a backend with a faster kernel overrides it.
@@ -202,7 +209,9 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        kv_scales: KvScales = UNIT_SCALES,
     ) -> torch.Tensor:
+        scale *= kv_scales.k  # as attend_multi
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         tables = meta.single_block_tables
@@ -224,4 +233,4 @@ class TorchPagedAttention:
             out = F.scaled_dot_product_attention(
                 grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
             )
-        return out.reshape(num_seqs, num_heads, head_dim)
+        return _times_v_scale(out.reshape(num_seqs, num_heads, head_dim), kv_scales)

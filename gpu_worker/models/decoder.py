@@ -35,6 +35,7 @@ from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.kernels import AttentionBackend, AttentionMetadata, cpu_ops
 from tgq.kernels.choice import ROW_BUCKETS, Choices, choose
 from tgq.kernels.greedy_head import GreedyHead
+from tgq.kernels.interface import UNIT_SCALES, KvScales
 from tgq.kernels.replay import OpReplay, tensors_of
 
 # K and V of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -102,6 +103,8 @@ class Attention(nn.Module):
         # Rotary in place on the fused qkv: not with q/k norm or partial rotary (see
         # `has_cpu_kernel`).
         self.use_cpu_kernel = False
+        # An FP8 cache's scales for this layer (`DecoderForCausalLM.use_kv_scales`)
+        self.kv_scales: KvScales = UNIT_SCALES
 
     @property
     def has_cpu_kernel(self) -> bool:
@@ -123,7 +126,7 @@ class Attention(nn.Module):
         if not self.use_cpu_kernel:
             q, k = self._norm_and_rotate(q, k, cos, sin)
         k_cache, v_cache = kv_cache
-        ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta)
+        ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta, self.kv_scales)
         out = ctx.backend.attend(
             q,
             k_cache,
@@ -132,6 +135,7 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
             softcap=self.softcap,
+            kv_scales=self.kv_scales,
         )
         return self.tp.all_reduce_(self.o_proj(out.reshape(num_tokens, shape.q_size)))
 
@@ -462,6 +466,19 @@ class DecoderForCausalLM(nn.Module):
         choices = choose(shapes, lambda: measure_linears("linear", linears, ROW_BUCKETS))
         self.kernel_choices = choices
         return choices
+
+    def use_kv_scales(self, scales: list[KvScales]) -> None:
+        """Each layer's FP8 cache scales, one per layer in order: a checkpoint's calibrated ones
+        (`loader.read_kv_scales`) beside an FP8 cache, else 1 (`runner.ModelRunner`)."""
+        attentions = [m for m in self.modules() if isinstance(m, Attention)]  # layer order
+        if len(scales) != len(attentions):
+            raise ValueError(f"{len(scales)} KV scales for {len(attentions)} layers")
+        if [attention.kv_scales for attention in attentions] == scales:
+            return
+        for attention, layer_scales in zip(attentions, scales, strict=True):
+            attention.kv_scales = layer_scales
+        if self.replay is not None:  # its recordings hold the scales they were made with
+            self.replay = OpReplay(self)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

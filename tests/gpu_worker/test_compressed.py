@@ -229,6 +229,11 @@ def test_config_parsing_names_what_it_cannot_run() -> None:
     ) == CompressedScheme(QuantArgs("float", "channel", False), QuantArgs("float", "token", True))
     weight_only = compressed_scheme(section(weights=weights))
     assert isinstance(weight_only, CompressedScheme) and weight_only.activations is None
+    # KV-cache scales (static, per tensor, FP8) beside the weights' scheme, or alone
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    assert compressed_scheme({**section(weights=weights), "kv_cache_scheme": kv}) == weight_only
+    kv_only = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": kv}
+    assert compressed_scheme(kv_only) is None
     refusals = {
         "weights of 4 bits of type 'int'": section(
             weights={**weights, "num_bits": 4, "type": "int"}
@@ -249,7 +254,17 @@ def test_config_parsing_names_what_it_cannot_run() -> None:
             "format": "pack-quantized",
         },
         "format 'marlin-24'": {**section(weights=weights), "format": "marlin-24"},
-        "a kv_cache_scheme": {**section(weights=weights), "kv_cache_scheme": {"num_bits": 8}},
+        **{
+            f"a kv_cache_scheme of {what} (tgq reads FP8 KV caches with a static scale per"
+            " tensor)": {**section(weights=weights), "kv_cache_scheme": {**kv, **change}}
+            for what, change in (
+                ("8 bits of type 'int'", {"type": "int"}),
+                ("4 bits of type 'float'", {"num_bits": 4}),
+                ("scales per channel", {"strategy": "channel"}),
+                ("asymmetric values", {"symmetric": False}),
+                ("dynamic scales", {"dynamic": True}),
+            )
+        },
         "no config_groups": {"quant_method": "compressed-tensors", "format": "float-quantized"},
     }
     for what, config in refusals.items():

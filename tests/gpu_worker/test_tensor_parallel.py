@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.api.stack import write_text_model
+from tests.gpu_worker.test_kv_fp8 import with_kv_scales
 from tests.gpu_worker.test_parity import prompts
 from tests.quantized_mode import QUANTIZE
 from tgq.batcher.engine import LLMEngine
@@ -58,6 +59,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "Qwen2MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2
     ),
     "mixtral-top2": make_config("MixtralForCausalLM", num_attention_heads=4, num_key_value_heads=2),
+    # q/k norms per head, top-k of many experts renormalised (norm_topk_prob)
+    "qwen3moe-topk-norm": make_config(
+        "Qwen3MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2
+    ),
     # offset q/k norms, a rope per layer type
     "gemma3-gqa-local-rope": make_config(
         "Gemma3ForCausalLM",
@@ -157,6 +162,34 @@ def test_two_ranks_quantize_their_slices_as_one_process_does(
         assert sharded.served.quantize == method
         held = sharded.served.weight_bytes
         assert held is not None and held < 0.6 * weight_bytes(single.loaded.model)
+    finally:
+        sharded.close()
+
+
+def test_two_ranks_apply_a_checkpoints_kv_cache_scales_as_one_process_does(tmp_path: Path) -> None:
+    """An FP8 cache with a checkpoint's calibrated per-layer scales (per tensor: the same on
+    each rank, over its KV heads): the tokens equal one process's, prompt logprobs within 1e-4."""
+    model_dir = write_model(tmp_path / "llama", CONFIGS["llama-gqa"], seed=3)
+    scaled = with_kv_scales(model_dir, tmp_path / "scaled")
+    batch = prompts(6, 500, 11, (3, 40))
+    single = ModelRunner(
+        RunnerConfig(
+            str(scaled), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_cache_dtype="fp8"
+        )
+    )
+    assert single.kv_scales is not None
+    expected = generate(single, batch, scaled)
+    sharded = ShardedRunner(
+        ShardConfig(
+            str(scaled), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
+            kv_cache_dtype="fp8",
+        )
+    )  # fmt: skip
+    try:
+        tokens, prompt_logprobs = generate(sharded, batch, scaled)
+        assert tokens == expected[0]
+        for ours, alone in zip(prompt_logprobs, expected[1], strict=True):
+            assert ours == pytest.approx(alone, abs=1e-4)
     finally:
         sharded.close()
 
