@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -36,6 +37,7 @@ from bench.harness import (
 )
 from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.devtools.grouped_checkpoint import write_grouped
+from tgq.kernels import cpu_ops
 
 PROMPT_LEN = 16
 # The FP8 KV cache against bf16's: a decode step of 16 sequences with this much context each,
@@ -58,6 +60,12 @@ def plot(results: dict[str, dict[str, float]], path: Path) -> None:
     save_figure(fig, "tgq 8-bit and 4-bit weights vs bf16, medium model, CPU 2 threads", path)
 
 
+def without_vnni(make: Callable[[], TgqEngine]) -> TgqEngine:
+    """An engine whose INT8 W8A8 layers load onto the 8-bit weight kernels, not VNNI's."""
+    with mock.patch.object(cpu_ops, "has_vnni_w8a8_linear", lambda: False):
+        return make()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cache", type=Path, default=Path(".cache/bench"))
@@ -67,7 +75,8 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="int8,fp8,ct-fp8-dyn,ct-w8a8,gptq-int4,awq-int4,ct-w4a16",
-        help="comma-separated, beside bf16 (also: bf16-full-head, gptq-int4-full-head)",
+        help="comma-separated, beside bf16 (also: bf16-full-head, gptq-int4-full-head,"
+        " ct-w8a8-dequant)",
     )
     parser.add_argument("--no-kv", action="store_true", help="skip the FP8 KV cache comparison")
     args = parser.parse_args()
@@ -93,6 +102,8 @@ def main() -> None:
         # Without the greedy head's int8 screen (every row's logits in full): what it buys.
         "bf16-full-head": lambda: TgqEngine(path, "auto", greedy_head=False),
         "gptq-int4-full-head": lambda: TgqEngine(checkpoint("gptq"), "auto", greedy_head=False),
+        # INT8 W8A8 without the VNNI kernel (inputs dequantized, then the 8-bit weight kernel).
+        "ct-w8a8-dequant": lambda: without_vnni(lambda: TgqEngine(checkpoint("W8A8"), "auto")),
     }
     chosen = ["bf16", *(n for n in args.engines.split(",") if n and n != "bf16")]
     unknown = sorted(set(chosen) - set(makers))
@@ -114,12 +125,14 @@ def main() -> None:
     write_results("quant", args, results, last.runner)
     plot(results, RESULTS / "quant-cpu.png")
     others = [name for name in results if name != "bf16"]
-    print(f"{'metric':<22}{'bf16':>10}" + "".join(f"{f'{n}/bf16':>17}" for n in others))
+    width = max(17, *(len(n) + 7 for n in others))  # each engine's value and ratio to bf16
+    print(f"{'metric':<22}{'bf16':>10}" + "".join(f"{f'{n}/bf16':>{width}}" for n in others))
     for metric, base in results["bf16"].items():
         ratios = "".join(
-            f"{results[n][metric]:>9.2f} {results[n][metric] / base:>6.3f}" + " " for n in others
+            f"{results[n][metric]:>{width - 7}.2f} {results[n][metric] / base:>6.3f}"
+            for n in others
         )
-        print(f"{metric:<22}{base:>10.2f} {ratios}")
+        print(f"{metric:<22}{base:>10.2f}{ratios}")
     del engines
     if not args.no_kv:
         kv_cache(path, args)

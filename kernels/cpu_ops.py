@@ -42,17 +42,21 @@ __all__ = [
     "has_avx512_vnni_bf16",
     "has_avx512f_kernels",
     "has_int4_linear",
+    "has_vnni_w8a8_linear",
+    "int8_codes",
     "is_available",
     "linear_8bit_packed",
     "linear_bf16",
     "linear_bf16_packed",
     "linear_int4_packed",
+    "linear_w8a8_vnni",
     "moe_experts_bf16",
     "offset_rms_norm",
     "op_program",
     "pack_weight_8bit",
     "pack_weight_bf16",
     "pack_weight_int4",
+    "pack_weight_vnni",
     "paged_decode_attention",
     "paged_prefill_attention",
     "quantize_inputs",
@@ -60,6 +64,7 @@ __all__ = [
     "rotary_qk_",
     "silu_mul",
     "unavailable_reason",
+    "vnni_offset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,6 +83,7 @@ _SOURCES = [
         "linear_int4_avx2.cpp",
         "linear_int4_avx512f.cpp",
         "input_quant.cpp",
+        "linear_w8a8_vnni.cpp",
         "paged_attention.cpp",
         "attention_avx512.cpp",
         "kv_fp8_avx512.cpp",
@@ -359,6 +365,58 @@ def linear_8bit_packed(
         x, packed, scale, out_features, bias, out_fp32, kernel
     )
     return out
+
+
+VNNI_MAX_K = 65536  # `linear_w8a8_vnni`'s int32 sums hold K products of 255 x 128
+
+
+def has_vnni_w8a8_linear() -> bool:
+    """Whether INT8 W8A8 layers run as integers here (`linear_w8a8_vnni`: AVX512_VNNI and
+    AVX512_BF16)."""
+    return has_avx512_vnni_bf16()
+
+
+def pack_weight_vnni(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 weights (K up to 65,536) -> the layout `linear_w8a8_vnni` reads, [ceil(N/16),
+    ceil(K/4), 16, 4] int8: each column's four consecutive K values side by side, zeros past N
+    and K. Needs `has_avx512_vnni_bf16()`."""
+    packed: torch.Tensor = _ops().pack_weight_vnni(w)
+    return packed
+
+
+def vnni_offset(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> [N] int32: 128 * each column's sum of w, what `linear_w8a8_vnni`'s unsigned
+    input codes (q + 128) add to its sums."""
+    return (w.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+
+
+def linear_w8a8_vnni(
+    x: torch.Tensor,  # [M, K] bf16 or fp32
+    packed: torch.Tensor,  # pack_weight_vnni(w [N, K])
+    offset: torch.Tensor,  # vnni_offset(w)
+    w_scale: torch.Tensor,  # [N] fp32
+    out_features: int,  # N
+    bias: torch.Tensor | None = None,
+    *,
+    per_token: bool = True,
+    static_scale: torch.Tensor | None = None,  # [1] fp32: inputs over a stored scale
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """An INT8 W8A8 linear as integers: x's rows quantized to int8 codes q with scales s
+    (`int8_codes`: the codes `quantize_inputs` rounds), then `(float(sum_k q w) * w_scale) * s
+    (+ bias)` per output, the sum exact in int32 (vpdpbusd), rounded once to x's dtype."""
+    out: torch.Tensor = _ops().linear_w8a8_vnni(
+        x, packed, offset, w_scale, out_features, bias, per_token, static_scale
+    )
+    return out
+
+
+def int8_codes(
+    x: torch.Tensor, per_token: bool = True, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes [M, K] and the scales [M] fp32 `linear_w8a8_vnni` multiplies: with them,
+    `quantize_inputs(x, fp8=False, ...)` is `(codes * scale)` rounded to x's dtype."""
+    codes, scales = _ops().int8_codes(x, per_token, static_scale)
+    return codes, scales
 
 
 def pack_weight_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -47,6 +47,9 @@ class Linear(nn.Module):
         self.register_buffer("weight_g_idx", None, persistent=False)
         self.weight_perm: torch.Tensor | None
         self.register_buffer("weight_perm", None, persistent=False)
+        # INT8 W8A8 on the VNNI kernel (`use_vnni_kernel`): 128 * each column's sum of w [N]
+        self.weight_offset: torch.Tensor | None
+        self.register_buffer("weight_offset", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         return self.matmul(x, self.weight, self.bias)
@@ -89,13 +92,17 @@ class Linear(nn.Module):
 
     def use_quantized_kernel(self) -> bool:
         """A quantized layer onto its CPU kernel where this CPU has it and the weights fit it
-        (8-bit: `use_8bit_kernel`; grouped 4-bit: `cpu_ops.linear_int4_packed`, the columns
+        (8-bit: `use_8bit_kernel`, or `use_vnni_kernel` for INT8 W8A8 where `runs_on_vnni`;
+        grouped 4-bit: `cpu_ops.linear_int4_packed`, the columns
         permuted once so that each group is a contiguous run); whether it moved."""
         if self.weight_zero is None or self.weight_g_idx is None:
             kernel = cpu_ops.eight_bit_kernel()
             if kernel is None:
                 return False
-            self.use_8bit_kernel(kernel)
+            if self.runs_on_vnni:
+                self.use_vnni_kernel()
+            else:
+                self.use_8bit_kernel(kernel)
             return True
         q = self.weight.detach()
         layout = contiguous_groups(q, self.weight_g_idx, self.weight_zero.shape[1])
@@ -108,6 +115,34 @@ class Linear(nn.Module):
         self.weight_perm = perm
         self.matmul = _GroupedMatmul(self, group_size=group_size)
         return True
+
+    @property
+    def runs_on_vnni(self) -> bool:
+        """Whether this layer is an INT8 W8A8 one (int8 weights, inputs quantized to int8) that
+        this CPU runs as integers (`use_vnni_kernel`: AVX512_VNNI and AVX512_BF16)."""
+        quant = self.input_quant
+        return (
+            quant is not None
+            and quant.dtype == torch.int8
+            and self.weight.dtype == torch.int8
+            and self.weight.dim() == 2
+            and self.in_features <= cpu_ops.VNNI_MAX_K
+            and cpu_ops.has_vnni_w8a8_linear()
+        )
+
+    @property
+    def on_vnni_kernel(self) -> bool:
+        """Whether this layer runs on the VNNI kernel (`use_vnni_kernel`)."""
+        return isinstance(self.matmul, _VnniMatmul)
+
+    def use_vnni_kernel(self) -> None:
+        """An INT8 W8A8 layer on `cpu_ops.linear_w8a8_vnni`: the inputs' int8 codes times the
+        weights summed exactly in int32, times both scales (vLLM's int8 scaled matmul; the torch
+        path multiplies the codes back by their scale in x's dtype first)."""
+        q = self.weight.detach()
+        self.weight_offset = cpu_ops.vnni_offset(q)
+        self.weight = nn.Parameter(cpu_ops.pack_weight_vnni(q), requires_grad=False)
+        self.matmul = _VnniMatmul(self)
 
     @property
     def is_grouped(self) -> bool:
@@ -200,6 +235,23 @@ class _QuantizedMatmul:
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype)
+
+
+class _VnniMatmul:
+    """`Linear.matmul` of an INT8 W8A8 layer on the VNNI kernel (`Linear.use_vnni_kernel`)."""
+
+    def __init__(self, linear: Linear) -> None:
+        self.linear = linear
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        linear, quant = self.linear, self.linear.input_quant
+        assert linear.weight_scale is not None and linear.weight_offset is not None and quant
+        return cpu_ops.linear_w8a8_vnni(
+            x, weight, linear.weight_offset, linear.weight_scale, linear.out_features, bias,
+            per_token=quant.per_token, static_scale=quant.static_scale,
+        )  # fmt: skip
 
 
 INT4_LARGEST = 15

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <limits>
 
+#include "input_quant.h"
+
 namespace {
 
 template <typename T>
@@ -96,6 +98,54 @@ void quantize_static(const at::Tensor& x, at::Tensor& out, bool fp8, float scale
     }
   });
 }
+
+// Each row of x [M, K] as int8 codes, stored as code + 128 (the unsigned operand of vpdpbusd),
+// at out + r * ld, and its scale: the values `quantize_inputs` (int8) rounds, before it multiplies
+// them back. Dynamic scales are x's dtype's (each row's, or one for all rows); a static one is
+// fp32 and so is x / scale.
+template <typename T>
+void codes_of(const at::Tensor& x, bool per_token, std::optional<float> static_scale,
+              uint8_t* out, int64_t ld, float* scales) {
+  const int64_t rows = x.size(0), K = x.size(1);
+  const T* src = x.data_ptr<T>();
+  const float half_range = step<T>(step<T>(127.0f + 128.0f) / 2);
+  const float eps = static_cast<float>(std::numeric_limits<T>::epsilon());
+  auto scale_of = [&](float largest) {
+    const float scale = step<T>(largest / half_range);
+    return scale == 0 ? eps : scale;
+  };
+  const float whole = static_scale ? *static_scale : per_token ? 0 : scale_of(amax(src, rows * K));
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = src + r * K;
+      const float scale = per_token && !static_scale ? scale_of(amax(row, K)) : whole;
+      scales[r] = scale;
+      uint8_t* dst = out + r * ld;
+      for (int64_t i = 0; i < K; ++i) {
+        const float divided = static_cast<float>(row[i]) / scale;
+        const float scaled = std::clamp(static_scale ? divided : step<T>(divided), -128.0f, 127.0f);
+        dst[i] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(scaled)) + 128);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace tgq_cpu {
+
+void int8_input_codes(const at::Tensor& x, bool per_token, std::optional<float> static_scale,
+                      uint8_t* out, int64_t ld, float* scales) {
+  if (x.scalar_type() == at::kFloat) {
+    codes_of<float>(x, per_token, static_scale, out, ld, scales);
+  } else {
+    codes_of<c10::BFloat16>(x, per_token, static_scale, out, ld, scales);
+  }
+}
+
+}  // namespace tgq_cpu
+
+namespace {
 
 at::Tensor quantize_inputs(const at::Tensor& x, bool fp8, bool per_token,
                            const std::optional<at::Tensor>& static_scale) {

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from tests.batcher.test_e2e import GREEDY_LOGPROBS, STOPPING, _loaded, make_engine, mixed_prompts
 from tests.gpu_worker.test_parity import assert_matches, generate_greedy
 from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
-from tests.kernels.markers import EIGHT_BIT_KERNELS, use_eight_bit_kernel
+from tests.kernels.markers import EIGHT_BIT_KERNELS, requires_vnni_w8a8, use_eight_bit_kernel
 from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.gpu_worker.layers.activation_quant import ActivationQuant
 from tgq.gpu_worker.layers.linear import Linear
@@ -157,6 +157,20 @@ def test_bf16_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
 ) -> None:
     """Each 8-bit kernel this CPU runs, and torch's path (any CPU). On the avx512 kernel, layers
     whose int8 weights use -128 decode it from its own code (a uint8 packing)."""
+    run_in_bf16(scheme, kernel, compressed, monkeypatch)
+
+
+@requires_vnni_w8a8
+def test_int8_w8a8_as_integers_is_within_the_bf16_tolerance(
+    compressed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """INT8 W8A8 layers on the VNNI kernel: the codes' products summed exactly in int32."""
+    run_in_bf16("W8A8", "vnni", compressed, monkeypatch)
+
+
+def run_in_bf16(scheme: str, kernel: str, compressed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama3-gqa in `scheme`, bf16, on `kernel` (`use_eight_bit_kernel`): mixed prompts at 16
+    tokens a step within the bf16 tolerance of transformers running the checkpoint."""
     use_eight_bit_kernel(kernel, monkeypatch)
     model_dir = compressed("llama3-gqa", scheme)
     _loaded.cache_clear()  # the monkeypatch must reach the load
@@ -167,7 +181,10 @@ def test_bf16_is_within_the_bf16_tolerance_on_the_kernel_and_on_torch(
     model = engine.runner.loaded.model  # type: ignore[attr-defined]
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.is_quantized]
     assert len(linears) == 4 * model.config.num_layers
-    assert all(m.matmul.packed == (kernel != "torch") for m in linears)  # type: ignore[attr-defined]
+    if kernel == "vnni":
+        assert all(m.on_vnni_kernel for m in linears)
+    else:
+        assert all(m.matmul.packed == (kernel != "torch") for m in linears)  # type: ignore[attr-defined]
     if kernel == "avx512" and scheme != "FP8_DYNAMIC":  # int8: most layers hold a -128
         assert any(m.weight.dtype == torch.uint8 for m in linears)
     results = engine.generate(mixed_prompts(), GREEDY_LOGPROBS, STOPPING)

@@ -29,6 +29,17 @@ EIGHT_BIT_KERNELS = [
 ]
 
 
+requires_vnni_w8a8 = pytest.mark.skipif(
+    not cpu_ops.has_vnni_w8a8_linear(),
+    reason="the INT8 W8A8 kernel needs AVX512_VNNI and AVX512_BF16",
+)
+
+
 def use_eight_bit_kernel(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quantized layers load onto `kernel` from now on ("torch": no kernel)."""
-    monkeypatch.setattr(cpu_ops, "eight_bit_kernel", lambda: None if kernel == "torch" else kernel)
+    """Quantized layers load onto `kernel` from now on ("torch": no kernel; "vnni": INT8 W8A8
+    layers on `cpu_ops.linear_w8a8_vnni`, the others on the best 8-bit kernel here; the rest
+    take W8A8 layers too)."""
+    best = cpu_ops.eight_bit_kernel()
+    chosen = None if kernel == "torch" else best if kernel == "vnni" else kernel
+    monkeypatch.setattr(cpu_ops, "eight_bit_kernel", lambda: chosen)
+    monkeypatch.setattr(cpu_ops, "has_vnni_w8a8_linear", lambda: kernel == "vnni")
