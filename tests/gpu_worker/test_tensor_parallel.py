@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,20 +108,22 @@ def generate(
     return [output.token_ids for output in outputs], prompt
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_two_ranks_generate_what_one_process_does(name: str, tmp_path: Path) -> None:
-    model_dir = write_model(tmp_path / name, CONFIGS[name], seed=3)
+Check = Callable[[ModelRunner, ShardedRunner], None]
+
+
+def one_and_two_ranks(model_dir: Path, check: Check | None = None, **options: Any) -> None:
+    """The same prompts on one process and on two ranks, with the same `options` (fields of
+    both RunnerConfig and ShardConfig): the same tokens, prompt logprobs within 1e-4; then
+    `check(single, sharded)` before the ranks close."""
     batch = prompts(6, 500, 11, (3, 40))
     single = ModelRunner(
-        RunnerConfig(
-            str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, quantize=QUANTIZE
-        )
+        RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, **options)
     )
     expected = generate(single, batch, model_dir)
     sharded = ShardedRunner(
         ShardConfig(
             str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
-            quantize=QUANTIZE,
+            **options,
         )
     )  # fmt: skip
     try:
@@ -129,8 +132,15 @@ def test_two_ranks_generate_what_one_process_does(name: str, tmp_path: Path) -> 
         for ours, alone in zip(prompt_logprobs, expected[1], strict=True):
             assert ours == pytest.approx(alone, abs=1e-4)
         assert sharded.num_steps > 0
+        if check is not None:
+            check(single, sharded)
     finally:
         sharded.close()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_two_ranks_generate_what_one_process_does(name: str, tmp_path: Path) -> None:
+    one_and_two_ranks(write_model(tmp_path / name, CONFIGS[name], seed=3), quantize=QUANTIZE)
 
 
 @pytest.mark.parametrize(("name", "method"), [("llama-gqa", "int8"), ("qwen2moe-shared", "fp8")])
@@ -142,56 +152,24 @@ def test_two_ranks_quantize_their_slices_as_one_process_does(
     quantized process's (fp32; that one is transformers on the dequantized weights,
     tests/gpu_worker/test_quantize.py) and prompt logprobs are within 1e-4. The ranks report
     the method and their weights' bytes."""
-    model_dir = write_model(tmp_path / name, CONFIGS[name], seed=3)
-    batch = prompts(6, 500, 11, (3, 40))
-    single = ModelRunner(
-        RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, quantize=method)
-    )
-    expected = generate(single, batch, model_dir)
-    sharded = ShardedRunner(
-        ShardConfig(
-            str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
-            quantize=method,
-        )
-    )  # fmt: skip
-    try:
-        tokens, prompt_logprobs = generate(sharded, batch, model_dir)
-        assert tokens == expected[0]
-        for ours, alone in zip(prompt_logprobs, expected[1], strict=True):
-            assert ours == pytest.approx(alone, abs=1e-4)
+
+    def check(single: ModelRunner, sharded: ShardedRunner) -> None:
         assert sharded.served.quantize == method
         held = sharded.served.weight_bytes
         assert held is not None and held < 0.6 * weight_bytes(single.loaded.model)
-    finally:
-        sharded.close()
+
+    one_and_two_ranks(write_model(tmp_path / name, CONFIGS[name], seed=3), check, quantize=method)
 
 
 def test_two_ranks_apply_a_checkpoints_kv_cache_scales_as_one_process_does(tmp_path: Path) -> None:
     """An FP8 cache with a checkpoint's calibrated per-layer scales (per tensor: the same on
     each rank, over its KV heads): the tokens equal one process's, prompt logprobs within 1e-4."""
     model_dir = write_model(tmp_path / "llama", CONFIGS["llama-gqa"], seed=3)
-    scaled = with_kv_scales(model_dir, tmp_path / "scaled")
-    batch = prompts(6, 500, 11, (3, 40))
-    single = ModelRunner(
-        RunnerConfig(
-            str(scaled), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_cache_dtype="fp8"
-        )
-    )
-    assert single.kv_scales is not None
-    expected = generate(single, batch, scaled)
-    sharded = ShardedRunner(
-        ShardConfig(
-            str(scaled), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
-            kv_cache_dtype="fp8",
-        )
-    )  # fmt: skip
-    try:
-        tokens, prompt_logprobs = generate(sharded, batch, scaled)
-        assert tokens == expected[0]
-        for ours, alone in zip(prompt_logprobs, expected[1], strict=True):
-            assert ours == pytest.approx(alone, abs=1e-4)
-    finally:
-        sharded.close()
+
+    def check(single: ModelRunner, sharded: ShardedRunner) -> None:
+        assert single.kv_scales is not None
+
+    one_and_two_ranks(with_kv_scales(model_dir, tmp_path / "scaled"), check, kv_cache_dtype="fp8")
 
 
 def test_two_ranks_follow_a_grammar_as_one_process_does(tmp_path: Path) -> None:
