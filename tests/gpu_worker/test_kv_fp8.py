@@ -18,10 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.batcher.test_e2e import BLOCK_SIZE, GREEDY_LOGPROBS, STOPPING, make_engine, mixed_prompts
+from tests.gpu_worker.test_compressed import ACTIVATION_LOGPROB_TOL
 from tests.gpu_worker.test_parity import assert_matches, generate_greedy
 from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine
+from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.gpu_worker.loader import KV_SCALE_NAMES
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 from tgq.kernels.interface import UNIT_SCALES, KvScales
@@ -173,15 +175,16 @@ KV_CACHE_SCHEME = {  # as llm-compressor writes it
 
 def with_kv_scales(model_dir: Path, out: Path, names: tuple[str, str] = KV_SCALE_NAMES[0]) -> Path:
     """`model_dir`'s checkpoint with `LAYER_SCALES` stored as compressed-tensors stores them
-    (one-element fp32 tensors under `names`, a `kv_cache_scheme` and no weight groups)."""
+    (one-element fp32 tensors under `names`, a `kv_cache_scheme` beside the checkpoint's own
+    compressed-tensors scheme, or alone with no weight groups)."""
     shutil.copytree(model_dir, out)
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {
+    section = config.get("quantization_config") or {
         "quant_method": "compressed-tensors",
         "format": "dense",
         "config_groups": {},
-        "kv_cache_scheme": KV_CACHE_SCHEME,
     }
+    config["quantization_config"] = {**section, "kv_cache_scheme": KV_CACHE_SCHEME}
     (out / "config.json").write_text(json.dumps(config))
     tensors = load_file(out / "model.safetensors")
     for index, scales in enumerate(LAYER_SCALES):
@@ -294,3 +297,21 @@ def test_missing_or_bad_scales_are_refused(model_dirs: dict[str, Path], tmp_path
         with pytest.raises(ValueError) as caught:
             ModelRunner(RunnerConfig(str(model_dir), num_blocks=8, kv_cache_dtype="fp8"))
         assert str(caught.value) == message
+
+
+def test_calibrated_scales_beside_fp8_weights_and_inputs(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An FP8-dynamic checkpoint written by compressed-tensors, plus KV-cache scales: both load;
+    fp32, within the quantized-inputs tolerance of transformers running the checkpoint with
+    keys and values rounded at each layer's scale."""
+    weights = write_compressed(model_dirs["llama3-gqa"], tmp_path / "fp8", "FP8_DYNAMIC")
+    engine = make_engine(
+        with_kv_scales(weights, tmp_path / "fp8-kv"), kv_cache_dtype="fp8",
+        max_batch_prefill_tokens=16, max_batch_size=16,
+    )  # fmt: skip
+    assert kv_scales(engine) == LAYER_SCALES
+    assert engine.runner.loaded.quantize == "compressed-tensors"  # type: ignore[attr-defined]
+    results = engine.generate(mixed_prompts()[:12], GREEDY_LOGPROBS, STOPPING)
+    reference = scaled_reference_model(weights, torch.float32)
+    assert_within_tolerance(weights, results, reference, ACTIVATION_LOGPROB_TOL)
