@@ -82,11 +82,12 @@ class BatcherOptions(BaseSettings):
         description="quantize the decoder layers' linears at load, weights only, one scale per"
         " output row: int8, or fp8 (E4M3); each rank its slice",
     )
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto",
-        description="the KV cache's element type: auto (the model's dtype), or fp8 / fp8_e4m3"
-        " (E4M3, one byte a value: half a bf16 cache's bytes; each layer's scales from the"
-        " checkpoint's kv_cache_scheme, else 1); cpu and torch attention",
+        description="the KV cache's element type: auto (the model's dtype), fp8 / fp8_e4m3 (E4M3,"
+        " one byte a value: half a bf16 cache's bytes; each layer's scales from the checkpoint's"
+        " kv_cache_scheme, else 1) or fp8_e5m2 (E5M2: more range, less precision); cpu and"
+        " torch attention",
     )
 
     # The scheduler (TGI's meanings).

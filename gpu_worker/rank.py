@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 or fp8_e4m3")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--quantize", default=None, help="int8 or fp8: this rank's slice at load")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     parser.add_argument("--attention-backend", default="auto", help="a kernels registry key")

@@ -64,7 +64,8 @@ class RunnerConfig:
     # none of the C++ CPU kernels (linear, norms, greedy head, decode path) nor flash-attn.
     custom_kernels: bool = True
     quantize: str | None = None  # "int8" or "fp8" (`--quantize`): the linears quantized at load
-    # "auto": the model's dtype; "fp8" / "fp8_e4m3" (`--kv-cache-dtype`): E4M3, one byte a value
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3" (`--kv-cache-dtype`): E4M3, one byte a value;
+    # "fp8_e5m2": E5M2 (more range, less precision)
     kv_cache_dtype: str = "auto"
 
 
@@ -445,23 +446,28 @@ def pick_attention(config: RunnerConfig, device: torch.device) -> tuple[Attentio
 def kv_cache_dtype(
     config: RunnerConfig, model_dtype: torch.dtype, backend: AttentionBackend[Any]
 ) -> torch.dtype:
-    """The KV cache's element type (`--kv-cache-dtype`): the model's, or FP8 E4M3 where the
-    attention backend stores and reads it (`AttentionBackend.fp8_kv`; else a ValueError)."""
+    """The KV cache's element type (`--kv-cache-dtype`): the model's, or FP8 (E4M3 or E5M2) where
+    the attention backend stores and reads it (`AttentionBackend.fp8_kv`; else a ValueError)."""
     if config.kv_cache_dtype == "auto":
         return model_dtype
     if config.kv_cache_dtype not in FP8_KV_DTYPES:
         raise ValueError(
-            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported (auto, fp8, fp8_e4m3)"
+            f"--kv-cache-dtype {config.kv_cache_dtype!r} is not supported (auto,"
+            f" {', '.join(FP8_KV_DTYPES)})"
         )
     if not backend.fp8_kv:
         raise ValueError(
             f"--kv-cache-dtype {config.kv_cache_dtype} needs the cpu or torch attention backend,"
             f" not {backend.name!r}"
         )
-    return torch.float8_e4m3fn
+    return FP8_KV_DTYPES[config.kv_cache_dtype]
 
 
-FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
+FP8_KV_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def use_kv_scales(loaded: LoadedModel, kv_dtype: torch.dtype) -> tuple[KvScales, ...] | None:

@@ -590,7 +590,8 @@ def paged_decode_attention(
     AVX512_BF16 CPU, head size a multiple of 32 up to 256) where it can, else "avx2" (any case).
     Tests name paths to check each one.
 
-    float8_e4m3fn caches with a bf16 query: both paths ("auto" takes `fp8_kv_decode_path(D)`).
+    fp8 caches (float8_e4m3fn or float8_e5m2) with a bf16 query: both paths ("auto" takes
+    `fp8_kv_decode_path(D)`).
     They decode the bytes as they read them (AVX-512: to bf16; AVX2: each block's rows to fp32
     once per task) and apply the scales in fp32 outside the sums: scores use
     `fp32(scale) * fp32(k_scale)` as their scale, the output is `acc * (v_scale / sum)`. With both
@@ -631,7 +632,7 @@ def paged_prefill_attention(
     up to 256; products exact, sums fp32, p rounded to bf16 before p @ v (as torch's flash
     kernel does). `kernel` "amx": both products on AMX tiles (needs `has_amx_bf16()`).
 
-    float8_e4m3fn caches (where `fp8_kv_attention_serves(D)`, either kernel): the sequence's
+    fp8 caches, E4M3 or E5M2 (where `fp8_kv_attention_serves(D)`, either kernel): the sequence's
     blocks are decoded to bf16 once per call, the scales applied as `paged_decode_attention`
     applies them; bit-identical to the bf16 caches `cache.to(bf16)` with unit scales."""
     out: torch.Tensor = _ops().paged_prefill_attention(
@@ -652,8 +653,9 @@ def write_kv_(
     """`kernels.kv_write.write_kv_slots` in one op: no copy of strided key/value first, and every
     slot is checked against the cache before anything is written.
 
-    Caches of key's dtype take the rows as they are. float8_e4m3fn caches take bf16 or fp32 rows,
-    each value stored as torch's `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`
+    Caches of key's dtype take the rows as they are. fp8 caches take bf16 or fp32 rows, each value
+    stored as torch's `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)` (E5M2:
+    `.clamp(-57344, 57344).to(torch.float8_e5m2)`)
     (round to nearest even, saturating: no NaN but from a NaN)."""
     _ops().write_kv_(k_cache, v_cache, key, value, slot_mapping, k_scale, v_scale)
 

@@ -90,7 +90,7 @@ class AttentionBackend(Protocol[MetaT]):
     """`MetaT` is the backend's own metadata type, made by `prepare` and read by the others."""
 
     name: str
-    fp8_kv: bool  # whether it stores and reads an FP8 E4M3 cache (`--kv-cache-dtype fp8`)
+    fp8_kv: bool  # whether it stores and reads FP8 caches (`--kv-cache-dtype fp8|fp8_e5m2`)
 
     def prepare(self, step: AttentionStep, device: torch.device) -> MetaT: ...
 

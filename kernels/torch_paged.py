@@ -128,7 +128,7 @@ def _times_v_scale(out: torch.Tensor, kv_scales: KvScales) -> torch.Tensor:
 
 class TorchPagedAttention:
     name = "torch"
-    fp8_kv = True  # stores and reads an FP8 E4M3 cache (`--kv-cache-dtype fp8`)
+    fp8_kv = True  # stores and reads FP8 caches, E4M3 or E5M2 (`--kv-cache-dtype`)
 
     def prepare(self, step: AttentionStep, device: torch.device) -> TorchMetadata:
         num_single = step.num_single

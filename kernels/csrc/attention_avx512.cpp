@@ -212,8 +212,8 @@ inline Rows block_rows(const DecodeArgs& a, const void* cache, int64_t offset, i
   if (a.kv_format == KvFormat::kBf16) {
     return {static_cast<const bf16_bits*>(cache) + offset, stride};
   }
-  e4m3_rows_to_bf16(static_cast<const uint8_t*>(cache) + offset, stride, count, a.shape.head_dim,
-                    decoded.data());
+  fp8_rows_to_bf16(a.kv_format, static_cast<const uint8_t*>(cache) + offset, stride, count,
+                   a.shape.head_dim, decoded.data());
   return {decoded.data(), a.shape.head_dim};
 }
 

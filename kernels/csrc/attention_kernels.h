@@ -15,9 +15,9 @@ struct DecodeShape {
   float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2)
 };
 
-// How the AVX-512 kernels' KV cache holds its values: bf16, or FP8 E4M3 bytes, each standing for
-// its value times the cache's scale (one fp32 scale per cache tensor).
-enum class KvFormat { kBf16, kFp8E4M3 };
+// How the AVX-512 kernels' KV cache holds its values: bf16, or FP8 bytes (E4M3 or E5M2), each
+// standing for its value times the cache's scale (one fp32 scale per cache tensor).
+enum class KvFormat { kBf16, kFp8E4M3, kFp8E5M2 };
 
 // One call with a bf16 query, checked: tables [batch, max_blocks] and kv_lens [batch] int64,
 // every block id a sequence reads inside the cache. An fp8 cache's scales are applied in fp32,
@@ -30,7 +30,7 @@ struct DecodeArgs {
   int64_t q_stride;  // elements between sequences' query rows (a view of the fused qkv is fine)
   const bf16_bits* query;
   KvFormat kv_format;
-  const void* k_cache;  // bf16_bits or E4M3 bytes, as kv_format says
+  const void* k_cache;  // bf16_bits or FP8 bytes, as kv_format says
   const void* v_cache;
   float v_scale;
   const int64_t* tables;
@@ -71,6 +71,14 @@ void paged_decode_bf16_avx512(const DecodeArgs& args);
 // cpu_has_avx512_8bit_linear() (AVX512_BF16 and AVX512_VBMI, as the 8-bit linear's decoding).
 void e4m3_rows_to_bf16(const uint8_t* rows, int64_t stride, int64_t num_rows, int64_t row_values,
                        bf16_bits* out);
+
+// The same for FP8 E5M2 bytes (each the high byte of an fp16: widened by vcvtph2ps, exact).
+void e5m2_rows_to_bf16(const uint8_t* rows, int64_t stride, int64_t num_rows, int64_t row_values,
+                       bf16_bits* out);
+
+// e4m3_rows_to_bf16 or e5m2_rows_to_bf16, as `format` (an fp8 one) says.
+void fp8_rows_to_bf16(KvFormat format, const uint8_t* rows, int64_t stride, int64_t num_rows,
+                      int64_t row_values, bf16_bits* out);
 
 // One sequence's prefill chunk: its num_queries new tokens, at positions kv_len - num_queries ..
 // kv_len - 1, attend causally (and within the window) to its first kv_len tokens, whose K/V are

@@ -60,4 +60,33 @@ void e4m3_rows_to_bf16(const uint8_t* rows, int64_t stride, int64_t num_rows, in
   }
 }
 
+// 16 bytes at a time: each byte is the high byte of the fp16 with the same value; vcvtph2ps
+// widens it exactly (fp16 subnormals included), vcvtneps2bf16 narrows it exactly (2 mantissa
+// bits).
+void e5m2_rows_to_bf16(const uint8_t* rows, int64_t stride, int64_t num_rows, int64_t row_values,
+                       bf16_bits* out) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const uint8_t* row = rows + r * stride;
+    bf16_bits* dst = out + r * row_values;
+    for (int64_t i = 0; i < row_values; i += 16) {
+      const auto mask = static_cast<__mmask16>(
+          row_values - i >= 16 ? 0xFFFF : (1u << (row_values - i)) - 1);
+      const __m256i half = _mm256_slli_epi16(
+          _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, row + i)), 8);
+      const __m512 wide = _mm512_cvtph_ps(half);
+      _mm256_mask_storeu_epi16(dst + i, mask,
+                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(wide)));
+    }
+  }
+}
+
+void fp8_rows_to_bf16(KvFormat format, const uint8_t* rows, int64_t stride, int64_t num_rows,
+                      int64_t row_values, bf16_bits* out) {
+  if (format == KvFormat::kFp8E5M2) {
+    e5m2_rows_to_bf16(rows, stride, num_rows, row_values, out);
+  } else {
+    e4m3_rows_to_bf16(rows, stride, num_rows, row_values, out);
+  }
+}
+
 }  // namespace tgq_cpu

@@ -3,8 +3,9 @@
 // tensor. key and value may be views of the fused qkv activation (any token stride, each token's
 // heads contiguous), so nothing is copied first. Slots are checked before anything is written.
 //
-// FP8 E4M3 caches take bf16 or fp32 rows, each value quantized with its cache's fp32 scale: the
-// byte is torch's `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`, bit for bit.
+// FP8 caches take bf16 or fp32 rows, each value quantized with its cache's fp32 scale: the byte
+// is torch's `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)` (E4M3), or
+// `(x.float() / scale).clamp(-57344, 57344).to(torch.float8_e5m2)` (E5M2), bit for bit.
 #include "avx2_common.h"
 
 namespace {
@@ -43,6 +44,36 @@ inline __m256i e4m3_codes(__m256 x, __m256 scale) {
   return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
 }
 
+// The E5M2 bytes of 8 values as torch rounds them (c10's fp8e5m2_from_fp32_value): y = x / scale
+// saturated to +-57344 (a NaN stays one), then to nearest, ties to even:
+//  - |y| >= 2^-14 (normal): the fp32 significand rounded to 2 bits in the integer domain, the
+//    exponent rebiased from 127 to 15;
+//  - below (subnormal, m * 2^-16): |y| + 2^7 rounds, in the fp32 add, to a multiple of 2^-16
+//    (the ulp at 2^7), whose low bits are m;
+//  - a NaN: 0x7F. The sign bit is y's.
+inline __m256i e5m2_codes(__m256 x, __m256 scale) {
+  const __m256 limit = _mm256_set1_ps(57344.0f);
+  const __m256 y = _mm256_min_ps(limit, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), limit),
+                                                      _mm256_div_ps(x, scale)));
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i magnitude = _mm256_xor_si256(bits, sign);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, 21), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_add_epi32(magnitude, _mm256_add_epi32(odd, _mm256_set1_epi32(0xFFFFF)));
+  const __m256i normal =
+      _mm256_sub_epi32(_mm256_srli_epi32(rounded, 21), _mm256_set1_epi32(112 << 2));
+  const __m256 magic = _mm256_set1_ps(128.0f);
+  const __m256i subnormal =
+      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(magnitude), magic)),
+                       _mm256_castps_si256(magic));
+  const __m256i is_normal = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32((113 << 23) - 1));
+  const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
+  __m256i code = _mm256_blendv_epi8(subnormal, normal, is_normal);
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), is_nan);
+  return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+}
+
 // The low bytes of the 8 lanes, to out[0..7].
 inline void store_bytes(__m256i codes, uint8_t* out) {
   const __m256i words = _mm256_packus_epi32(codes, codes);  // per 128-bit half: c0-3 c0-3
@@ -52,16 +83,17 @@ inline void store_bytes(__m256i codes, uint8_t* out) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(both));
 }
 
-// n values of x -> their E4M3 bytes at out.
-template <typename T>
-void e4m3_row(const T* x, int64_t n, __m256 scale, uint8_t* out) {
+// n values of x -> their FP8 bytes at out (E5M2 with kE5m2, else E4M3).
+template <typename T, bool kE5m2>
+void fp8_row(const T* x, int64_t n, __m256 scale, uint8_t* out) {
+  const auto codes = [scale](__m256 v) { return kE5m2 ? e5m2_codes(v, scale) : e4m3_codes(v, scale); };
   int64_t i = 0;
-  for (; i + kVec <= n; i += kVec) store_bytes(e4m3_codes(tgq_cpu::load8(x + i), scale), out + i);
+  for (; i + kVec <= n; i += kVec) store_bytes(codes(tgq_cpu::load8(x + i)), out + i);
   if (i < n) {  // the tail, through a zero-padded vector
     float tail[kVec] = {};
     uint8_t bytes[kVec];
     for (int64_t j = i; j < n; ++j) tail[j - i] = tgq_cpu::to_f32(x[j]);
-    store_bytes(e4m3_codes(_mm256_loadu_ps(tail), scale), bytes);
+    store_bytes(codes(_mm256_loadu_ps(tail)), bytes);
     std::memcpy(out + i, bytes, n - i);
   }
 }
@@ -69,14 +101,15 @@ void e4m3_row(const T* x, int64_t n, __m256 scale, uint8_t* out) {
 // A token's Hkv * D values of key or value -> their bytes in an fp8 cache row.
 using QuantizeRow = void (*)(const char* row, int64_t n, float scale, char* out);
 
-template <typename T>
+template <typename T, bool kE5m2>
 void quantize_row(const char* row, int64_t n, float scale, char* out) {
-  e4m3_row(reinterpret_cast<const T*>(row), n, _mm256_set1_ps(scale),
-           reinterpret_cast<uint8_t*>(out));
+  fp8_row<T, kE5m2>(reinterpret_cast<const T*>(row), n, _mm256_set1_ps(scale),
+                    reinterpret_cast<uint8_t*>(out));
 }
 
 // key and value share a dtype, and so do the caches: the same one (rows copied as they are, no
-// scales: both 1), or float8_e4m3fn caches beside bf16 or fp32 rows, with finite scales > 0.
+// scales: both 1), or float8_e4m3fn or float8_e5m2 caches beside bf16 or fp32 rows, with finite
+// scales > 0.
 // Returns how rows are quantized, nullptr where they are copied.
 QuantizeRow check_dtypes(const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& key, const at::Tensor& value, double k_scale,
@@ -86,17 +119,21 @@ QuantizeRow check_dtypes(const at::Tensor& k_cache, const at::Tensor& v_cache,
               "write_kv_: key and value must share a dtype, and so must the caches");
   if (rows == cache) {
     TORCH_CHECK(k_scale == 1.0 && v_scale == 1.0, "write_kv_: k_scale and v_scale apply to "
-                "float8_e4m3fn caches of bf16 or fp32 rows only, got ", k_scale, " and ",
+                "fp8 caches of bf16 or fp32 rows only, got ", k_scale, " and ",
                 v_scale, " for ", cache, " rows and caches");
     return nullptr;
   }
-  TORCH_CHECK(cache == at::kFloat8_e4m3fn && (rows == at::kBFloat16 || rows == at::kFloat),
+  const bool e5m2 = cache == at::kFloat8_e5m2;
+  TORCH_CHECK((cache == at::kFloat8_e4m3fn || e5m2) &&
+                  (rows == at::kBFloat16 || rows == at::kFloat),
               "write_kv_: key, value and the caches must share a dtype, or the caches be "
-              "float8_e4m3fn and key and value bf16 or fp32, got ", rows, " and ", cache);
+              "float8_e4m3fn or float8_e5m2 and key and value bf16 or fp32, got ", rows, " and ",
+              cache);
   TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
               "write_kv_: k_scale and v_scale must be finite and > 0, got ", k_scale, " and ",
               v_scale);
-  return rows == at::kFloat ? quantize_row<float> : quantize_row<bf16_bits>;
+  if (e5m2) return rows == at::kFloat ? quantize_row<float, true> : quantize_row<bf16_bits, true>;
+  return rows == at::kFloat ? quantize_row<float, false> : quantize_row<bf16_bits, false>;
 }
 
 void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key,

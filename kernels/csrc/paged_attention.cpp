@@ -3,8 +3,8 @@
 // every CPU, head size and dtype, and the dispatch to the AVX-512 one (attention_avx512.cpp).
 // paged_prefill_attention: the checks in front of prefill_avx512.cpp's kernel.
 //
-// Both also take FP8 E4M3 caches beside a bf16 query (a byte stands for its E4M3 value times the
-// cache's fp32 scale): the AVX-512 kernels where fp8_kv_attention_serves, and decode's AVX2
+// Both also take FP8 caches, E4M3 or E5M2, beside a bf16 query (a byte stands for its FP8 value
+// times the cache's fp32 scale): the AVX-512 kernels where fp8_kv_attention_serves, and decode's AVX2
 // kernel on any CPU (it decodes each block to fp32 first, below).
 #include "attention_kernels.h"
 #include "linear_kernels.h"
@@ -117,8 +117,12 @@ struct HeadState {
   std::vector<float> k_rows, v_rows;  // fp8 caches: [block_size, kv heads of the task, D]
 };
 
-// An FP8 E4M3 cache's bytes, as the AVX2 kernel reads them (decode_task's C).
+// An FP8 cache's bytes, as the AVX2 kernel reads them (decode_task's C): E4M3, or E5M2 (a type
+// of its own, so that the two decode differently).
 using e4m3_byte = uint8_t;
+struct e5m2_byte {
+  uint8_t bits;
+};
 
 // ----------------------------------------------------------------------------------------------
 // FP8 E4M3 -> fp32 for the AVX2 kernel. A byte s.eeee.mmm, sign-extended to 16 bits and shifted
@@ -155,6 +159,24 @@ __attribute__((target("f16c"))) void e4m3_rows_to_scaled_f32(const e4m3_byte* ro
       _mm256_storeu_ps(out + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)));
     }
     for (; i < row_values; ++i) out[i] = e4m3_scaled_f32(row[i]);
+  }
+}
+
+// FP8 E5M2 -> fp32 for the AVX2 kernel: each byte is the high byte of the fp16 with its value,
+// which F16C widens exactly (no factor to undo, unlike E4M3's 2^-8).
+__attribute__((target("f16c"))) void e5m2_rows_to_scaled_f32(const e5m2_byte* rows,
+                                                              int64_t stride, int64_t num_rows,
+                                                              int64_t row_values, float* out) {
+  for (int64_t r = 0; r < num_rows; ++r, out += row_values) {
+    const auto* row = reinterpret_cast<const uint8_t*>(rows + r * stride);
+    int64_t i = 0;
+    for (; i + 16 <= row_values; i += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+      const __m256i half = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm256_castsi256_si128(half)));
+      _mm256_storeu_ps(out + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1)));
+    }
+    for (; i < row_values; ++i) out[i] = _cvtsh_ss(static_cast<uint16_t>(row[i] << 8));
   }
 }
 
@@ -227,10 +249,15 @@ void decode_task(const DecodeShape& s, HeadState& st, const T* query, const C* k
   for (int64_t bi = first / bs; bi * bs < kv_len; ++bi) {
     const int64_t t0 = std::max(first, bi * bs), t1 = std::min(kv_len, (bi + 1) * bs);
     const int64_t base = ((table[bi] * bs + (t0 - bi * bs)) * s.num_kv_heads + h0) * d;
-    if constexpr (std::is_same_v<C, e4m3_byte>) {
+    if constexpr (!std::is_same_v<C, T>) {
       const int64_t width = (h1 - h0) * d;  // the task's heads of one token are contiguous
-      e4m3_rows_to_scaled_f32(k_cache + base, row_stride, t1 - t0, width, st.k_rows.data());
-      e4m3_rows_to_scaled_f32(v_cache + base, row_stride, t1 - t0, width, st.v_rows.data());
+      if constexpr (std::is_same_v<C, e5m2_byte>) {
+        e5m2_rows_to_scaled_f32(k_cache + base, row_stride, t1 - t0, width, st.k_rows.data());
+        e5m2_rows_to_scaled_f32(v_cache + base, row_stride, t1 - t0, width, st.v_rows.data());
+      } else {
+        e4m3_rows_to_scaled_f32(k_cache + base, row_stride, t1 - t0, width, st.k_rows.data());
+        e4m3_rows_to_scaled_f32(v_cache + base, row_stride, t1 - t0, width, st.v_rows.data());
+      }
       attend_block(st, BlockSpan{t1 - t0, h1 - h0, g, width, d, bs, s.softcap},
                    st.k_rows.data(), st.v_rows.data());
     } else {
@@ -327,16 +354,18 @@ bool use_avx512(std::string_view path, const at::Tensor& query, bool fp8_cache) 
   return true;
 }
 
-// The caches' dtypes against the query's: all bf16 or all fp32, or fp8 E4M3 caches and a bf16
-// query. True for fp8 caches, whose scales must be finite and positive; other caches take none
-// (scales 1).
-bool check_cache_dtypes(const char* op, const at::Tensor& query, const at::Tensor& k_cache,
+// The caches' dtypes against the query's: all bf16 or all fp32, or fp8 (E4M3 or E5M2) caches and
+// a bf16 query. The caches' format (kBf16 for any non-fp8 one); fp8 caches' scales must be finite
+// and positive, other caches take none (scales 1).
+KvFormat check_cache_dtypes(const char* op, const at::Tensor& query, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, double k_scale, double v_scale) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), op,
               ": k_cache and v_cache must share a dtype, got ", k_cache.scalar_type(), " and ",
               v_cache.scalar_type());
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  if (fp8) {
+  const KvFormat format = k_cache.scalar_type() == at::kFloat8_e4m3fn   ? KvFormat::kFp8E4M3
+                          : k_cache.scalar_type() == at::kFloat8_e5m2 ? KvFormat::kFp8E5M2
+                                                                      : KvFormat::kBf16;
+  if (format != KvFormat::kBf16) {
     TORCH_CHECK(query.scalar_type() == at::kBFloat16, op,
                 ": fp8 caches need a bf16 query, got ", query.scalar_type());
     TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
@@ -345,12 +374,12 @@ bool check_cache_dtypes(const char* op, const at::Tensor& query, const at::Tenso
   } else {
     TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), op,
                 ": query, k_cache and v_cache must share a dtype (or the caches be "
-                "float8_e4m3fn beside a bf16 query)");
+                "float8_e4m3fn or float8_e5m2 beside a bf16 query)");
     TORCH_CHECK(k_scale == 1.0 && v_scale == 1.0, op,
                 ": k_scale and v_scale apply to fp8 caches only, got ", k_scale, " and ",
                 v_scale, " for ", k_cache.scalar_type(), " caches");
   }
-  return fp8;
+  return format;
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
@@ -370,8 +399,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
               " vs cache ", k_cache.size(3));
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_decode_attention: ", heads,
               " query heads is not a multiple of ", kv_heads, " kv heads");
-  const bool fp8 =
+  const KvFormat format =
       check_cache_dtypes("paged_decode_attention", query, k_cache, v_cache, k_scale, v_scale);
+  const bool fp8 = format != KvFormat::kBf16;
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kFloat,
               "paged_decode_attention: dtype must be bf16 or fp32, got ", query.scalar_type());
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
@@ -402,11 +432,14 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   if (use_avx512(path, query, fp8)) {
     paged_decode_bf16_avx512(DecodeArgs{
         shape, batch, query.stride(0), data_as<bf16_bits>(query),
-        fp8 ? KvFormat::kFp8E4M3 : KvFormat::kBf16, k_cache.data_ptr(), v_cache.data_ptr(),
+        format, k_cache.data_ptr(), v_cache.data_ptr(),
         static_cast<float>(v_scale), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
         mutable_data_as<bf16_bits>(out)});
+  } else if (format == KvFormat::kFp8E5M2) {
+    decode_dispatch<bf16_bits, e5m2_byte>(shape, query, k_cache, v_cache, tables, lens,
+                                          static_cast<float>(v_scale), out);
   } else if (fp8) {
-    // The AVX2 kernel's decoded values are the bytes' times 2^-8: the scales take the 2^8
+    // The AVX2 kernel's decoded E4M3 values are the bytes' times 2^-8: the scales take the 2^8
     // (exactly, so the sums are those of the bf16 kernel on `cache.to(bf16) * scale`).
     shape.scale *= kE4m3Unscale;
     decode_dispatch<bf16_bits, e4m3_byte>(shape, query, k_cache, v_cache, tables, lens,
@@ -427,7 +460,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 // own (block i: block_ids[i]'s values). The prefill kernels read each K row once per tile of 16
 // queries (and AMX's copy of the keys is bf16 anyway): decoding once per call costs one pass
 // over the sequence's bytes, beside a chunk's compute.
-at::Tensor decoded_blocks(const at::Tensor& cache, const int64_t* block_ids, int64_t used) {
+at::Tensor decoded_blocks(const at::Tensor& cache, KvFormat format, const int64_t* block_ids,
+                          int64_t used) {
   const int64_t block_values = cache.size(1) * cache.size(2) * cache.size(3);
   at::Tensor out = at::empty({used, cache.size(1), cache.size(2), cache.size(3)},
                              cache.options().dtype(at::kBFloat16));
@@ -435,8 +469,8 @@ at::Tensor decoded_blocks(const at::Tensor& cache, const int64_t* block_ids, int
   bf16_bits* values = mutable_data_as<bf16_bits>(out);
   at::parallel_for(0, used, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      e4m3_rows_to_bf16(bytes + block_ids[i] * block_values, block_values, 1, block_values,
-                        values + i * block_values);
+      fp8_rows_to_bf16(format, bytes + block_ids[i] * block_values, block_values, 1,
+                       block_values, values + i * block_values);
     }
   });
   return out;
@@ -465,8 +499,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
               "paged_prefill_attention: k_cache and v_cache must both be contiguous CPU "
               "[num_blocks, block_size, Hkv, ", d, "], got ", k_cache.sizes(), " and ",
               v_cache.sizes());
-  const bool fp8 =
+  const KvFormat format =
       check_cache_dtypes("paged_prefill_attention", query, k_cache, v_cache, k_scale, v_scale);
+  const bool fp8 = format != KvFormat::kBf16;
   TORCH_CHECK(!fp8 || cpu_has_avx512_8bit_linear(), "paged_prefill_attention: fp8 caches need "
               "a CPU with AVX512_VBMI (fp8_kv_attention_serves)");
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
@@ -487,8 +522,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
                 i, "] = ", id[i], " is outside the cache's ", k_cache.size(0), " blocks");
   }
   // fp8: the kernels read the decoded blocks, in order (block i is the sequence's block i).
-  const at::Tensor keys = fp8 ? decoded_blocks(k_cache, id, used) : k_cache;
-  const at::Tensor values = fp8 ? decoded_blocks(v_cache, id, used) : v_cache;
+  const at::Tensor keys = fp8 ? decoded_blocks(k_cache, format, id, used) : k_cache;
+  const at::Tensor values = fp8 ? decoded_blocks(v_cache, format, id, used) : v_cache;
   std::vector<int64_t> in_order(fp8 ? used : 0);
   std::iota(in_order.begin(), in_order.end(), 0);
   at::Tensor out = at::empty({num_queries, heads, d}, query.options());

@@ -46,8 +46,9 @@ def _register_reference_attention() -> None:
     def rounded(forward: Any) -> Any:
         def attention(module: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any) -> Any:
             scales = getattr(module, "kv_scales", UNIT_SCALES)  # `scaled_reference_model`'s
+            fp8 = getattr(module, "kv_dtype", torch.float8_e4m3fn)
             key, value = (
-                to_fp8(t, scale).to(t.dtype) * scale
+                to_fp8(t, scale, fp8).to(t.dtype) * scale
                 for t, scale in ((key, scales.k), (value, scales.v))
             )
             return forward(module, query, key, value, *args, **kw)
@@ -195,18 +196,26 @@ def with_kv_scales(model_dir: Path, out: Path, names: tuple[str, str] = KV_SCALE
 
 
 @functools.cache
-def scaled_reference_model(model_dir: Path, dtype: torch.dtype) -> Any:
-    """transformers' model of `model_dir` whose attention rounds keys and values through E4M3
-    at `LAYER_SCALES` (the checkpoint's own config keeps transformers from quantizing)."""
+def scaled_reference_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    scales: tuple[KvScales, ...] | None = None,
+    kv_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> Any:
+    """transformers' model of `model_dir` whose attention rounds keys and values through
+    `kv_dtype` at each layer's `scales` (default `LAYER_SCALES`; the checkpoint's own config
+    keeps transformers from quantizing)."""
     from transformers import AutoModelForCausalLM
 
     _register_reference_attention()
+    eager = "gemma2" in model_dir.name
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=ATTENTION
+        model_dir, dtype=dtype, attn_implementation=EAGER_ATTENTION if eager else ATTENTION
     )
     model.generation_config.eos_token_id = None
-    for layer, scales in zip(model.model.layers, LAYER_SCALES, strict=True):
-        layer.self_attn.kv_scales = scales
+    for layer, layer_scales in zip(model.model.layers, scales or LAYER_SCALES, strict=True):
+        layer.self_attn.kv_scales = layer_scales
+        layer.self_attn.kv_dtype = kv_dtype
     return model.eval()
 
 
@@ -315,3 +324,60 @@ def test_calibrated_scales_beside_fp8_weights_and_inputs(
     results = engine.generate(mixed_prompts()[:12], GREEDY_LOGPROBS, STOPPING)
     reference = scaled_reference_model(weights, torch.float32)
     assert_within_tolerance(weights, results, reference, ACTIVATION_LOGPROB_TOL)
+
+
+UNIT = (UNIT_SCALES, UNIT_SCALES)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_e5m2_fp32_is_transformers_over_e5m2_keys_and_values(
+    variant: str, model_dirs: dict[str, Path]
+) -> None:
+    """`--kv-cache-dtype fp8_e5m2`: mixed prompts at 16 tokens a step, again from the prefix
+    cache, and through a pool small enough to preempt, token for token."""
+    model_dir, batch = model_dirs[variant], mixed_prompts()
+    reference = scaled_reference_model(model_dir, torch.float32, UNIT, torch.float8_e5m2)
+
+    def run(engine: Any) -> Any:
+        assert cache_dtypes(engine) == {torch.float8_e5m2}
+        results = engine.generate(batch, GREEDY_LOGPROBS, STOPPING)
+        engine.scheduler.kv.check_integrity()
+        for ours in results:
+            theirs = generate_greedy(reference, ours.prompt_token_ids, len(ours.token_ids))
+            assert_matches(ours, theirs)
+        return results
+
+    engine = make_engine(
+        model_dir, kv_cache_dtype="fp8_e5m2", max_batch_prefill_tokens=16, max_batch_size=16
+    )
+    run(engine)
+    again = run(engine)
+    assert sum(r.num_cached_tokens for r in again) > 0
+    tight = make_engine(
+        model_dir, 24, kv_cache_dtype="fp8_e5m2", max_batch_prefill_tokens=64, max_batch_size=32
+    )
+    run(tight)
+    assert tight.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("custom_kernels", [True, False], ids=["cpu", "torch"])
+def test_e5m2_in_bf16_is_within_the_bf16_tolerance(
+    custom_kernels: bool, model_dirs: dict[str, Path]
+) -> None:
+    """The CPU kernels (heads of 32: their decode and prefill read E5M2) and the torch backend."""
+    model_dir = model_dirs["qwen3-qknorm"]
+    config = RunnerConfig(
+        str(model_dir), dtype="bfloat16", num_blocks=512, block_size=BLOCK_SIZE,
+        kv_cache_dtype="fp8_e5m2", custom_kernels=custom_kernels,
+    )  # fmt: skip
+    runner = ModelRunner(config)
+    engine = LLMEngine(
+        runner,
+        SchedulerConfig(max_batch_prefill_tokens=16, max_batch_size=16),
+        model=runner.model_config,
+    )
+    assert cache_dtypes(engine) == {torch.float8_e5m2}
+    results = engine.generate(mixed_prompts(), GREEDY_LOGPROBS, STOPPING)
+    engine.scheduler.kv.check_integrity()
+    reference = scaled_reference_model(model_dir, torch.bfloat16, UNIT, torch.float8_e5m2)
+    assert_within_tolerance(model_dir, results, reference)

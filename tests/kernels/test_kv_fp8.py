@@ -100,10 +100,10 @@ def test_write_kv_copies_fp8_rows_into_fp8_caches_as_they_are() -> None:
     ("cache_dtypes", "row_dtype", "scales", "message"),
     [
         ((FP8, torch.bfloat16), torch.bfloat16, (1.0, 1.0), "must share a dtype"),
-        ((FP8, FP8), torch.float16, (1.0, 1.0), "float8_e4m3fn and key and value bf16 or fp32"),
+        ((FP8, FP8), torch.float16, (1.0, 1.0), "float8_e5m2 and key and value bf16 or fp32"),
         ((FP8, FP8), torch.bfloat16, (0.0, 1.0), "finite and > 0"),
         ((FP8, FP8), torch.bfloat16, (1.0, float("nan")), "finite and > 0"),
-        ((torch.bfloat16,) * 2, torch.bfloat16, (2.0, 1.0), "apply to float8_e4m3fn caches"),
+        ((torch.bfloat16,) * 2, torch.bfloat16, (2.0, 1.0), "apply to fp8 caches"),
     ],
 )
 def test_write_kv_refuses_bad_dtypes_and_scales_and_writes_nothing(
