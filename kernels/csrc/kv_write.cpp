@@ -13,61 +13,35 @@ namespace {
 using tgq_cpu::bf16_bits;
 using tgq_cpu::kVec;
 
-// The E4M3 bytes (in the low byte of each lane) of 8 values as torch rounds them: y = x / scale
-// in fp32, saturated to +-448 (a NaN stays one), then to nearest, ties to even:
-//  - |y| >= 2^-6 (normal): the fp32 significand rounded to 3 bits in the integer domain, the
-//    exponent rebiased from 127 to 7;
-//  - below (subnormal, m * 2^-9): |y| + 2^14 rounds, in the fp32 add, to a multiple of 2^-9 (the
-//    ulp at 2^14), whose low bits are m; m = 8 is 2^-6, whose code is 8 too;
+// The FP8 bytes (in the low byte of each lane) of 8 values as torch rounds them, for a format of
+// M mantissa bits and exponent bias B saturating at `largest` (E4M3: 3, 7, 448; E5M2: 2, 15,
+// 57344): y = x / scale in fp32, saturated (a NaN stays one), then to nearest, ties to even:
+//  - |y| >= 2^(1 - B) (normal): the fp32 significand rounded to M bits in the integer domain,
+//    the exponent rebiased from 127 to B;
+//  - below (subnormal, m * 2^(1 - B - M)): |y| + 2^(23 + 1 - B - M) rounds, in the fp32 add, to
+//    a multiple of that ulp, whose low bits are m (E4M3's m = 8 is 2^-6, whose code is 8 too);
 //  - a NaN: 0x7F. The sign bit is y's.
-inline __m256i e4m3_codes(__m256 x, __m256 scale) {
-  const __m256 limit = _mm256_set1_ps(448.0f);
+template <int M, int B>
+inline __m256i fp8_codes(__m256 x, __m256 scale, float largest) {
+  constexpr int kShift = 23 - M;
+  const __m256 limit = _mm256_set1_ps(largest);
   // max/min return their second operand when either is NaN: a NaN y passes through.
   const __m256 y = _mm256_min_ps(limit, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), limit),
                                                       _mm256_div_ps(x, scale)));
   const __m256i bits = _mm256_castps_si256(y);
   const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
   const __m256i magnitude = _mm256_xor_si256(bits, sign);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, 20), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_add_epi32(magnitude, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFFF)));
-  const __m256i normal =
-      _mm256_sub_epi32(_mm256_srli_epi32(rounded, 20), _mm256_set1_epi32(120 << 3));
-  const __m256 magic = _mm256_set1_ps(16384.0f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, kShift), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(
+      magnitude, _mm256_add_epi32(odd, _mm256_set1_epi32((1 << (kShift - 1)) - 1)));
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, kShift),
+                                          _mm256_set1_epi32((127 - B) << M));
+  const __m256 magic = _mm256_castsi256_ps(_mm256_set1_epi32((127 + 23 + 1 - B - M) << 23));
   const __m256i subnormal =
       _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(magnitude), magic)),
                        _mm256_castps_si256(magic));
-  const __m256i is_normal = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32((121 << 23) - 1));
-  const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
-  __m256i code = _mm256_blendv_epi8(subnormal, normal, is_normal);
-  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), is_nan);
-  return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
-}
-
-// The E5M2 bytes of 8 values as torch rounds them (c10's fp8e5m2_from_fp32_value): y = x / scale
-// saturated to +-57344 (a NaN stays one), then to nearest, ties to even:
-//  - |y| >= 2^-14 (normal): the fp32 significand rounded to 2 bits in the integer domain, the
-//    exponent rebiased from 127 to 15;
-//  - below (subnormal, m * 2^-16): |y| + 2^7 rounds, in the fp32 add, to a multiple of 2^-16
-//    (the ulp at 2^7), whose low bits are m;
-//  - a NaN: 0x7F. The sign bit is y's.
-inline __m256i e5m2_codes(__m256 x, __m256 scale) {
-  const __m256 limit = _mm256_set1_ps(57344.0f);
-  const __m256 y = _mm256_min_ps(limit, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), limit),
-                                                      _mm256_div_ps(x, scale)));
-  const __m256i bits = _mm256_castps_si256(y);
-  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  const __m256i magnitude = _mm256_xor_si256(bits, sign);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, 21), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_add_epi32(magnitude, _mm256_add_epi32(odd, _mm256_set1_epi32(0xFFFFF)));
-  const __m256i normal =
-      _mm256_sub_epi32(_mm256_srli_epi32(rounded, 21), _mm256_set1_epi32(112 << 2));
-  const __m256 magic = _mm256_set1_ps(128.0f);
-  const __m256i subnormal =
-      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(magnitude), magic)),
-                       _mm256_castps_si256(magic));
-  const __m256i is_normal = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32((113 << 23) - 1));
+  const __m256i is_normal =
+      _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(((127 + 1 - B) << 23) - 1));
   const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000));
   __m256i code = _mm256_blendv_epi8(subnormal, normal, is_normal);
   code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), is_nan);
@@ -86,7 +60,9 @@ inline void store_bytes(__m256i codes, uint8_t* out) {
 // n values of x -> their FP8 bytes at out (E5M2 with kE5m2, else E4M3).
 template <typename T, bool kE5m2>
 void fp8_row(const T* x, int64_t n, __m256 scale, uint8_t* out) {
-  const auto codes = [scale](__m256 v) { return kE5m2 ? e5m2_codes(v, scale) : e4m3_codes(v, scale); };
+  const auto codes = [scale](__m256 v) {
+    return kE5m2 ? fp8_codes<2, 15>(v, scale, 57344.0f) : fp8_codes<3, 7>(v, scale, 448.0f);
+  };
   int64_t i = 0;
   for (; i + kVec <= n; i += kVec) store_bytes(codes(tgq_cpu::load8(x + i)), out + i);
   if (i < n) {  // the tail, through a zero-padded vector

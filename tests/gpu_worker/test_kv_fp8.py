@@ -27,7 +27,7 @@ from tgq.devtools.compressed_checkpoint import write_compressed
 from tgq.gpu_worker.loader import KV_SCALE_NAMES
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 from tgq.kernels.interface import UNIT_SCALES, KvScales
-from tgq.kernels.kv_write import to_fp8
+from tgq.kernels.kv_write import FP8_CACHE_DTYPES, to_fp8
 
 ATTENTION, EAGER_ATTENTION = "fp8_kv_sdpa", "fp8_kv_eager"
 # GQA with a sliding window, and soft caps (Gemma 2: its own attention path).
@@ -63,23 +63,20 @@ def _register_reference_attention() -> None:
         AttentionMaskInterface.register(name, mask)
 
 
-@functools.cache
-def reference_model(model_dir: Path, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    _register_reference_attention()
-    eager = "gemma2" in model_dir.name
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=EAGER_ATTENTION if eager else ATTENTION
-    )
-    model.generation_config.eos_token_id = None
-    return model.eval()
+def reference_model(
+    model_dir: Path, dtype: torch.dtype, kv_dtype: torch.dtype = torch.float8_e4m3fn
+) -> Any:
+    """transformers over keys and values rounded through `kv_dtype` at scale 1."""
+    return scaled_reference_model(model_dir, dtype, (UNIT_SCALES,) * 2, kv_dtype)
 
 
 @functools.cache
-def reference_output(model_dir: Path, prompt: tuple[int, ...], num_new: int) -> Any:
+def reference_output(
+    model_dir: Path, prompt: tuple[int, ...], num_new: int, kv_dtype: torch.dtype
+) -> Any:
     """Each prompt's reference once: the prefix-cache and preemption runs repeat them."""
-    return generate_greedy(reference_model(model_dir, torch.float32), list(prompt), num_new)
+    model = reference_model(model_dir, torch.float32, kv_dtype)
+    return generate_greedy(model, list(prompt), num_new)
 
 
 def kv_scales(engine: LLMEngine) -> tuple[KvScales, ...] | None:
@@ -91,25 +88,31 @@ def cache_dtypes(engine: Any) -> set[torch.dtype]:
     return {t.dtype for pair in engine.runner.kv_caches for t in pair}
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_fp32_is_transformers_over_e4m3_keys_and_values(
-    variant: str, model_dirs: dict[str, Path]
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+# E4M3 on both variants; E5M2 on the windowed one (its reading differs only in the byte decoding).
+@pytest.mark.parametrize(
+    ("variant", "kv"), [(v, "fp8") for v in VARIANTS] + [("mistral-window", "fp8_e5m2")]
+)
+def test_fp32_is_transformers_over_fp8_keys_and_values(
+    variant: str, kv: str, model_dirs: dict[str, Path]
 ) -> None:
     """32 mixed prompts at 16 tokens a step, again from the prefix cache, and through a pool
-    small enough to preempt."""
-    model_dir, batch = model_dirs[variant], mixed_prompts()
+    small enough to preempt; E4M3 (`fp8`) and E5M2 caches."""
+    model_dir, batch, kv_dtype = model_dirs[variant], mixed_prompts(), KV_DTYPES[kv]
 
     def run(engine: Any) -> Any:
-        assert cache_dtypes(engine) == {torch.float8_e4m3fn}
+        assert cache_dtypes(engine) == {kv_dtype}
         results = engine.generate(batch, GREEDY_LOGPROBS, STOPPING)
         engine.scheduler.kv.check_integrity()
         for ours in results:
-            prompt = tuple(ours.prompt_token_ids)
-            assert_matches(ours, reference_output(model_dir, prompt, len(ours.token_ids)))
+            prompt, num_new = tuple(ours.prompt_token_ids), len(ours.token_ids)
+            assert_matches(ours, reference_output(model_dir, prompt, num_new, kv_dtype))
         return results
 
     engine = make_engine(
-        model_dir, kv_cache_dtype="fp8", max_batch_prefill_tokens=16, max_batch_size=16
+        model_dir, kv_cache_dtype=kv, max_batch_prefill_tokens=16, max_batch_size=16
     )
     run(engine)
     again = run(engine)
@@ -118,7 +121,7 @@ def test_fp32_is_transformers_over_e4m3_keys_and_values(
         for p, r in zip(batch, again, strict=True)
     )
     tight = make_engine(
-        model_dir, 24, kv_cache_dtype="fp8", max_batch_prefill_tokens=64, max_batch_size=32
+        model_dir, 24, kv_cache_dtype=kv, max_batch_prefill_tokens=64, max_batch_size=32
     )
     run(tight)
     assert tight.scheduler.num_preemptions > 0
@@ -131,9 +134,17 @@ def test_bf16_is_within_the_bf16_tolerance(
 ) -> None:
     """The CPU backend (its kernels where they read FP8 caches) and the torch backend."""
     model_dir = model_dirs[variant]
+    run_in_bf16(model_dir, "fp8", custom_kernels, reference_model(model_dir, torch.bfloat16))
+
+
+def run_in_bf16(
+    model_dir: Path, kv_cache_dtype: str, custom_kernels: bool, reference: Any
+) -> ModelRunner:
+    """Mixed prompts at 16 tokens a step, the model in bf16 with an FP8 cache, on the CPU
+    backend or torch's: within the bf16 tolerance of `reference`. Returns the runner."""
     config = RunnerConfig(
         str(model_dir), dtype="bfloat16", num_blocks=512, block_size=BLOCK_SIZE,
-        kv_cache_dtype="fp8", custom_kernels=custom_kernels,
+        kv_cache_dtype=kv_cache_dtype, custom_kernels=custom_kernels,
     )  # fmt: skip
     runner = ModelRunner(config)
     engine = LLMEngine(
@@ -142,10 +153,11 @@ def test_bf16_is_within_the_bf16_tolerance(
         model=runner.model_config,
     )
     assert runner.backend.name == ("cpu" if custom_kernels else "torch")
-    assert cache_dtypes(engine) == {torch.float8_e4m3fn}
+    assert cache_dtypes(engine) == {runner.kv_dtype} and runner.kv_dtype in FP8_CACHE_DTYPES
     results = engine.generate(mixed_prompts(), GREEDY_LOGPROBS, STOPPING)
     engine.scheduler.kv.check_integrity()
-    assert_within_tolerance(model_dir, results, reference_model(model_dir, torch.bfloat16))
+    assert_within_tolerance(model_dir, results, reference)
+    return runner
 
 
 def test_an_fp8_cache_holds_twice_the_blocks_of_bf16(model_dirs: dict[str, Path]) -> None:
@@ -258,20 +270,9 @@ def test_calibrated_scales_in_bf16_are_within_the_bf16_tolerance(
     """The CPU kernels (decode and prefill read the scales: heads of 32, which their FP8 reading
     serves) and the torch backend."""
     model_dir = model_dirs["qwen3-qknorm"]
-    config = RunnerConfig(
-        str(with_kv_scales(model_dir, tmp_path / "scaled")), dtype="bfloat16", num_blocks=512,
-        block_size=BLOCK_SIZE, kv_cache_dtype="fp8", custom_kernels=custom_kernels,
-    )  # fmt: skip
-    runner = ModelRunner(config)
-    assert runner.kv_scales == LAYER_SCALES
-    engine = LLMEngine(
-        runner,
-        SchedulerConfig(max_batch_prefill_tokens=16, max_batch_size=16),
-        model=runner.model_config,
-    )
-    results = engine.generate(mixed_prompts(), GREEDY_LOGPROBS, STOPPING)
-    engine.scheduler.kv.check_integrity()
-    assert_within_tolerance(model_dir, results, scaled_reference_model(model_dir, torch.bfloat16))
+    scaled = with_kv_scales(model_dir, tmp_path / "scaled")
+    reference = scaled_reference_model(model_dir, torch.bfloat16)
+    assert run_in_bf16(scaled, "fp8", custom_kernels, reference).kv_scales == LAYER_SCALES
 
 
 def test_scales_are_unused_beside_a_cache_of_the_models_dtype(
@@ -326,58 +327,13 @@ def test_calibrated_scales_beside_fp8_weights_and_inputs(
     assert_within_tolerance(weights, results, reference, ACTIVATION_LOGPROB_TOL)
 
 
-UNIT = (UNIT_SCALES, UNIT_SCALES)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_e5m2_fp32_is_transformers_over_e5m2_keys_and_values(
-    variant: str, model_dirs: dict[str, Path]
-) -> None:
-    """`--kv-cache-dtype fp8_e5m2`: mixed prompts at 16 tokens a step, again from the prefix
-    cache, and through a pool small enough to preempt, token for token."""
-    model_dir, batch = model_dirs[variant], mixed_prompts()
-    reference = scaled_reference_model(model_dir, torch.float32, UNIT, torch.float8_e5m2)
-
-    def run(engine: Any) -> Any:
-        assert cache_dtypes(engine) == {torch.float8_e5m2}
-        results = engine.generate(batch, GREEDY_LOGPROBS, STOPPING)
-        engine.scheduler.kv.check_integrity()
-        for ours in results:
-            theirs = generate_greedy(reference, ours.prompt_token_ids, len(ours.token_ids))
-            assert_matches(ours, theirs)
-        return results
-
-    engine = make_engine(
-        model_dir, kv_cache_dtype="fp8_e5m2", max_batch_prefill_tokens=16, max_batch_size=16
-    )
-    run(engine)
-    again = run(engine)
-    assert sum(r.num_cached_tokens for r in again) > 0
-    tight = make_engine(
-        model_dir, 24, kv_cache_dtype="fp8_e5m2", max_batch_prefill_tokens=64, max_batch_size=32
-    )
-    run(tight)
-    assert tight.scheduler.num_preemptions > 0
-
-
 @pytest.mark.parametrize("custom_kernels", [True, False], ids=["cpu", "torch"])
 def test_e5m2_in_bf16_is_within_the_bf16_tolerance(
     custom_kernels: bool, model_dirs: dict[str, Path]
 ) -> None:
     """The CPU kernels (heads of 32: their decode and prefill read E5M2) and the torch backend."""
     model_dir = model_dirs["qwen3-qknorm"]
-    config = RunnerConfig(
-        str(model_dir), dtype="bfloat16", num_blocks=512, block_size=BLOCK_SIZE,
-        kv_cache_dtype="fp8_e5m2", custom_kernels=custom_kernels,
-    )  # fmt: skip
-    runner = ModelRunner(config)
-    engine = LLMEngine(
-        runner,
-        SchedulerConfig(max_batch_prefill_tokens=16, max_batch_size=16),
-        model=runner.model_config,
+    reference = reference_model(model_dir, torch.bfloat16, torch.float8_e5m2)
+    assert run_in_bf16(model_dir, "fp8_e5m2", custom_kernels, reference).kv_dtype == (
+        torch.float8_e5m2
     )
-    assert cache_dtypes(engine) == {torch.float8_e5m2}
-    results = engine.generate(mixed_prompts(), GREEDY_LOGPROBS, STOPPING)
-    engine.scheduler.kv.check_integrity()
-    reference = scaled_reference_model(model_dir, torch.bfloat16, UNIT, torch.float8_e5m2)
-    assert_within_tolerance(model_dir, results, reference)

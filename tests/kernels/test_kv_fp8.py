@@ -266,13 +266,14 @@ def test_avx2_decode_reads_fp8_at_other_block_sizes(block_size: int) -> None:
     )
 
 
+@pytest.mark.parametrize("fp8", [FP8, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("path", ["avx2", pytest.param("avx512", marks=_DECODES_FP8)])
-def test_decode_decodes_every_byte_exactly(path: str) -> None:
-    """One token: each output is its V row, so every byte (NaNs and subnormals included) must come
-    out as torch's conversion, through the vector lanes and (AVX2, head size 264) the scalar tail,
-    which holds bytes 0xF8-0xFF."""
+def test_decode_decodes_every_byte_exactly(path: str, fp8: torch.dtype) -> None:
+    """One token: each output is its V row, so every byte (NaNs, infinities and subnormals
+    included) must come out as torch's conversion, through the vector lanes and (AVX2, head size
+    264) the scalar tail, which holds bytes 0xF8-0xFF. E4M3, and E5M2 (test_kv_e5m2.py)."""
     for head_dim in (256, 264) if path == "avx2" else (256,):
-        v_row = (torch.arange(head_dim) + 240).remainder(256).to(torch.uint8).view(FP8)
+        v_row = (torch.arange(head_dim) + 240).remainder(256).to(torch.uint8).view(fp8)
         v_cache = v_row.reshape(1, 1, 1, head_dim)
         k_cache = torch.zeros_like(v_cache)
         query = torch.ones(1, 2, head_dim, dtype=torch.bfloat16)
