@@ -57,13 +57,23 @@ class Admission:
         self.num_in_flight = 0
         self.num_tokens = 0
         self._queue_depth = 0  # as last read from the transport, plus what we submitted since
+        self.num_submissions = 0  # `note_submitted` calls so far
         self._on_reject = on_reject
 
-    def set_queue_depth(self, depth: int) -> None:
+    def set_queue_depth(self, depth: int, *, since: int | None = None) -> None:
+        """The depth read from the transport. `since`: `num_submissions` when the read was sent;
+        where submissions were noted while it was under way, the read may or may not count them,
+        so the larger of the two views is kept (never counted twice, never dropped) until the
+        next read."""
+        if since is not None and since != self.num_submissions:
+            depth = max(depth, self._queue_depth)
         self._queue_depth = depth
 
     def note_submitted(self, num_requests: int) -> None:
+        """Counts requests about to be submitted (before the write: a read racing the write then
+        sees either the write or this note), or, negative, takes back ones that were not."""
         self._queue_depth += num_requests
+        self.num_submissions += 1
 
     @property
     def queue_depth(self) -> int:

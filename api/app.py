@@ -265,8 +265,9 @@ async def _monitor(state: AppState) -> None:
     while True:
         try:
             await _watch_epoch(state)
+            since = state.generation.admission.num_submissions
             depth = await state.transport.queue_depth()
-            state.generation.admission.set_queue_depth(depth)
+            state.generation.admission.set_queue_depth(depth, since=since)
             state.metrics.set_queue_size(depth)
             if time.monotonic() >= next_batchers:
                 next_batchers = time.monotonic() + BATCHERS_INTERVAL_S

@@ -171,8 +171,12 @@ class Generation:
             api_key_id=api_key_id,
             deadline=_as_datetime(prompts[0].deadline),
         )
-        await self.recorder.submit(job, requests)
         self.admission.note_submitted(len(requests))
+        try:
+            await self.recorder.submit(job, requests)
+        except BaseException:
+            self.admission.note_submitted(-len(requests))
+            raise
         copies = num_copies(params)
         run = Run(job_id, prompts, requests, copies, ticket, ticket.admitted_at, validated_at)
         run.keep_events = keep_events

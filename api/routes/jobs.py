@@ -183,18 +183,23 @@ async def create_job(
         deadline=None if body.deadline is None else _aware(body.deadline),
         metadata=body.metadata,
     )
-    recorder = state.generation.recorder
-    if idempotency_key is None:
-        record, status_code = await recorder.submit(job, requests), 202
-    else:
-        record, is_new = await recorder.submit_idempotent(job, requests)
-        if not is_new and record.idempotency_fingerprint != job.fingerprint:
-            raise ValidationError(
-                "This Idempotency-Key was used with a different request body",
-                param="Idempotency-Key",
-            )
-        status_code = 202 if is_new else 200
-    state.generation.admission.note_submitted(len(requests))
+    recorder, admission = state.generation.recorder, state.generation.admission
+    admission.note_submitted(len(requests))  # before the write (`Admission.note_submitted`)
+    is_new = False
+    try:
+        if idempotency_key is None:
+            record, is_new = await recorder.submit(job, requests), True
+        else:
+            record, is_new = await recorder.submit_idempotent(job, requests)
+    finally:
+        if not is_new:  # failed, or the key's earlier job: nothing new queued
+            admission.note_submitted(-len(requests))
+    if not is_new and record.idempotency_fingerprint != job.fingerprint:
+        raise ValidationError(
+            "This Idempotency-Key was used with a different request body",
+            param="Idempotency-Key",
+        )
+    status_code = 202 if is_new else 200
     answer = view(record)
     answer.request_ids = [request_id_of(record.id, i) for i in range(record.num_items)]
     headers = {"Location": f"/v1/jobs/{record.id}"}

@@ -250,6 +250,26 @@ def test_admission_limits() -> None:
     assert (admission.num_in_flight, admission.num_tokens) == (0, 0)
 
 
+def test_a_depth_read_racing_a_submission_counts_it_once() -> None:
+    """Submissions are noted before their write; a read sent before a note may or may not see
+    that write: the larger view is kept, so the request is counted once, not twice or never."""
+    admission = Admission(Limits(8, 3, 10**6, 1))
+    since = admission.num_submissions
+    admission.note_submitted(1)  # the write lands before the read runs: the read sees it
+    admission.set_queue_depth(1, since=since)
+    assert admission.queue_depth == 1
+    since = admission.num_submissions
+    admission.note_submitted(1)  # the write lands after the read ran: the read misses it
+    admission.set_queue_depth(1, since=since)
+    assert admission.queue_depth == 2
+    since = admission.num_submissions
+    admission.set_queue_depth(0, since=since)  # no submission during the read: the read wins
+    assert admission.queue_depth == 0
+    admission.note_submitted(2)
+    admission.note_submitted(-2)  # a submission that failed is taken back
+    assert admission.queue_depth == 0
+
+
 def test_admitted_gives_the_ticket_back_only_when_the_request_never_started(
     pg_engine: AsyncEngine,
 ) -> None:
