@@ -8,7 +8,6 @@ import torch
 # Caches of one byte a value, and each one's largest finite value (what larger values saturate to).
 FP8_LARGEST = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FP8_CACHE_DTYPES = tuple(FP8_LARGEST)
-E4M3_LARGEST = FP8_LARGEST[torch.float8_e4m3fn]
 
 
 def to_fp8(
