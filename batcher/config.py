@@ -18,6 +18,13 @@ class SchedulerConfig:
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
     enable_prefix_cache: bool = True
+    # Speculative decoding (TGI's --speculate N): up to N draft tokens per decoding request and
+    # step, from `speculative_method` (`batcher.speculation`); 0: off. Drafts are added only
+    # while a step stays within `speculative_max_batch_tokens` tokens (past that it is
+    # compute-bound and verifying drafts costs more than they save).
+    speculate: int = 0
+    speculative_method: str = "ngram"
+    speculative_max_batch_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -28,3 +35,5 @@ class SchedulerConfig:
             raise ValueError("max_batch_total_tokens must be >= 1")
         if self.waiting_served_ratio < 0 or self.max_waiting_tokens < 0:
             raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")
+        if self.speculate < 0 or self.speculative_max_batch_tokens < 1:
+            raise ValueError("speculate must be >= 0 and speculative_max_batch_tokens >= 1")

@@ -34,6 +34,7 @@ from tgq.batcher.grammar_compiler import Constraint, GrammarCompiler, StepMasks
 from tgq.batcher.request import FinishReason, Priority, Request, RequestStatus, StoppingParams
 from tgq.batcher.scheduler import Scheduler
 from tgq.batcher.scheduler_output import SchedulerOutput
+from tgq.batcher.speculation import Proposer, Speculation, make_proposer
 from tgq.batcher.stopping import OutputText
 from tgq.gpu_worker.config import ModelConfig
 from tgq.gpu_worker.plan import SamplingParams, StepPlan, StepResult, TokenLogprob
@@ -59,7 +60,8 @@ class StepRunner(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """One streaming event: a request's new token, or its end."""
+    """One streaming event: a request's new tokens (one, or more where drafts were kept), or
+    its end."""
 
     request_id: str
     new_token_ids: list[int]
@@ -119,11 +121,13 @@ class LLMEngine:
         eos_token_ids: frozenset[int] = frozenset(),
         grammars: GrammarCompiler | None = None,
         model: ModelConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         """`eos_token_ids`: the model's (`gpu_worker.config.model_eos_token_ids`), used by every
         request whose StoppingParams names none. `grammars`: structured output (None: a request
         with a grammar is refused). `model`: the model's config, for the scheduler's prefix
-        cache where the rope depends on a sequence's length (`Scheduler`)."""
+        cache where the rope depends on a sequence's length (`Scheduler`). `proposer`: the
+        speculative proposer when `config.speculate` > 0 (default: the configured method's)."""
         self.runner = runner
         self.decoder = decoder
         self.grammars = grammars
@@ -132,7 +136,13 @@ class LLMEngine:
         self._compiling: dict[str, tuple[Request, GrammarSpec, Future[Any]]] = {}
         self.eos_token_ids = eos_token_ids
         config = config or SchedulerConfig()
-        self.scheduler = Scheduler(config, runner.num_blocks, runner.block_size, model)
+        speculation = None
+        if config.speculate > 0:
+            proposer = proposer or make_proposer(config.speculative_method)
+            speculation = Speculation(
+                proposer, config.speculate, config.speculative_max_batch_tokens
+            )
+        self.scheduler = Scheduler(config, runner.num_blocks, runner.block_size, model, speculation)
         self._requests: dict[str, Request] = {}  # added and not yet reported finished
         self._pending: list[RequestOutput] = []  # ends decided outside a step (abort, reject)
         self._ids = itertools.count()
@@ -146,7 +156,9 @@ class LLMEngine:
         priority: Priority = Priority.INTERACTIVE,
         request_id: str | None = None,
         grammar: GrammarSpec | None = None,
+        speculate: bool = True,
     ) -> str:
+        """`speculate`: False opts this request out of speculative decoding."""
         if grammar is not None and self.grammars is None:
             raise ValueError("structured output needs an engine with a tokenizer (grammars)")
         stopping = stopping or StoppingParams()
@@ -162,6 +174,7 @@ class LLMEngine:
             stopping,
             priority,
             time.monotonic(),
+            speculate=speculate,
         )
         request.output_text = self._output_text(request)
         self._requests[request.request_id] = request
@@ -234,7 +247,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []  # after the masks: a broken grammar ends here
         if not scheduled.is_empty:
             result = self.runner.execute(plan)
-            outputs += [_token_of(r) for r in self.scheduler.update(scheduled, result)]
+            updated = self.scheduler.update(scheduled, result)
+            outputs += [_tokens_of(request, count) for request, count in updated]
         for output in outputs:
             if output.is_finished:
                 del self._requests[output.request_id]
@@ -297,12 +311,13 @@ class LLMEngine:
         return [RequestResult.of(request) for request in requests]
 
 
-def _token_of(request: Request) -> RequestOutput:
+def _tokens_of(request: Request, count: int) -> RequestOutput:
+    """The event of a request's last `count` tokens (more than one where drafts were kept)."""
     return RequestOutput(
         request.request_id,
-        request.token_ids[-1:],
-        request.output_logprobs[-1:],
-        request.output_top_logprobs[-1:],
+        request.token_ids[-count:],
+        request.output_logprobs[-count:],
+        request.output_top_logprobs[-count:],
         request.finish_reason,
         request.finish_detail,
         _take_text(request),

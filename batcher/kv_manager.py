@@ -140,14 +140,30 @@ class KVManager:
     def free(self, request_id: str) -> None:
         """Drop the request's references; its cached blocks stay findable until evicted."""
         for block_id in reversed(self._held.pop(request_id, [])):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] > 0:
-                continue
-            if block_id in self._block_to_hash:
-                self._evictable[block_id] = None
-            else:
-                self._free_block_ids.append(block_id)
+            self._release_block(block_id)
         self._held_hashes.pop(request_id, None)
+
+    def trim(self, request_id: str, num_tokens: int) -> list[int]:
+        """Give back the request's blocks past its first `num_tokens` tokens (a speculative
+        step's rejected drafts); returns its block table. Cached blocks hold computed tokens
+        only, so the blocks given back are never cached ones."""
+        held = self._held[request_id]
+        num_kept = self.num_blocks_for(num_tokens)
+        if num_kept < len(self._held_hashes[request_id]):
+            raise ValueError(f"request {request_id!r}: trimming would drop cached blocks")
+        for block_id in reversed(held[num_kept:]):
+            self._release_block(block_id)
+        del held[num_kept:]
+        return list(held)
+
+    def _release_block(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] > 0:
+            return
+        if block_id in self._block_to_hash:
+            self._evictable[block_id] = None
+        else:
+            self._free_block_ids.append(block_id)
 
     def _take_block(self) -> int:
         if self._free_block_ids:

@@ -138,6 +138,7 @@ class Request:
     new_text: str = ""  # text released since the last output event (taken by the engine)
     # Structured output: masks each next token, advances with each sampled one.
     grammar: Constraint | None = None
+    speculate: bool = True  # False: never gets draft tokens (a per-request opt-out)
 
     def record_prompt_logprobs(self, part: PromptLogprobs) -> None:
         """Keep a step's prompt logprobs; positions already kept (a recompute after preemption

@@ -12,6 +12,12 @@ preemption are all this rule. When blocks run out, the lowest-priority newest ru
 preempted (its blocks freed, recomputed later); a waiting request may only preempt lower-priority
 ones. A request that could never fit the pool is rejected when added, so the oldest
 highest-priority request always progresses: no crash, no deadlock.
+
+Speculation (`batcher.speculation`): a decoding request may also carry draft tokens, from the
+budget left after every running request's share and only while the step stays within
+`speculative_max_batch_tokens` tokens; drafts never preempt anything (no blocks, no drafts). After
+the runner has verified them, the request keeps the KV of its accepted tokens only
+(`KVManager.trim`).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.kv_manager import KVManager, expect_integrity
 from tgq.batcher.request import Priority, Request, RequestStatus
 from tgq.batcher.scheduler_output import SchedulerOutput, StepBuilder
+from tgq.batcher.speculation import Speculation
 from tgq.gpu_worker.config import ModelConfig
-from tgq.gpu_worker.plan import NewSequence, ScheduledChunk, StepResult
+from tgq.gpu_worker.plan import NewSequence, SampledToken, ScheduledChunk, StepResult
 
 
 @dataclass
@@ -51,11 +58,14 @@ class Scheduler:
         num_blocks: int,
         block_size: int,
         model: ModelConfig | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         """`model`: the model's config, where its rope makes a token's KV depend on its
-        sequence's length (`ModelConfig.prefix_cache_salt`); None: it never does."""
+        sequence's length (`ModelConfig.prefix_cache_salt`); None: it never does.
+        `speculation`: draft tokens for decoding requests (None: none)."""
         self.config = config
         self.model = model
+        self.speculation = speculation
         if config.max_batch_total_tokens is not None:
             num_blocks = min(num_blocks, 1 + config.max_batch_total_tokens // block_size)
         self.kv = KVManager(num_blocks, block_size, enable_prefix_cache=config.enable_prefix_cache)
@@ -127,6 +137,10 @@ class Scheduler:
         self._release(request)
         request.transition(status, detail)
         del self.requests[request.request_id]
+        if self.speculation is not None:
+            self.speculation.finish(
+                request.request_id, request.token_ids, request.num_prompt_tokens
+            )
 
     def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -162,6 +176,8 @@ class Scheduler:
             expect_integrity(is_consistent, f"{request.request_id!r}: block table differs")
             is_behind = request.num_computed_tokens < request.num_tokens
             expect_integrity(is_behind, f"{request.request_id!r}: computed past its tokens")
+            is_tight = len(request.block_ids) == self.kv.num_blocks_for(request.num_computed_tokens)
+            expect_integrity(is_tight, f"{request.request_id!r}: holds blocks past its KV")
         for request in self.waiting:
             is_empty = not self.kv.block_ids(request.request_id) and not request.num_computed_tokens
             expect_integrity(is_empty, f"waiting {request.request_id!r} holds KV")
@@ -180,19 +196,47 @@ class Scheduler:
                 # it holds is computed again, every token, as the reference does.
                 self._preempt(request, step, restart=True)
         shares = self._shares(step.token_budget)
+        num_shared = sum(shares.values())
+        draft_room = 0
+        if self.speculation is not None:
+            draft_room = min(step.token_budget, self.speculation.max_batch_tokens) - num_shared
         for request in list(self.running):
             num_new = shares[request.request_id]
             if request.status != RequestStatus.RUNNING or num_new == 0:
                 continue  # preempted earlier in this loop
+            drafts = self._drafts(request, draft_room) if draft_room > 0 and num_new == 1 else []
             end = request.num_computed_tokens + num_new
-            new_block_ids = self._allocate(request, end, step, lambda _: True)
+            new_block_ids = None
+            if drafts:  # never preempting for them: without blocks to spare, no drafts
+                new_block_ids = self.kv.grow_blocks(request.request_id, end + len(drafts))
+            if new_block_ids is None:
+                drafts = []
+                new_block_ids = self._allocate(request, end, step, lambda _: True)
+            draft_room -= len(drafts)
             if new_block_ids is not None:
                 request.block_ids.extend(new_block_ids)
                 step.add(
                     ScheduledChunk(
-                        request.request_id, request.num_computed_tokens, num_new, new_block_ids
+                        request.request_id,
+                        request.num_computed_tokens,
+                        num_new + len(drafts),
+                        new_block_ids,
+                        drafts,
                     )
                 )
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """Draft tokens for a decoding request: none under a grammar, none past its last
+        token (`max_new_tokens`: the token after the drafts is sampled too)."""
+        assert self.speculation is not None
+        if request.grammar is not None or not request.speculate:
+            return []
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        remaining = request.stopping.max_new_tokens - request.num_output_tokens - 1
+        return self.speculation.propose(
+            request.request_id, request.token_ids, request.num_prompt_tokens, min(room, remaining)
+        )
 
     def _shares(self, token_budget: int) -> dict[str, int]:
         """One token for each running request first, then the rest of the budget in queue order
@@ -321,31 +365,61 @@ class Scheduler:
             request.num_preemptions += 1
             self.num_preemptions += 1
 
-    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
-        """Advance computed tokens, append sampled ones, apply token-level stopping. Returns the
-        requests that got a token, in the runner's order (finished ones included)."""
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[tuple[Request, int]]:
+        """Append sampled tokens and apply token-level stopping (each token in turn: a token
+        after a stop is dropped), advance computed tokens. Returns the requests that got tokens,
+        with how many, in the runner's order (finished ones included)."""
+        sampled: dict[str, list[SampledToken]] = {}
+        for token in result.sampled:
+            sampled.setdefault(token.request_id, []).append(token)
+        updated, stops = self._append(sampled)
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished from outside since the plan was made
-            request.num_computed_tokens += chunk.num_new_tokens
+            if chunk.draft_token_ids:
+                self._verified(request, chunk, len(sampled.get(chunk.request_id, ())))
+            else:
+                request.num_computed_tokens += chunk.num_new_tokens
             self.kv.cache_blocks(
                 request.request_id, request.token_ids, request.num_computed_tokens, request.kv_salt
             )
         for part in result.prompt_logprobs:
             if (request := self.requests.get(part.request_id)) is not None:
                 request.record_prompt_logprobs(part)
-        updated = []
-        for sampled in result.sampled:
-            request = self.requests.get(sampled.request_id)
+        for request, (status, detail) in stops:
+            self._finish(request, status, detail)
+        return updated
+
+    def _append(
+        self, sampled: dict[str, list[SampledToken]]
+    ) -> tuple[list[tuple[Request, int]], list[tuple[Request, tuple[RequestStatus, str | None]]]]:
+        """Append each running request's tokens up to its first stop; returns the requests with
+        how many tokens each got, and the stops to apply once the step is accounted."""
+        updated: list[tuple[Request, int]] = []
+        stops = []
+        for request_id, tokens in sampled.items():
+            request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
-            updated.append(request)
-            stop = request.stop_status()
-            if stop is not None:
-                self._finish(request, *stop)
-        return updated
+            num_appended = 0
+            for token in tokens:
+                request.append_token(token.token_id, token.logprob, token.top_logprobs)
+                num_appended += 1
+                if (stop := request.stop_status()) is not None:
+                    stops.append((request, stop))
+                    break
+            updated.append((request, num_appended))
+        return updated, stops
+
+    def _verified(self, request: Request, chunk: ScheduledChunk, num_sampled: int) -> None:
+        """After a chunk with drafts: the KV of the last known token and of each accepted draft
+        holds, the rest of its blocks are given back."""
+        num_drafts = len(chunk.draft_token_ids)
+        if self.speculation is not None and num_sampled > 0:
+            self.speculation.record(request.request_id, num_drafts, num_sampled - 1)
+        request.num_computed_tokens = request.num_tokens - 1
+        request.block_ids = self.kv.trim(request.request_id, request.num_computed_tokens)
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:

@@ -9,6 +9,18 @@ carries no token ids at all. A chunk computes tokens `[num_computed_tokens, num_
 num_new_tokens)` of the sequence; a sequence whose chunk reaches the end of its known tokens gets
 a sampled next token, a chunk that stops short (chunked prefill) does not.
 
+Speculative decoding: a decode chunk may carry `draft_token_ids`, tokens a proposer guesses come
+next. The runner appends them to the sequence for this step only, computes the last known token and
+the k drafts together (`num_new_tokens` = 1 + k), samples at each of those k + 1 positions (each
+row sampling as if the drafts before it had been sampled), and keeps the longest prefix of drafts
+that matches what it sampled, plus the token sampled after that prefix (`accepted_length`). For a
+draft that is one fixed guess this is exact rejection sampling: a draft is kept with the target's
+probability of it, and where it is not kept the token sampled instead is a draw from the target
+with the draft excluded, so outputs are distributed as without speculation (and a seeded row, whose
+draw depends only on its seed and position, samples the very same tokens). `SampledToken`s then
+come several to a sequence, in order. Both sides then hold the KV of the kept tokens only: the
+blocks past `num_blocks_for(len(token_ids) - 1)` are given back (`trim`).
+
 Block tables: the KV of token `i` of a sequence lives in block `block_ids[i // block_size]` at
 offset `i % block_size`; its slot is `block_id * block_size + offset`. Blocks before
 `num_computed_tokens` may be shared with other sequences (prefix cache) and are only read.
@@ -122,6 +134,9 @@ class ScheduledChunk:
     num_computed_tokens: int  # tokens already in the KV cache (prefix hits included)
     num_new_tokens: int  # tokens to compute now
     new_block_ids: list[int] = field(default_factory=list)  # appended to the block table
+    # Speculation: guessed next tokens, computed after the sequence's last token (see above);
+    # only on a chunk that starts at the last token (`num_computed_tokens` = known tokens - 1).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +185,18 @@ class SampledToken:
     # SamplingParams asked for logprobs.
     logprob: float | None = None
     top_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def accepted_length(draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:
+    """How many of the drafts a chunk keeps: the longest prefix equal to the tokens sampled at
+    the positions before them (`sampled_token_ids[i]` follows the sequence plus `drafts[:i]`;
+    one more than the drafts). The tokens kept are `sampled_token_ids[: accepted + 1]`."""
+    accepted = 0
+    for draft, sampled in zip(draft_token_ids, sampled_token_ids, strict=False):
+        if draft != sampled:
+            break
+        accepted += 1
+    return accepted
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from tgq.gpu_worker.plan import (
     StepPlan,
     StepResult,
     TokenLogprob,
+    accepted_length,
 )
 from tgq.gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs, token_mask_words
 from tgq.kernels import AttentionBackend, AttentionStep, SeqSpan, block_size_rule, get_backend
@@ -146,26 +147,62 @@ class ModelRunner:
         # Single-token chunks first: the attention backends batch them in one call.
         chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
         for chunk in chunks:
-            self.sequences[chunk.request_id].block_ids.extend(chunk.new_block_ids)
-        inputs = self._flatten(chunks)
-        meta = self.backend.prepare(inputs.attention, self.device)
-        hidden = self.loaded.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, self.backend, meta, inputs.lengths
-        )
-        prompt = self._prompt_logprobs(chunks, hidden)
-        if not inputs.sample_request_ids:
-            return StepResult(prompt_logprobs=prompt)
-        if len(inputs.sample_request_ids) < hidden.shape[0]:  # else every row, in order (decode)
-            hidden = hidden[inputs.sample_rows]
-        output = self._sample(hidden, inputs.sample_request_ids)
+            seq = self.sequences[chunk.request_id]
+            seq.block_ids.extend(chunk.new_block_ids)
+            seq.token_ids.extend(chunk.draft_token_ids)  # for this step only (`_keep`)
+        try:
+            inputs = self._flatten(chunks)
+            meta = self.backend.prepare(inputs.attention, self.device)
+            hidden = self.loaded.model(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                self.backend,
+                meta,
+                inputs.lengths,
+            )
+            prompt = self._prompt_logprobs(chunks, hidden)
+            if not inputs.sample_request_ids:
+                return StepResult(prompt_logprobs=prompt)
+            if len(inputs.sample_request_ids) < hidden.shape[0]:  # else every row, in order
+                hidden = hidden[inputs.sample_rows]
+            output = self._sample(hidden, inputs.sample_request_ids, inputs.sample_lengths)
+        finally:
+            for chunk in chunks:
+                if chunk.draft_token_ids:
+                    del self.sequences[chunk.request_id].token_ids[-len(chunk.draft_token_ids) :]
+        num_rows = len(inputs.sample_request_ids)
         if output is None:  # another rank samples: take its tokens
-            tokens = self.tp.broadcast_tokens(None, len(inputs.sample_request_ids))
-            for request_id, token_id in zip(inputs.sample_request_ids, tokens, strict=True):
-                self.sequences[request_id].token_ids.append(token_id)
+            tokens = self.tp.broadcast_tokens(None, num_rows)
+            for row in self._keep(inputs.samples, tokens):
+                self.sequences[inputs.sample_request_ids[row]].token_ids.append(tokens[row])
+            self._trim(inputs.samples)
             return StepResult()
-        result = self._record(inputs.sample_request_ids, output)
-        self.tp.broadcast_tokens([token.token_id for token in result.sampled], len(result.sampled))
+        tokens = output.token_ids.tolist()
+        self.tp.broadcast_tokens(tokens, num_rows)
+        result = self._record(inputs, output, self._keep(inputs.samples, tokens))
+        self._trim(inputs.samples)
         return dataclasses.replace(result, prompt_logprobs=prompt)
+
+    def _keep(self, samples: list[_Samples], tokens: list[int]) -> list[int]:
+        """The sampled rows whose tokens the sequences keep: each sequence's first row, and with
+        drafts, one more per draft accepted (`plan.accepted_length`)."""
+        kept: list[int] = []
+        for sample in samples:
+            num_rows = len(sample.draft_token_ids) + 1
+            row_tokens = tokens[sample.first_row : sample.first_row + num_rows]
+            num_kept = accepted_length(sample.draft_token_ids, row_tokens) + 1
+            kept += range(sample.first_row, sample.first_row + num_kept)
+        return kept
+
+    def _trim(self, samples: list[_Samples]) -> None:
+        """After speculation: hold the blocks of the computed tokens only (every known token but
+        the last), as the scheduler's KV manager does; rejected drafts' slots are free again."""
+        for sample in samples:
+            if sample.draft_token_ids:
+                seq = self.sequences[sample.request_id]
+                num_blocks = -(-(len(seq.token_ids) - 1) // self.block_size)
+                del seq.block_ids[num_blocks:]
 
     def _prompt_logprobs(
         self, chunks: list[ScheduledChunk], hidden: torch.Tensor
@@ -207,11 +244,14 @@ class ModelRunner:
             row += chunk.num_new_tokens
         return out
 
-    def _sample(self, hidden: torch.Tensor, request_ids: list[str]) -> SamplerOutput | None:
+    def _sample(
+        self, hidden: torch.Tensor, request_ids: list[str], lengths: list[int]
+    ) -> SamplerOutput | None:
         """The next token of each row (None on a rank that does not sample). Rows that only need
         the argmax (greedy, no penalties, no logprobs) take it from the model's greedy head where
         it has one, without computing their logits (under a grammar, the argmax of the tokens
-        it allows)."""
+        it allows). `lengths`: each row's tokens before the one it samples (a sequence's rows
+        under speculation see the drafts before them)."""
         model = self.loaded.model
         argmax_rows = [
             row
@@ -230,7 +270,9 @@ class ModelRunner:
         if greedy is None:
             logits = model.compute_logits(hidden)
             return (
-                None if logits is None else self.sampler(logits, self._sampling_inputs(request_ids))
+                None
+                if logits is None
+                else self.sampler(logits, self._sampling_inputs(request_ids, lengths))
             )
         if every_row:
             return SamplerOutput(greedy, None, None, None)
@@ -238,7 +280,10 @@ class ModelRunner:
         rest = [row for row in range(len(request_ids)) if row not in taken]
         logits = model.compute_logits(hidden[rest])
         assert logits is not None  # a model with a greedy head samples on this rank
-        sampled = self.sampler(logits, self._sampling_inputs([request_ids[row] for row in rest]))
+        sampled = self.sampler(
+            logits,
+            self._sampling_inputs([request_ids[r] for r in rest], [lengths[r] for r in rest]),
+        )
         return _merge_rows(len(request_ids), argmax_rows, greedy, rest, sampled)
 
     def _greedy(self, hidden: torch.Tensor, request_ids: list[str]) -> torch.Tensor | None:
@@ -310,6 +355,15 @@ class ModelRunner:
 
     def _check(self, chunk: ScheduledChunk, num_tokens: int, num_blocks: int) -> None:
         end = chunk.num_computed_tokens + chunk.num_new_tokens
+        num_drafts = len(chunk.draft_token_ids)
+        if num_drafts and (
+            chunk.num_computed_tokens != num_tokens - 1 or chunk.num_new_tokens != num_drafts + 1
+        ):
+            raise ValueError(
+                f"sequence {chunk.request_id!r}: {num_drafts} drafts need a chunk of"
+                f" {num_drafts + 1} tokens from its last token ({num_tokens - 1})"
+            )
+        num_tokens += num_drafts
         if chunk.num_new_tokens < 1 or end > num_tokens:
             raise ValueError(
                 f"sequence {chunk.request_id!r}: chunk [{chunk.num_computed_tokens}, {end}) is"
@@ -337,6 +391,8 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sample_request_ids: list[str] = []
+        sample_lengths: list[int] = []
+        samples: list[_Samples] = []
         model = self.loaded.model
         lengths: list[int] | None = [] if model.rotary.uses_lengths else None
         for chunk in chunks:
@@ -352,8 +408,12 @@ class ModelRunner:
             slots.extend(self._slot(seq.block_ids, pos) for pos in range(start, end))
             spans.append(SeqSpan(chunk.num_new_tokens, end, seq.block_ids))
             if end == len(seq.token_ids):
-                sample_rows.append(len(token_ids) - 1)
-                sample_request_ids.append(chunk.request_id)
+                drafts = chunk.draft_token_ids
+                samples.append(_Samples(chunk.request_id, len(sample_rows), drafts))
+                for back in range(len(drafts), -1, -1):  # the last token's row, then each draft's
+                    sample_rows.append(len(token_ids) - 1 - back)
+                    sample_request_ids.append(chunk.request_id)
+                    sample_lengths.append(end - back)
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -363,29 +423,35 @@ class ModelRunner:
             attention=AttentionStep(spans, slots, self.block_size),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             sample_request_ids=sample_request_ids,
+            sample_lengths=sample_lengths,
+            samples=samples,
         )
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _sampling_inputs(self, request_ids: list[str]) -> SamplingInputs:
+    def _sampling_inputs(self, request_ids: list[str], lengths: list[int]) -> SamplingInputs:
         seqs = [self.sequences[request_id] for request_id in request_ids]
         return SamplingInputs(
             params=[s.sampling for s in seqs],
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            output_token_ids=[s.token_ids[s.num_prompt_tokens :] for s in seqs],
+            output_token_ids=[
+                s.token_ids[s.num_prompt_tokens : n] for s, n in zip(seqs, lengths, strict=True)
+            ],
             token_masks=[self._token_masks.get(request_id) for request_id in request_ids]
             if self._token_masks
             else None,
         )
 
-    def _record(self, request_ids: list[str], output: SamplerOutput) -> StepResult:
+    def _record(self, inputs: _StepInputs, output: SamplerOutput, rows: list[int]) -> StepResult:
+        """Appends the kept rows' tokens to their sequences; their `SampledToken`s, in order."""
         token_ids = output.token_ids.tolist()
         logprobs = output.logprobs.tolist() if output.logprobs is not None else None
         top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
         top_logprobs = output.top_logprobs.tolist() if output.top_logprobs is not None else None
         sampled = []
-        for row, request_id in enumerate(request_ids):
+        for row in rows:
+            request_id = inputs.sample_request_ids[row]
             seq = self.sequences[request_id]
             seq.token_ids.append(token_ids[row])
             logprob, top = None, []
@@ -512,4 +578,15 @@ class _StepInputs:
     lengths: torch.Tensor | None  # [T] int64, for a length-dependent rope (`rope_length`)
     attention: AttentionStep
     sample_rows: torch.Tensor  # [N] int64: rows of the hidden states that get a next token
-    sample_request_ids: list[str]  # [N]
+    sample_request_ids: list[str]  # [N] (a sequence with k drafts has k + 1 rows)
+    sample_lengths: list[int]  # [N]: the sequence's tokens before the one each row samples
+    samples: list[_Samples]  # the sequences that sample, in row order
+
+
+@dataclass(frozen=True, slots=True)
+class _Samples:
+    """A sequence's sampled rows: `first_row` and one more per draft."""
+
+    request_id: str
+    first_row: int
+    draft_token_ids: list[int]

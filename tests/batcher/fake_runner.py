@@ -4,13 +4,15 @@ Its "model" is deterministic: the next token is a hash of every token so far, so
 depends on its own sequence only. Its "KV cache" stores, per slot, the hash of the token prefix
 that ends there; every chunk checks that each slot it would attend to holds its own sequence's
 prefix, which catches a block served from the wrong prefix or handed to two sequences at once.
+Draft tokens are verified as the real runner does (`plan.accepted_length`): their slots are
+written, the rejected ones' blocks given back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tgq.gpu_worker.plan import SampledToken, StepPlan, StepResult
+from tgq.gpu_worker.plan import SampledToken, StepPlan, StepResult, accepted_length
 
 VOCAB_SIZE = 50
 
@@ -54,6 +56,12 @@ class FakeRunner:
             seq = self.sequences[chunk.request_id]
             seq.block_ids.extend(chunk.new_block_ids)
             assert all(0 < b < self.num_blocks for b in seq.block_ids)
+            drafts = chunk.draft_token_ids
+            num_known = len(seq.token_ids)
+            if drafts:
+                assert chunk.num_computed_tokens == num_known - 1
+                assert chunk.num_new_tokens == len(drafts) + 1
+            seq.token_ids += drafts
             end = chunk.num_computed_tokens + chunk.num_new_tokens
             assert chunk.num_new_tokens >= 1 and end <= len(seq.token_ids)
             assert len(seq.block_ids) * self.block_size >= end
@@ -63,9 +71,13 @@ class FakeRunner:
             for position in range(end):
                 assert self.slots.get(self._slot(seq, position)) == seq.prefix_hash(position)
             if end == len(seq.token_ids):
-                token_id = next_token(seq.prefix_hash(end - 1))
-                seq.token_ids.append(token_id)
-                sampled.append(SampledToken(chunk.request_id, token_id, -0.5))
+                rows = [next_token(seq.prefix_hash(p)) for p in range(num_known - 1, end)]
+                del seq.token_ids[num_known:], seq.prefix_hashes[num_known:]
+                kept = rows[: accepted_length(drafts, rows) + 1]
+                seq.token_ids += kept
+                sampled += [SampledToken(chunk.request_id, t, -0.5) for t in kept]
+                if drafts:
+                    del seq.block_ids[-(-(len(seq.token_ids) - 1) // self.block_size) :]
         return StepResult(sampled)
 
     def _slot(self, seq: _Sequence, position: int) -> int:

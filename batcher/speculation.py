@@ -1,0 +1,219 @@
+"""Speculative decoding's proposers: cheap guesses of a request's next tokens, which the runner
+verifies in the same step (`gpu_worker.plan`, "Speculative decoding"). Pure Python, no torch.
+
+- `NgramProposer` (prompt lookup, `--speculative-method ngram`): the longest of the request's last
+  n tokens (n from `max_n` down to `min_n`) that occurred earlier in its prompt or output; the
+  tokens that followed that occurrence are the guess. Extraction, quoting and edits copy the
+  input, so these guesses land.
+- `SuffixProposer` (`suffix`): the same lookup, then, where the request's own tokens have no
+  match, over the recent outputs of requests that share its first prompt tokens (the lines of one
+  bulk batch or job share a template, and their outputs a shape: a schema's keys, a form's
+  sentences). Bounded: `max_groups` groups of at most `max_group_tokens` output tokens each.
+
+Each index maps an n-gram to where it last ended, and grows with the request's tokens, so a
+proposal costs O(new tokens + n) rather than a scan of the sequence.
+
+`Speculation` holds a proposer and the policy: how many drafts a request gets this step, from its
+running acceptance rate (fewer when its guesses fail, never zero while it speculates, so it can
+recover) and from the step's room (`SchedulerConfig.speculative_max_batch_tokens`: past that
+many rows a step is compute-bound and drafts would cost more than they save).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+SPECULATIVE_METHODS = ("ngram", "suffix")
+ACCEPTANCE_SMOOTHING = 0.3  # weight of the latest step in a request's running acceptance rate
+GROUP_PREFIX_TOKENS = 16  # prompt tokens that name a suffix group
+
+
+class Proposer(Protocol):
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                max_tokens: int) -> list[int]:  # fmt: skip
+        """Up to `max_tokens` guesses of the tokens after `token_ids` (possibly none)."""
+        ...
+
+    def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """The request is done: drop its state (and learn from its output)."""
+        ...
+
+
+@dataclass
+class NgramIndex:
+    """Where each n-gram (min_n <= n <= max_n) of a growing token list last ended."""
+
+    min_n: int
+    max_n: int
+    num_indexed: int = 0  # n-grams ending at positions < this are indexed
+    last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def extend(self, token_ids: Sequence[int], upto: int) -> None:
+        """Index the n-grams that end before `upto`."""
+        for end in range(max(self.num_indexed, 1), upto):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.last_end[tuple(token_ids[end - n : end])] = end
+        self.num_indexed = max(self.num_indexed, upto)
+
+    def follow(self, token_ids: Sequence[int], tail: Sequence[int], max_tokens: int) -> list[int]:
+        """The tokens of `token_ids` after the latest indexed occurrence of the longest suffix
+        of `tail` that has one."""
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            end = self.last_end.get(tuple(tail[len(tail) - n :]))
+            if end is not None:
+                return list(token_ids[end : end + max_tokens])
+        return []
+
+
+class NgramProposer:
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError("n-gram sizes need 1 <= min_n <= max_n")
+        self.min_n, self.max_n = min_n, max_n
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                max_tokens: int) -> list[int]:  # fmt: skip
+        index = self._indexes.get(request_id)
+        if index is None:
+            index = self._indexes[request_id] = NgramIndex(self.min_n, self.max_n)
+        # Occurrences ending before the last token: the last n tokens themselves never match.
+        index.extend(token_ids, len(token_ids))
+        return index.follow(token_ids, token_ids[-self.max_n :], max_tokens)
+
+    def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self._indexes.pop(request_id, None)
+
+
+@dataclass
+class _Group:
+    """The outputs of a group's finished requests, one after another (-1 between two)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    index: NgramIndex | None = None
+
+
+class SuffixProposer:
+    def __init__(
+        self,
+        min_n: int = 2,
+        max_n: int = 8,
+        max_groups: int = 64,
+        max_group_tokens: int = 16384,
+    ) -> None:
+        self.own = NgramProposer(min_n, max_n)
+        self.min_n, self.max_n = min_n, max_n
+        self.max_groups, self.max_group_tokens = max_groups, max_group_tokens
+        self._groups: OrderedDict[tuple[int, ...], _Group] = OrderedDict()  # least recent first
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                max_tokens: int) -> list[int]:  # fmt: skip
+        guess = self.own.propose(request_id, token_ids, num_prompt_tokens, max_tokens)
+        group = self._groups.get(_group_key(token_ids, num_prompt_tokens))
+        if group is None or len(guess) == max_tokens:
+            return guess
+        if group.index is None:
+            group.index = NgramIndex(self.min_n, self.max_n)
+        group.index.extend(group.token_ids, len(group.token_ids) + 1)
+        shared = group.index.follow(group.token_ids, token_ids[-self.max_n :], max_tokens)
+        shared = shared[: shared.index(-1)] if -1 in shared else shared
+        return shared if len(shared) > len(guess) else guess
+
+    def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self.own.finish(request_id, token_ids, num_prompt_tokens)
+        output = token_ids[num_prompt_tokens:]
+        if not output:
+            return
+        key = _group_key(token_ids, num_prompt_tokens)
+        group = self._groups.pop(key, None) or _Group()
+        self._groups[key] = group  # now the most recent
+        group.token_ids += [*output, -1]
+        if len(group.token_ids) > self.max_group_tokens:  # keep the newest half, re-indexed
+            del group.token_ids[: len(group.token_ids) - self.max_group_tokens // 2]
+            group.index = None
+        while len(self._groups) > self.max_groups:
+            self._groups.popitem(last=False)
+
+    @property
+    def num_group_tokens(self) -> int:
+        return sum(len(group.token_ids) for group in self._groups.values())
+
+
+def _group_key(token_ids: Sequence[int], num_prompt_tokens: int) -> tuple[int, ...]:
+    return tuple(token_ids[: min(num_prompt_tokens, GROUP_PREFIX_TOKENS)])
+
+
+def make_proposer(method: str) -> Proposer:
+    if method == "ngram":
+        return NgramProposer()
+    if method == "suffix":
+        return SuffixProposer()
+    methods = ", ".join(SPECULATIVE_METHODS)
+    raise ValueError(f"speculative method {method!r} is not one of {methods}")
+
+
+@dataclass
+class SpeculationStats:
+    """Since the scheduler started: drafts proposed and accepted, and the verifying chunks."""
+
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_verified: int = 0  # chunks that carried drafts
+    # Histogram of per-chunk acceptance (accepted / proposed) in tenths: [0] is 0-10%, [10] all.
+    acceptance_counts: list[int] = field(default_factory=lambda: [0] * 11)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        self.num_verified += 1
+        self.acceptance_counts[num_accepted * 10 // num_proposed] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens kept per verifying chunk (1 without speculation)."""
+        return 1 + self.num_accepted / self.num_verified if self.num_verified else 1.0
+
+
+class Speculation:
+    """The proposer and how many drafts each request gets."""
+
+    def __init__(self, proposer: Proposer, max_drafts: int, max_batch_tokens: int) -> None:
+        if max_drafts < 1:
+            raise ValueError("speculation needs at least one draft token (--speculate >= 1)")
+        self.proposer = proposer
+        self.max_drafts = max_drafts
+        self.max_batch_tokens = max_batch_tokens
+        self.stats = SpeculationStats()
+        self._acceptance: dict[str, float] = {}  # per request, running
+
+    def num_drafts(self, request_id: str) -> int:
+        """This request's draft length: `max_drafts` scaled by its running acceptance rate,
+        at least one."""
+        rate = self._acceptance.get(request_id, 1.0)
+        return max(1, round(self.max_drafts * rate))
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                max_tokens: int) -> list[int]:  # fmt: skip
+        max_tokens = min(max_tokens, self.num_drafts(request_id))
+        if max_tokens < 1:
+            return []
+        return self.proposer.propose(request_id, token_ids, num_prompt_tokens, max_tokens)[
+            :max_tokens
+        ]
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        self.stats.record(num_proposed, num_accepted)
+        rate = self._acceptance.get(request_id, 1.0)
+        latest = num_accepted / num_proposed
+        self._acceptance[request_id] = rate + ACCEPTANCE_SMOOTHING * (latest - rate)
+
+    def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self._acceptance.pop(request_id, None)
+        self.proposer.finish(request_id, token_ids, num_prompt_tokens)
