@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from tgq.batcher.grammar_compiler import COMPILE_BUCKETS_S
 from tgq.batcher.messages import Heartbeat
+from tgq.batcher.speculation import ACCEPTANCE_BOUNDS
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS_S = (
@@ -88,6 +89,13 @@ PER_BATCHER: tuple[tuple[str, str, _Family, Callable[[Heartbeat], float]], ...] 
      CounterMetricFamily, attrgetter("num_grammar_argmax_checks")),
     ("tgq_grammar_argmax_misses", "Argmax checks the grammar refused (that row masked again)",
      CounterMetricFamily, attrgetter("num_grammar_argmax_misses")),
+    ("tgq_spec_proposed_tokens", "Draft tokens proposed (speculative decoding)",
+     CounterMetricFamily, attrgetter("num_spec_proposed")),
+    ("tgq_spec_accepted_tokens", "Draft tokens the verification kept",
+     CounterMetricFamily, attrgetter("num_spec_accepted")),
+    ("tgq_spec_verify_forwards", "Sequence-steps that verified drafts (each keeps its accepted"
+     " drafts plus one token: tokens per forward = 1 + accepted / this)",
+     CounterMetricFamily, attrgetter("num_spec_verified")),
 )  # fmt: skip
 
 
@@ -114,6 +122,7 @@ class BatcherCollector(Collector):
                 family.add_metric([beat.batcher_id], value(beat))
             yield family
         yield _compile_durations(known)
+        yield _spec_acceptance(known)
 
 
 def _compile_durations(beats: Sequence[Heartbeat]) -> HistogramMetricFamily:
@@ -129,6 +138,22 @@ def _compile_durations(beats: Sequence[Heartbeat]) -> HistogramMetricFamily:
         cumulative = list(itertools.accumulate(beat.grammar_compiles))
         buckets = list(zip(bounds, cumulative, strict=True))
         family.add_metric([beat.batcher_id], buckets, beat.grammar_compile_seconds)
+    return family
+
+
+def _spec_acceptance(beats: Sequence[Heartbeat]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "tgq_spec_acceptance_ratio",
+        "Per sequence-step with drafts: accepted / proposed draft tokens",
+        labels=["batcher"],
+    )
+    bounds = [*map(str, ACCEPTANCE_BOUNDS), "+Inf"]
+    for beat in beats:
+        if len(beat.spec_acceptance) + 1 != len(bounds):  # speculation off, or an older batcher
+            continue
+        cumulative = list(itertools.accumulate([*beat.spec_acceptance, 0]))
+        buckets = list(zip(bounds, cumulative, strict=True))
+        family.add_metric([beat.batcher_id], buckets, beat.spec_acceptance_sum)
     return family
 
 

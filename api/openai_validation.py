@@ -62,6 +62,7 @@ def chat_params(
         stop_strings=_openai_stop(request.stop, settings),
         num_choices=_num_choices(request.n, settings),
         ignore_eos=request.ignore_eos,
+        speculate=request.speculate,
         top_n_tokens=top_n,
         add_special_tokens=False,  # the chat template has them already
         grammar=tools.grammar or grammar,
@@ -99,6 +100,7 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
         best_of=best_of,
         num_choices=num_choices,
         ignore_eos=request.ignore_eos,
+        speculate=request.speculate,
         return_full_text=request.echo,
         decoder_input_details=request.echo and request.logprobs is not None,
         top_n_tokens=top_n,

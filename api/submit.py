@@ -69,6 +69,7 @@ def item_request(
         deadline=prompt.deadline,
         attempt=attempt,
         grammar=prompt.params.grammar,
+        speculate=prompt.params.speculate,
     )
 
 

@@ -35,6 +35,7 @@ class GenerationParams:
     # Chat tools (`api.tools`): how the output is read for tool calls (None: it is not).
     tool_parser: str | None = None
     parallel_tool_calls: bool = True
+    speculate: bool = True  # False: no draft tokens for it (`--speculate`)
 
 
 @dataclass(frozen=True, slots=True)

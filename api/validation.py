@@ -110,6 +110,7 @@ def tgi_params(
         max_new_tokens=p.max_new_tokens,
         stop_strings=non_empty(p.stop),
         ignore_eos=p.ignore_eos,
+        speculate=p.speculate,
         truncate=p.truncate,
         best_of=best_of,
         details=p.details,

@@ -40,6 +40,7 @@ class SubmitRequest:
     traceparent: str = ""
     # Structured output: what the output must match (optional on the wire; None: free).
     grammar: GrammarSpec | None = None
+    speculate: bool = True  # False: no draft tokens (optional on the wire)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,14 @@ class Heartbeat:
     # rank's), and tokens per KV block.
     weight_bytes: int = 0
     kv_block_size: int = 0
+    # Speculative decoding (`speculation.SpeculationStats`; zeros when off, empty from older
+    # batchers): draft tokens proposed and accepted, sequence-steps that verified drafts, and
+    # the acceptance histogram with its sum.
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+    num_spec_verified: int = 0
+    spec_acceptance: list[int] = field(default_factory=list)
+    spec_acceptance_sum: float = 0.0
 
 
 Message = SubmitRequest | AbortRequest | TokenEvent | FinalResult | Heartbeat
@@ -215,6 +224,7 @@ def _submit(body: dict[str, Any]) -> SubmitRequest:
         http_request_id=_optional(body, "http_request_id", str) or "",
         traceparent=_optional(body, "traceparent", str) or "",
         grammar=spec_from_wire(body.get("grammar")),
+        speculate=_optional(body, "speculate", bool) is not False,
     )
 
 
@@ -302,6 +312,11 @@ def _heartbeat(body: dict[str, Any]) -> Heartbeat:
         grammar_mask_seconds=_optional(body, "grammar_mask_seconds", (int, float)) or 0.0,
         num_grammar_argmax_checks=_optional(body, "num_grammar_argmax_checks", int) or 0,
         num_grammar_argmax_misses=_optional(body, "num_grammar_argmax_misses", int) or 0,
+        num_spec_proposed=_optional(body, "num_spec_proposed", int) or 0,
+        num_spec_accepted=_optional(body, "num_spec_accepted", int) or 0,
+        num_spec_verified=_optional(body, "num_spec_verified", int) or 0,
+        spec_acceptance=_ints(body, "spec_acceptance") if "spec_acceptance" in body else [],
+        spec_acceptance_sum=_optional(body, "spec_acceptance_sum", (int, float)) or 0.0,
         weight_bytes=_optional(body, "weight_bytes", int) or 0,
         kv_block_size=_optional(body, "kv_block_size", int) or 0,
     )

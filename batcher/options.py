@@ -110,6 +110,24 @@ class BatcherOptions(BaseSettings):
         ge=0,
         description="steps after which waiting requests join whatever the ratio",
     )
+    speculate: int = Field(
+        _SCHEDULER.speculate,
+        ge=0,
+        le=16,
+        description="speculative decoding: up to N draft tokens per decoding request and step,"
+        " verified in the same forward (outputs unchanged); 0: off",
+    )
+    speculative_method: Literal["ngram", "suffix"] = Field(
+        "ngram",
+        description="where drafts come from: ngram (the request's own earlier tokens) or suffix"
+        " (also recent outputs of requests sharing its first prompt tokens)",
+    )
+    speculative_max_batch_tokens: int = Field(
+        _SCHEDULER.speculative_max_batch_tokens,
+        ge=1,
+        description="drafts only while a step computes at most this many tokens (past it a step"
+        " is compute-bound and drafts cost more than they save)",
+    )
     max_grammar_cache: int = Field(
         DEFAULT_MAX_CACHE, ge=1, description="compiled grammars kept for structured output (LRU)"
     )
@@ -136,6 +154,9 @@ class BatcherOptions(BaseSettings):
             max_batch_size=self.max_batch_size,
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_tokens=self.max_waiting_tokens,
+            speculate=self.speculate,
+            speculative_method=self.speculative_method,
+            speculative_max_batch_tokens=self.speculative_max_batch_tokens,
         )
 
     def transport_config(self) -> TransportConfig:

@@ -29,6 +29,7 @@ from tgq.batcher.grammar_compiler import GrammarStats
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.ranks import WorkerLostError
 from tgq.batcher.request import FinishReason, Priority
+from tgq.batcher.speculation import SpeculationStats
 from tgq.batcher.transport.base import BatcherTransport, Delivery
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class Batcher:
         scheduler, kv = self.engine.scheduler, self.engine.scheduler.kv
         steps = scheduler.step_stats
         grammars = self.engine.grammars.stats if self.engine.grammars else GrammarStats()
+        speculation = scheduler.speculation.stats if scheduler.speculation else SpeculationStats()
         return Heartbeat(
             batcher_id=self.batcher_id,
             num_running=len(scheduler.running),
@@ -171,6 +173,11 @@ class Batcher:
             num_grammar_argmax_misses=grammars.num_argmax_misses,
             weight_bytes=self.config.weight_bytes,
             kv_block_size=self.engine.runner.block_size,
+            num_spec_proposed=speculation.num_proposed,
+            num_spec_accepted=speculation.num_accepted,
+            num_spec_verified=speculation.num_verified,
+            spec_acceptance=list(speculation.acceptance_counts),
+            spec_acceptance_sum=speculation.acceptance_sum,
         )
 
     def _pull(self) -> None:
@@ -236,6 +243,7 @@ class Batcher:
                 priority=submit.priority,
                 request_id=submit.request_id,
                 grammar=submit.grammar,
+                speculate=submit.speculate,
             )
         except ValueError as error:  # e.g. stop strings for a batcher without a tokenizer
             self._finish(ActiveRequest(delivery, None), FinishReason.REJECTED, str(error))

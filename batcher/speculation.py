@@ -29,6 +29,7 @@ from typing import Protocol
 SPECULATIVE_METHODS = ("ngram", "suffix")
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the latest step in a request's running acceptance rate
 GROUP_PREFIX_TOKENS = 16  # prompt tokens that name a suffix group
+ACCEPTANCE_BOUNDS = tuple(i / 10 for i in range(11))  # per-chunk acceptance histogram
 
 
 class Proposer(Protocol):
@@ -162,14 +163,17 @@ class SpeculationStats:
     num_proposed: int = 0
     num_accepted: int = 0
     num_verified: int = 0  # chunks that carried drafts
-    # Histogram of per-chunk acceptance (accepted / proposed) in tenths: [0] is 0-10%, [10] all.
-    acceptance_counts: list[int] = field(default_factory=lambda: [0] * 11)
+    # Histogram of per-chunk acceptance r = accepted / proposed: [0] counts r = 0, [i] counts
+    # (i - 1) / 10 < r <= i / 10 (Prometheus buckets `ACCEPTANCE_BOUNDS`), with their sum.
+    acceptance_counts: list[int] = field(default_factory=lambda: [0] * len(ACCEPTANCE_BOUNDS))
+    acceptance_sum: float = 0.0
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.num_proposed += num_proposed
         self.num_accepted += num_accepted
         self.num_verified += 1
-        self.acceptance_counts[num_accepted * 10 // num_proposed] += 1
+        self.acceptance_counts[-(-num_accepted * 10 // num_proposed)] += 1
+        self.acceptance_sum += num_accepted / num_proposed
 
     @property
     def acceptance_rate(self) -> float:

@@ -104,6 +104,11 @@ class _VllmExtras(_Body):
         default=None, description="vLLM/TGI extension; 1: off.", examples=[1.03]
     )
     ignore_eos: bool = Field(default=False, description="vLLM extension: generate past EOS.")
+    speculate: bool = Field(
+        default=True,
+        description="tgq extension: false opts this request out of speculative decoding"
+        " (--speculate); its output is the same either way.",
+    )
     prompt_logprobs: int | None = Field(
         default=None,
         description="vLLM extension: each prompt token's logprob and rank, and the this many most"

@@ -114,6 +114,11 @@ class GenerateParameters(_Request):
     ignore_eos: bool = Field(
         default=False, description="tgq extension (as vLLM's): keep generating past EOS."
     )
+    speculate: bool = Field(
+        default=True,
+        description="tgq extension: false opts this request out of speculative decoding"
+        " (--speculate); its output is the same either way.",
+    )
     min_tokens: int | None = Field(
         default=None,
         description="tgq extension (as vLLM's): no EOS, stop token or stop sequence before this "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import socket
@@ -283,13 +284,18 @@ def running(
 
 @contextlib.contextmanager
 def running_stack(
-    model_dir: Path, log_dir: Path, *, celery_worker: bool = False
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    celery_worker: bool = False,
+    batcher_env: dict[str, str] | None = None,
 ) -> Iterator[Stack]:
-    """A test stack on a database of its own: one batcher process, optionally a Celery worker,
-    and the api process."""
+    """A test stack on a database of its own: one batcher process (with `batcher_env`'s
+    settings), optionally a Celery worker, and the api process."""
+    stack_of = functools.partial(Stack, batcher_env=batcher_env or {})
     with (
         migrated_database() as url,
-        running(Stack(model_dir, url, log_dir), celery_worker=celery_worker) as stack,
+        running(stack_of(model_dir, url, log_dir), celery_worker=celery_worker) as stack,
     ):
         yield stack
 

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 from tests.api.stack import BLOCK_SIZE, Stack, running_stack, write_text_model
 from tests.api.test_http_jobs import wait_for
+from tests.polling import eventually
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.schemas.tgi import CompatGenerateRequest, GenerateParameters
 from tgq.api.tools import TOOL_CHOICE_MESSAGE
@@ -62,7 +63,8 @@ OPENAI_COMPLETIONS = (
     "stream_options", "suffix",
     "temperature", "top_p", "user",
 )  # fmt: skip
-EXTRAS = ("ignore_eos", "min_tokens", "min_p", "top_k", "repetition_penalty")  # vLLM's, tgq's
+# vLLM's and tgq's; TGI's routes take the first four
+EXTRAS = ("ignore_eos", "min_tokens", "min_p", "speculate", "top_k", "repetition_penalty")
 STRUCTURED = (  # vLLM's structured output, on both OpenAI routes
     "guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs",
     "guided_decoding_backend", "guided_whitespace_pattern",
@@ -112,7 +114,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
 
 @pytest.fixture(scope="module")
 def stack(model: Model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(model.dir, tmp_path_factory.mktemp("logs")) as running:
+    # Speculation on: every field must work with it (`speculate` opts a request out).
+    with running_stack(
+        model.dir, tmp_path_factory.mktemp("logs"), batcher_env={"SPECULATE": "3"}
+    ) as running:
         yield running
 
 
@@ -227,6 +232,10 @@ TGI_CASES: dict[str, Case | tuple[Case, ...]] = {
     "ignore_eos": Works(
         {"ignore_eos": True, "max_new_tokens": 4},
         lambda b, m: _eq(_details(b)["finish_reason"], "length"),
+    ),
+    "speculate": Works(
+        {"speculate": False, "min_tokens": 4},
+        lambda b, m: _eq([t["id"] for t in _details(b)["tokens"]], [m.x_id] * 4 + [EOS]),
     ),
     # min_tokens delays EOS: `X` four times, then EOS (greedy; EOS is the argmax everywhere).
     "min_tokens": Works(
@@ -409,6 +418,10 @@ OPENAI_SHARED: dict[str, Case | tuple[Case, ...]] = {
     "user": Works({"user": "user-1"}),
     "ignore_eos": Works(
         {"ignore_eos": True, "max_tokens": 3},
+        lambda b, m: _eq(_choice(b)["finish_reason"], "length"),
+    ),
+    "speculate": Works(
+        {"speculate": False, "ignore_eos": True, "max_tokens": 3},
         lambda b, m: _eq(_choice(b)["finish_reason"], "length"),
     ),
     "min_tokens": (
@@ -641,7 +654,7 @@ def _check_openai(result: tuple[int, Any], case: Case) -> None:
     [
         (
             TGI_CASES,
-            TGI_PARAMETERS + TGI_REQUEST + EXTRAS[:3],
+            TGI_PARAMETERS + TGI_REQUEST + EXTRAS[:4],
             (GenerateParameters, CompatGenerateRequest),
         ),
         (
@@ -703,3 +716,17 @@ def test_jobs_take_the_same_parameters(http: httpx.Client, model: Model) -> None
     response = http.post("/v1/jobs", json=body)
     assert response.status_code == 422
     assert response.json()["error"]["message"] == "unknown field `parameters.foo`"
+
+
+def test_the_stack_speculates(http: httpx.Client, model: Model) -> None:
+    """The cases above ran with speculation on: a request that repeats itself (`X` eight times,
+    then EOS) gets drafts, verified (the batcher's heartbeat reports them), and the same output."""
+    body = {"inputs": TGI_INPUTS, "parameters": {"min_tokens": 8, "details": True}}
+    tokens = http.post("/generate", json=body).json()["details"]["tokens"]
+    assert [t["id"] for t in tokens] == [model.x_id] * 8 + [EOS]
+
+    def verified() -> float:
+        pattern = re.compile(r"^tgq_spec_verify_forwards(?:_total)?\{[^}]*\} (\S+)$", re.M)
+        return sum(float(v) for v in pattern.findall(http.get("/metrics").text))
+
+    eventually(verified, 30, "a heartbeat reporting verified drafts")

@@ -119,6 +119,7 @@ def test_unseeded_copies_stay_unseeded() -> None:
 def test_recorded_params_read_back_what_was_recorded() -> None:
     params = params_of(
         stop_strings=("a", "b"), ignore_eos=True, truncate=4, best_of=2, details=True,
+        speculate=False,
         top_n_tokens=3, add_special_tokens=False, grammar=GrammarSpec.json_schema(SCHEMA),
     )  # fmt: skip
     assert recorded_params(job_params(params)) == params

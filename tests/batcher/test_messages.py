@@ -32,6 +32,7 @@ SUBMIT = SubmitRequest(
     priority=Priority.BULK,
     deadline=1.9e9,
     attempt=2,
+    speculate=False,
 )
 MESSAGES: list[Message] = [
     SUBMIT,
@@ -112,6 +113,11 @@ MESSAGES: list[Message] = [
         num_grammar_argmax_misses=4,
         weight_bytes=115_343_360,
         kv_block_size=16,
+        num_spec_proposed=90,
+        num_spec_accepted=50,
+        num_spec_verified=30,
+        spec_acceptance=[10, 0, 0, 0, 0, 5, 0, 0, 0, 0, 15],
+        spec_acceptance_sum=17.5,
     ),  # every field
     SubmitRequest(
         request_id="req-3",

@@ -16,6 +16,7 @@ from tgq.batcher.__main__ import build_engine, build_runner, describe, parse_arg
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.embedded import EmbeddedBatcher
 from tgq.batcher.options import BatcherOptions
+from tgq.batcher.speculation import SuffixProposer
 from tgq.batcher.transport.base import TransportConfig
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.layers.linear import Linear
@@ -25,11 +26,13 @@ FLAGS: dict[str, Any] = {
     "max_batch_size": 3, "max_batch_prefill_tokens": 48, "max_batch_total_tokens": 400,
     "waiting_served_ratio": 0.7, "max_waiting_tokens": 9, "lease_s": 11.0, "max_attempts": 5,
     "heartbeat_ttl_s": 3.0, "dtype": "bfloat16", "disable_custom_kernels": True,
-    "kv_cache_memory": 1 << 20, "batcher_id": "b9",
+    "kv_cache_memory": 1 << 20, "batcher_id": "b9", "speculate": 5,
+    "speculative_method": "suffix", "speculative_max_batch_tokens": 20,
 }  # fmt: skip
 SCHEDULER = SchedulerConfig(
     max_batch_total_tokens=400, max_batch_prefill_tokens=48, max_batch_size=3,
-    waiting_served_ratio=0.7, max_waiting_tokens=9,
+    waiting_served_ratio=0.7, max_waiting_tokens=9, speculate=5, speculative_method="suffix",
+    speculative_max_batch_tokens=20,
 )  # fmt: skip
 TRANSPORT = TransportConfig(max_attempts=5, lease_s=11.0, heartbeat_ttl_s=3.0)
 
@@ -53,6 +56,7 @@ def check_runner(runner: object, model_dir: Path) -> None:
 def test_the_embedded_batcher_takes_the_api_settings(model_dir: Path) -> None:
     embedded = EmbeddedBatcher(Settings(model_dir=str(model_dir), **FLAGS))
     assert embedded.engine.scheduler.config == SCHEDULER
+    assert isinstance(embedded.engine.scheduler.speculation.proposer, SuffixProposer)  # type: ignore[union-attr]
     assert embedded.transport.config == TRANSPORT
     assert embedded.batcher.config.batcher_id == "b9"
     check_runner(embedded.engine.runner, model_dir)
