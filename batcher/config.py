@@ -24,7 +24,7 @@ class SchedulerConfig:
     # compute-bound and verifying drafts costs more than they save).
     speculate: int = 0
     speculative_method: str = "ngram"
-    speculative_max_batch_tokens: int = 32
+    speculative_max_batch_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -144,8 +144,9 @@ class ModelRunner:
         if not plan.chunks:
             return StepResult()
         self._token_masks = plan.token_masks
-        # Single-token chunks first: the attention backends batch them in one call.
-        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
+        # Single-token chunks first: the attention backends batch them in one call. A chunk
+        # with drafts is single-token rows too (`_flatten`).
+        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1 and not c.draft_token_ids)
         for chunk in chunks:
             seq = self.sequences[chunk.request_id]
             seq.block_ids.extend(chunk.new_block_ids)
@@ -406,7 +407,13 @@ class ModelRunner:
                 )
                 lengths.extend(map(rope_length, range(start, end)))
             slots.extend(self._slot(seq.block_ids, pos) for pos in range(start, end))
-            spans.append(SeqSpan(chunk.num_new_tokens, end, seq.block_ids))
+            if chunk.draft_token_ids:
+                # One decode row per position, each attending up to itself: every row's KV is
+                # written before any attends, so this is the chunk's causal attention, on the
+                # decode kernels (and a decode step's replay) rather than the prefill path.
+                spans += [SeqSpan(1, position + 1, seq.block_ids) for position in range(start, end)]
+            else:
+                spans.append(SeqSpan(chunk.num_new_tokens, end, seq.block_ids))
             if end == len(seq.token_ids):
                 drafts = chunk.draft_token_ids
                 samples.append(_Samples(chunk.request_id, len(sample_rows), drafts))

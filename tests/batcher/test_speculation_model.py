@@ -25,6 +25,7 @@ from tgq.batcher.request import StoppingParams
 from tgq.batcher.speculation import NgramProposer, Proposer
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+from tgq.kernels import AttentionStep
 
 VARIANT = "llama3-gqa"
 NUM_NEW = 24
@@ -122,6 +123,31 @@ def test_outputs_equal_the_run_without_speculation(
         assert engine.scheduler.num_preemptions > 0
     assert_same(run(make_engine(model_dir, NgramProposer(1, 3), num_blocks, **limits), batch),
                 reference)  # fmt: skip
+
+
+def test_drafts_are_verified_as_decode_rows(model_dirs: dict[str, Path]) -> None:
+    """A chunk with k drafts reaches the attention backend as k + 1 single-query rows, each
+    attending up to its own position (the decode kernels, not the prefill path)."""
+    model_dir = model_dirs[VARIANT]
+    engine = make_engine(model_dir, _Likeliest([7] * 40))
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    steps: list[AttentionStep] = []
+    prepare = runner.backend.prepare
+
+    def spy(step: AttentionStep, device: torch.device) -> object:
+        steps.append(step)
+        return prepare(step, device)
+
+    runner.backend.prepare = spy  # type: ignore[method-assign]
+    engine.generate([[3, 4, 5, 6]], SamplingParams(), StoppingParams(max_new_tokens=6))
+    verifying = [step for step in steps if len(step.spans) > 1]
+    assert verifying
+    for step in verifying:
+        assert step.num_single == len(step.spans)
+        assert [span.kv_len for span in step.spans] == list(
+            range(step.spans[0].kv_len, step.spans[0].kv_len + len(step.spans))
+        )
 
 
 def test_unseeded_sampling_keeps_its_distribution(model_dirs: dict[str, Path]) -> None:
