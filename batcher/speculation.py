@@ -5,10 +5,12 @@ verifies in the same step (`gpu_worker.plan`, "Speculative decoding"). Pure Pyth
   n tokens (n from `max_n` down to `min_n`) that occurred earlier in its prompt or output; the
   tokens that followed that occurrence are the guess. Extraction, quoting and edits copy the
   input, so these guesses land.
-- `SuffixProposer` (`suffix`): the same lookup, then, where the request's own tokens have no
-  match, over the recent outputs of requests that share its first prompt tokens (the lines of one
-  bulk batch or job share a template, and their outputs a shape: a schema's keys, a form's
-  sentences). Bounded: `max_groups` groups of at most `max_group_tokens` output tokens each.
+- `SuffixProposer` (`suffix`): the same lookup over the request's own tokens, over the recent
+  outputs of requests that share its first prompt tokens (the lines of one bulk batch or job
+  share a template, and their outputs a shape: a schema's keys, a form's sentences), and over
+  the recent outputs of all requests (lines whose prompts differ from the start still share
+  their output's shape); the longest guess wins. Bounded: `max_groups` groups of at most
+  `max_group_tokens` output tokens each, the all-requests pool one of them.
 
 Each index maps an n-gram to where it last ended, and grows with the request's tokens, so a
 proposal costs O(new tokens + n) rather than a scan of the sequence.
@@ -29,6 +31,7 @@ from typing import Protocol
 SPECULATIVE_METHODS = ("ngram", "suffix")
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the latest step in a request's running acceptance rate
 GROUP_PREFIX_TOKENS = 16  # prompt tokens that name a suffix group
+ALL_REQUESTS: tuple[int, ...] = (-1,)  # the suffix group of every request's outputs
 ACCEPTANCE_BOUNDS = tuple(i / 10 for i in range(11))  # per-chunk acceptance histogram
 
 
@@ -113,28 +116,31 @@ class SuffixProposer:
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
                 max_tokens: int) -> list[int]:  # fmt: skip
         guess = self.own.propose(request_id, token_ids, num_prompt_tokens, max_tokens)
-        group = self._groups.get(_group_key(token_ids, num_prompt_tokens))
-        if group is None or len(guess) == max_tokens:
-            return guess
-        if group.index is None:
-            group.index = NgramIndex(self.min_n, self.max_n)
-        group.index.extend(group.token_ids, len(group.token_ids) + 1)
-        shared = group.index.follow(group.token_ids, token_ids[-self.max_n :], max_tokens)
-        shared = shared[: shared.index(-1)] if -1 in shared else shared
-        return shared if len(shared) > len(guess) else guess
+        tail = token_ids[-self.max_n :]
+        for key in (_group_key(token_ids, num_prompt_tokens), ALL_REQUESTS):
+            group = self._groups.get(key)
+            if group is None or len(guess) == max_tokens:
+                continue
+            if group.index is None:
+                group.index = NgramIndex(self.min_n, self.max_n)
+            group.index.extend(group.token_ids, len(group.token_ids) + 1)
+            shared = group.index.follow(group.token_ids, tail, max_tokens)
+            shared = shared[: shared.index(-1)] if -1 in shared else shared
+            guess = shared if len(shared) > len(guess) else guess
+        return guess
 
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self.own.finish(request_id, token_ids, num_prompt_tokens)
         output = token_ids[num_prompt_tokens:]
         if not output:
             return
-        key = _group_key(token_ids, num_prompt_tokens)
-        group = self._groups.pop(key, None) or _Group()
-        self._groups[key] = group  # now the most recent
-        group.token_ids += [*output, -1]
-        if len(group.token_ids) > self.max_group_tokens:  # keep the newest half, re-indexed
-            del group.token_ids[: len(group.token_ids) - self.max_group_tokens // 2]
-            group.index = None
+        for key in (_group_key(token_ids, num_prompt_tokens), ALL_REQUESTS):
+            group = self._groups.pop(key, None) or _Group()
+            self._groups[key] = group  # now the most recent
+            group.token_ids += [*output, -1]
+            if len(group.token_ids) > self.max_group_tokens:  # keep the newest half, re-indexed
+                del group.token_ids[: len(group.token_ids) - self.max_group_tokens // 2]
+                group.index = None
         while len(self._groups) > self.max_groups:
             self._groups.popitem(last=False)
 

@@ -4,16 +4,24 @@ streamed text deltas, stop strings across token boundaries, held-back text."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from tests.batcher import tokenizer_zoo
+from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.detokenize import HFTokenDecoder
 from tgq.batcher.engine import LLMEngine, RequestOutput
 from tgq.batcher.request import StoppingParams
 from tgq.gpu_worker.config import model_eos_token_ids
-from tgq.gpu_worker.plan import SampledToken, SamplingParams, StepPlan, StepResult
+from tgq.gpu_worker.plan import (
+    SampledToken,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    accepted_length,
+)
 
 PROMPT_TEXT = "The answer is"
 OUTPUT_TEXT = " forty-two, said the computer. 你好 — café ✓ and then nothing more at all"
@@ -37,15 +45,31 @@ class ScriptedRunner:
             self.num_outputs.setdefault(new.request_id, len(new.token_ids) - new.num_prompt_tokens)
         sampled = []
         for chunk in plan.chunks:
-            if (
-                chunk.num_computed_tokens + chunk.num_new_tokens
-                == self.num_tokens[chunk.request_id]
-            ):
-                token_id = self.script[self.num_outputs[chunk.request_id]]
-                self.num_outputs[chunk.request_id] += 1
-                self.num_tokens[chunk.request_id] += 1
-                sampled.append(SampledToken(chunk.request_id, token_id))
+            drafts, request_id = chunk.draft_token_ids, chunk.request_id
+            end = chunk.num_computed_tokens + chunk.num_new_tokens
+            if end == self.num_tokens[request_id] + len(drafts):
+                first = self.num_outputs[request_id]
+                rows = self.script[first : first + len(drafts) + 1]
+                kept = rows[: accepted_length(drafts, rows) + 1]  # as the model runner keeps
+                self.num_outputs[request_id] += len(kept)
+                self.num_tokens[request_id] += len(kept)
+                sampled += [SampledToken(request_id, token_id) for token_id in kept]
         return StepResult(sampled)
+
+
+class ScriptGuesser:
+    """A speculative proposer that always guesses the script right."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                max_tokens: int) -> list[int]:  # fmt: skip
+        done = len(token_ids) - num_prompt_tokens
+        return self.script[done : done + max_tokens]
+
+    def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        pass
 
 
 def script_for(tokenizer_name: str) -> tuple[list[int], list[int]]:
@@ -68,12 +92,16 @@ def run(
     stop_strings: tuple[str, ...],
     max_new_tokens: int | None = None,
     min_tokens: int = 0,
+    speculate: int = 0,
 ) -> tuple[list[RequestOutput], str]:
     """Streams OUTPUT_TEXT's tokens through an engine: the request's events and the text their
-    deltas add up to."""
+    deltas add up to. `speculate`: up to that many drafts a step, always right, so an event
+    carries several tokens and a stop string may complete inside one."""
     prompt, script = script_for(tokenizer_name)
     decoder = HFTokenDecoder(tokenizer_zoo.load(tokenizer_name))
-    engine = LLMEngine(ScriptedRunner(script), decoder=decoder)
+    config = SchedulerConfig(speculate=speculate)
+    guesser = ScriptGuesser(script) if speculate else None
+    engine = LLMEngine(ScriptedRunner(script), config, decoder=decoder, proposer=guesser)
     stopping = StoppingParams(
         max_new_tokens=max_new_tokens or len(script), stop_strings=stop_strings
     )
@@ -93,18 +121,20 @@ def test_streamed_text_is_the_decoded_output_when_no_stop_string_matches(
     assert events[-1].finish_reason == "length"
 
 
+@pytest.mark.parametrize("speculate", [0, 5])
 @pytest.mark.parametrize("tokenizer_name", ["bpe", "mistral"])
 @pytest.mark.parametrize("stop", ["said the", "é ✓", "computer."])
 def test_a_stop_string_across_tokens_stops_the_request_before_it(
-    tokenizer_name: str, stop: str
+    tokenizer_name: str, stop: str, speculate: int
 ) -> None:
-    events, text = run(tokenizer_name, (stop, "never there"))
+    events, text = run(tokenizer_name, (stop, "never there"), speculate=speculate)
     full = continuation(tokenizer_name)
     assert text == full[: full.index(stop)]
     final = events[-1]
     assert (final.finish_reason, final.finish_detail) == ("stop", f"stop string {stop!r}")
     num_tokens = sum(len(event.new_token_ids) for event in events)
     assert num_tokens < len(script_for(tokenizer_name)[1])  # it stopped generating, too
+    assert (max(len(event.new_token_ids) for event in events) > 1) == (speculate > 0)
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop() -> None:
@@ -115,11 +145,12 @@ def test_a_stop_string_completed_by_the_last_allowed_token_reports_stop() -> Non
     assert text == continuation("bpe")[: continuation("bpe").index("said")]
 
 
-def test_a_stop_string_complete_before_min_tokens_does_not_stop() -> None:
+@pytest.mark.parametrize("speculate", [0, 5])
+def test_a_stop_string_complete_before_min_tokens_does_not_stop(speculate: int) -> None:
     """vLLM's rule: the first "the" ends within `min_tokens`, so only the one in "then" stops."""
     full = continuation("bpe")
     first = next(n for n in range(1, 40) if "the" in continuation("bpe", n))
-    events, text = run("bpe", ("the",), min_tokens=first + 1)
+    events, text = run("bpe", ("the",), min_tokens=first + 1, speculate=speculate)
     assert text == full[: full.index("the", full.index("the") + 1)]
     assert events[-1].finish_reason == "stop"
 

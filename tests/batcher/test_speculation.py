@@ -184,19 +184,20 @@ def test_ngram_proposes_what_followed_the_longest_match() -> None:
     assert proposer.propose("s", [1, 2, 3], 3, 3) == []
 
 
-def test_suffix_proposer_learns_from_a_groups_finished_outputs() -> None:
-    proposer = SuffixProposer(min_n=2, max_n=4, max_groups=2, max_group_tokens=64)
+def test_suffix_proposer_learns_from_finished_outputs() -> None:
+    proposer = SuffixProposer(min_n=2, max_n=4, max_groups=3, max_group_tokens=64)
     template = list(range(100, 120))
-    first = [*template, 1, *[50, 51, 52, 53, 54, 55]]
-    proposer.finish("a", first, len(template) + 1)
-    second = [*template, 2, 50, 51]
-    assert proposer.propose("b", second, len(template) + 1, 3) == [52, 53, 54]
-    other = [*range(200, 220), 50, 51]  # another group: its own tokens only
-    assert proposer.propose("c", other, 20, 3) == []
+    proposer.finish("a", [*template, 1, *[50, 51, 52, 53, 54, 55]], len(template) + 1)
+    proposer.finish("b", [*range(300, 320), 50, 51, 60, 61, 62], 20)
+    # Its group's outputs first: they share the template; the pool of every request's outputs
+    # only where its group's guess is shorter.
+    assert proposer.propose("c", [*template, 2, 50, 51], len(template) + 1, 3) == [52, 53, 54]
+    assert proposer.propose("d", [*range(200, 220), 50, 51], 20, 3) == [60, 61, 62]
+    assert proposer.propose("e", [*range(200, 220), 51, 50], 20, 3) == []
     for index in range(40):  # bounded: groups and tokens per group
         proposer.finish(str(index), [*template, *range(index, index + 5)], len(template))
         proposer.finish(f"x{index}", [index + 1000, 1, 2, 3], 1)
-    assert len(proposer._groups) == 2 and proposer.num_group_tokens <= 2 * 64
+    assert len(proposer._groups) == 3 and proposer.num_group_tokens <= 3 * 64
 
 
 def test_draft_length_follows_the_acceptance_rate() -> None:

@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from tests.api.stack import write_text_model
+from tests.batcher.test_speculation_model import ReplayOracle
 from tests.gpu_worker.test_kv_fp8 import with_kv_scales
 from tests.gpu_worker.test_parity import prompts
 from tests.quantized_mode import QUANTIZE
+from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine
 from tgq.batcher.grammar import GrammarSpec
 from tgq.batcher.grammar_compiler import GrammarCompiler
@@ -269,5 +271,37 @@ def test_ranks_report_their_block_size_and_kernels(custom_kernels: bool, tmp_pat
             assert sharded.served.attention == expected
         else:
             assert (sharded.served.attention, sharded.served.num_cpu_kernel_modules) == ("torch", 0)
+    finally:
+        sharded.close()
+
+
+def test_two_ranks_verify_drafts_as_one_process_does(tmp_path: Path) -> None:
+    """Speculation on two ranks: rank 0 samples every draft's row, both ranks keep the same
+    accepted prefix and give back the same blocks; greedy and seeded outputs equal one process's
+    without speculation."""
+    model_dir = write_model(tmp_path / "llama", CONFIGS["llama-gqa"], seed=3)
+    batch = prompts(6, 500, 11, (3, 40))
+    model = ModelConfig.from_dir(model_dir)
+    stopping = StoppingParams(max_new_tokens=12, ignore_eos=True)
+    kinds = [SamplingParams(), SamplingParams(temperature=0.8, seed=7)]
+    single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    plain = LLMEngine(single, model=model)
+    expected = [[r.token_ids for r in plain.generate(batch, kind, stopping)] for kind in kinds]
+    oracle = ReplayOracle(seed=3)
+    for outputs in expected:
+        for prompt, output in zip(batch, outputs, strict=True):
+            oracle.learn(prompt, output)
+    sharded = ShardedRunner(
+        ShardConfig(
+            str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1
+        )
+    )
+    try:
+        config = SchedulerConfig(speculate=3, speculative_max_batch_tokens=64)
+        engine = LLMEngine(sharded, config, model=model, proposer=oracle)
+        for kind, outputs in zip(kinds, expected, strict=True):
+            assert [r.token_ids for r in engine.generate(batch, kind, stopping)] == outputs
+        stats = engine.scheduler.speculation.stats  # type: ignore[union-attr]
+        assert stats.num_accepted > 0 and stats.num_accepted < stats.num_proposed
     finally:
         sharded.close()
