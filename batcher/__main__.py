@@ -75,6 +75,7 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
         num_blocks=options.num_blocks, kv_cache_bytes=kv_cache_bytes,
         greedy_head=options.greedy_head, custom_kernels=custom_kernels,
         quantize=options.quantize, kv_cache_dtype=options.kv_cache_dtype,
+        speculative_model=options.speculative_model,
     )  # fmt: skip
     return ModelRunner(config)
 

@@ -117,10 +117,16 @@ class BatcherOptions(BaseSettings):
         description="speculative decoding: up to N draft tokens per decoding request and step,"
         " verified in the same forward (outputs unchanged); 0: off",
     )
-    speculative_method: Literal["ngram", "suffix"] = Field(
+    speculative_method: Literal["ngram", "suffix", "draft"] = Field(
         "ngram",
-        description="where drafts come from: ngram (the request's own earlier tokens) or suffix"
-        " (also recent outputs of requests sharing its first prompt tokens)",
+        description="where drafts come from: ngram (the request's own earlier tokens), suffix"
+        " (also recent outputs of requests sharing its first prompt tokens) or draft (the"
+        " --speculative-model's greedy guesses)",
+    )
+    speculative_model: str | None = Field(
+        None,
+        description="a draft model's local directory (the same tokenizer, smaller) for"
+        " --speculative-method draft; one rank only",
     )
     speculative_max_batch_tokens: int = Field(
         _SCHEDULER.speculative_max_batch_tokens,
@@ -170,4 +176,12 @@ class BatcherOptions(BaseSettings):
     def _check_engine_configs(self) -> BatcherOptions:
         self.scheduler_config()  # their own checks, at start (a ValueError is a bad option)
         self.transport_config()
+        drafting = self.speculate > 0 and self.speculative_method == "draft"
+        if drafting != (self.speculative_model is not None):
+            raise ValueError(
+                "--speculative-method draft (with --speculate N) and --speculative-model DIR"
+                " go together"
+            )
+        if self.speculative_model is not None and self.num_shard > 1:
+            raise ValueError("--speculative-model runs on one rank only (--num-shard 1)")
         return self

@@ -215,19 +215,22 @@ class Scheduler:
             draft_room -= len(drafts)
             if new_block_ids is not None:
                 request.block_ids.extend(new_block_ids)
+                model = self.speculation is not None and self.speculation.uses_draft_model
                 step.add(
                     ScheduledChunk(
                         request.request_id,
                         request.num_computed_tokens,
                         num_new + len(drafts),
                         new_block_ids,
-                        drafts,
+                        [] if model else drafts,
+                        len(drafts) if model else 0,
                     )
                 )
 
     def _drafts(self, request: Request, room: int) -> list[int]:
-        """Draft tokens for a decoding request: none under a grammar, none past its last
-        token (`max_new_tokens`: the token after the drafts is sampled too)."""
+        """Draft tokens for a decoding request (placeholders where the runner's draft model
+        guesses them): none under a grammar, none past its last token (`max_new_tokens`: the
+        token after the drafts is sampled too)."""
         assert self.speculation is not None
         if request.grammar is not None or not request.speculate:
             return []
@@ -377,7 +380,7 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished from outside since the plan was made
-            if chunk.draft_token_ids:
+            if chunk.num_drafts:
                 self._verified(request, chunk, len(sampled.get(chunk.request_id, ())))
             else:
                 request.num_computed_tokens += chunk.num_new_tokens
@@ -415,7 +418,7 @@ class Scheduler:
     def _verified(self, request: Request, chunk: ScheduledChunk, num_sampled: int) -> None:
         """After a chunk with drafts: the KV of the last known token and of each accepted draft
         holds, the rest of its blocks are given back."""
-        num_drafts = len(chunk.draft_token_ids)
+        num_drafts = chunk.num_drafts
         if self.speculation is not None and num_sampled > 0:
             self.speculation.record(request.request_id, num_drafts, num_sampled - 1)
         request.num_computed_tokens = request.num_tokens - 1

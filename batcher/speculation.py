@@ -11,6 +11,8 @@ verifies in the same step (`gpu_worker.plan`, "Speculative decoding"). Pure Pyth
   the recent outputs of all requests (lines whose prompts differ from the start still share
   their output's shape); the longest guess wins. Bounded: `max_groups` groups of at most
   `max_group_tokens` output tokens each, the all-requests pool one of them.
+- `DraftModelSlots` (`draft`, with `--speculative-model DIR`): a small model with the same
+  tokenizer guesses, in the runner (`gpu_worker.drafter`); the scheduler only budgets how many.
 
 Each index maps an n-gram to where it last ended, and grows with the request's tokens, so a
 proposal costs O(new tokens + n) rather than a scan of the sequence.
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the latest step in a request's running acceptance rate
 GROUP_PREFIX_TOKENS = 16  # prompt tokens that name a suffix group
 ALL_REQUESTS: tuple[int, ...] = (-1,)  # the suffix group of every request's outputs
@@ -153,11 +155,25 @@ def _group_key(token_ids: Sequence[int], num_prompt_tokens: int) -> tuple[int, .
     return tuple(token_ids[: min(num_prompt_tokens, GROUP_PREFIX_TOKENS)])
 
 
+class DraftModelSlots:
+    """Method `draft`: the runner's draft model guesses the tokens (`gpu_worker.drafter`); the
+    scheduler only budgets how many (placeholders here, never sent)."""
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
+                max_tokens: int) -> list[int]:  # fmt: skip
+        return [-1] * max_tokens
+
+    def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        pass
+
+
 def make_proposer(method: str) -> Proposer:
     if method == "ngram":
         return NgramProposer()
     if method == "suffix":
         return SuffixProposer()
+    if method == "draft":
+        return DraftModelSlots()
     methods = ", ".join(SPECULATIVE_METHODS)
     raise ValueError(f"speculative method {method!r} is not one of {methods}")
 
@@ -202,6 +218,10 @@ class Speculation:
         self.max_batch_tokens = max_batch_tokens
         self.stats = SpeculationStats()
         self._acceptance: dict[str, float] = {}  # per request, running
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return isinstance(self.proposer, DraftModelSlots)
 
     def num_drafts(self, request_id: str) -> int:
         """This request's draft length: `max_drafts` scaled by its running acceptance rate,

@@ -137,6 +137,12 @@ class ScheduledChunk:
     # Speculation: guessed next tokens, computed after the sequence's last token (see above);
     # only on a chunk that starts at the last token (`num_computed_tokens` = known tokens - 1).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Or: this many drafts for the runner's draft model to guess first (`gpu_worker.drafter`).
+    num_model_drafts: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids) or self.num_model_drafts
 
 
 @dataclass(frozen=True, slots=True)

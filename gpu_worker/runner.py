@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tgq.gpu_worker.config import ModelConfig
+from tgq.gpu_worker.drafter import Drafter, DraftRequest
 from tgq.gpu_worker.host_memory import keep_freed_memory
 from tgq.gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tgq.gpu_worker.loader import LoadedModel, load_model
@@ -68,6 +69,9 @@ class RunnerConfig:
     # "auto": the model's dtype; "fp8" / "fp8_e4m3" (`--kv-cache-dtype`): E4M3, one byte a value;
     # "fp8_e5m2": E5M2 (more range, less precision)
     kv_cache_dtype: str = "auto"
+    # `--speculative-model`: a draft model's directory (the same tokenizer), for chunks that ask
+    # for model drafts (`ScheduledChunk.num_model_drafts`; `gpu_worker.drafter`).
+    speculative_model: str | None = None
 
 
 @dataclass
@@ -114,8 +118,35 @@ class ModelRunner:
             local, self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
         self.sampler = Sampler(self.device, custom_kernels=config.custom_kernels)
+        self.drafter = self._drafter(config, tp)
         self.sequences: dict[str, _Sequence] = {}
         self._token_masks: Mapping[str, bytes] = {}  # this step's (structured output)
+
+    def _drafter(self, config: RunnerConfig, tp: TensorParallel) -> Drafter | None:
+        """The draft model's runner over this one's block tables (`--speculative-model`)."""
+        if config.speculative_model is None:
+            return None
+        if tp.world_size > 1:
+            raise ValueError("--speculative-model runs on one rank only (--num-shard 1)")
+        draft_config = dataclasses.replace(
+            config,
+            model_id=config.speculative_model,
+            revision=None,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            quantize=None,
+            kv_cache_dtype="auto",
+            speculative_model=None,
+        )
+        drafter = Drafter(ModelRunner(draft_config))
+        draft_vocab = drafter.runner.model_config.vocab_size
+        if draft_vocab > self.model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_vocab} tokens) is larger than the"
+                f" target's ({self.model_config.vocab_size}): it needs the same tokenizer"
+            )
+        log.info("speculative draft model %s", config.speculative_model)
+        return drafter
 
     @property
     def model_config(self) -> ModelConfig:
@@ -135,21 +166,18 @@ class ModelRunner:
         """Runs one step. A plan that breaks the contract raises ValueError before any state
         changes, so the runner stays usable (and in step with the scheduler) afterwards."""
         self._validate(plan)
-        for request_id in plan.finished_request_ids:
-            self.sequences.pop(request_id, None)
-        for new in plan.new_sequences:
-            self.sequences[new.request_id] = _Sequence(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
-            )
+        self._take_sequences(plan)
         if not plan.chunks:
             return StepResult()
         self._token_masks = plan.token_masks
         # Single-token chunks first: the attention backends batch them in one call. A chunk
         # with drafts is single-token rows too (`_flatten`).
-        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1 and not c.draft_token_ids)
+        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1 and not c.num_drafts)
+        for chunk in chunks:
+            self.sequences[chunk.request_id].block_ids.extend(chunk.new_block_ids)
+        chunks = self._model_drafts(chunks)
         for chunk in chunks:
             seq = self.sequences[chunk.request_id]
-            seq.block_ids.extend(chunk.new_block_ids)
             seq.token_ids.extend(chunk.draft_token_ids)  # for this step only (`_keep`)
         try:
             inputs = self._flatten(chunks)
@@ -185,6 +213,22 @@ class ModelRunner:
         self._trim(inputs.samples)
         return dataclasses.replace(result, prompt_logprobs=prompt)
 
+    def _take_sequences(self, plan: StepPlan) -> None:
+        """Drops the plan's finished sequences, then adds its new ones (the draft model's KV
+        of either is forgotten: a sequence added again after a preemption has other blocks)."""
+        for request_id in plan.finished_request_ids:
+            self.sequences.pop(request_id, None)
+        for new in plan.new_sequences:
+            self.sequences[new.request_id] = _Sequence(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
+            )
+        if self.drafter is not None:
+            for request_id in [
+                *plan.finished_request_ids,
+                *(n.request_id for n in plan.new_sequences),
+            ]:
+                self.drafter.forget(request_id)
+
     def _keep(self, samples: list[_Samples], tokens: list[int]) -> list[int]:
         """The sampled rows whose tokens the sequences keep: each sequence's first row, and with
         drafts, one more per draft accepted (`plan.accepted_length`)."""
@@ -196,6 +240,29 @@ class ModelRunner:
             kept += range(sample.first_row, sample.first_row + num_kept)
         return kept
 
+    def _model_drafts(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The chunks, those that ask for model drafts with the draft model's guesses."""
+        asking = [chunk for chunk in chunks if chunk.num_model_drafts]
+        if not asking:
+            return chunks
+        assert self.drafter is not None  # `_validate`
+        requests = [
+            DraftRequest(
+                chunk.request_id,
+                self.sequences[chunk.request_id].token_ids,
+                self.sequences[chunk.request_id].block_ids,
+                chunk.num_model_drafts,
+            )
+            for chunk in asking
+        ]
+        drafts = self.drafter.propose(requests)
+        return [
+            dataclasses.replace(chunk, draft_token_ids=drafts[chunk.request_id])
+            if chunk.num_model_drafts
+            else chunk
+            for chunk in chunks
+        ]
+
     def _trim(self, samples: list[_Samples]) -> None:
         """After speculation: hold the blocks of the computed tokens only (every known token but
         the last), as the scheduler's KV manager does; rejected drafts' slots are free again."""
@@ -204,6 +271,8 @@ class ModelRunner:
                 seq = self.sequences[sample.request_id]
                 num_blocks = -(-(len(seq.token_ids) - 1) // self.block_size)
                 del seq.block_ids[num_blocks:]
+                if self.drafter is not None:
+                    self.drafter.verified(sample.request_id, len(seq.token_ids))
 
     def _prompt_logprobs(
         self, chunks: list[ScheduledChunk], hidden: torch.Tensor
@@ -356,7 +425,12 @@ class ModelRunner:
 
     def _check(self, chunk: ScheduledChunk, num_tokens: int, num_blocks: int) -> None:
         end = chunk.num_computed_tokens + chunk.num_new_tokens
-        num_drafts = len(chunk.draft_token_ids)
+        num_drafts = chunk.num_drafts
+        if chunk.num_model_drafts and (self.drafter is None or chunk.draft_token_ids):
+            raise ValueError(
+                f"sequence {chunk.request_id!r}: model drafts need a draft model"
+                " (--speculative-model) and no drafts of the plan's own"
+            )
         if num_drafts and (
             chunk.num_computed_tokens != num_tokens - 1 or chunk.num_new_tokens != num_drafts + 1
         ):

@@ -119,3 +119,43 @@ def test_quantize_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str])
         parse_args(["--model-id", "m", "--quantize", "int4"])
     message = "argument --quantize: invalid choice: 'int4' (choose from 'int8', 'fp8')"
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--speculate", "3", "--speculative-method", "draft"], "go together"),
+        (["--speculative-model", "d"], "go together"),
+        (
+            [
+                "--speculate",
+                "3",
+                "--speculative-method",
+                "draft",
+                "--speculative-model",
+                "d",
+                "--num-shard",
+                "2",
+            ],
+            "one rank only",
+        ),
+        (["--speculate", "17"], "--speculate: Input should be less than or equal to 16"),
+    ],
+)
+def test_speculation_options_that_cannot_run_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model-id", "m", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_a_draft_model_reaches_the_runner(model_dir: Path) -> None:
+    argv = ["--model-id", str(model_dir), "--speculate", "2", "--speculative-method", "draft"]
+    options = parse_args([*argv, "--speculative-model", str(model_dir), "--num-blocks", "64"])
+    runner = build_runner(options, str(model_dir))
+    assert isinstance(runner, ModelRunner) and runner.drafter is not None
+    assert runner.drafter.runner.num_blocks == runner.num_blocks == 64
+    engine = build_engine(options, str(model_dir), runner)
+    assert engine.scheduler.speculation is not None
+    assert engine.scheduler.speculation.uses_draft_model

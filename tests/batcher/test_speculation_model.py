@@ -125,6 +125,36 @@ def test_outputs_equal_the_run_without_speculation(
                 reference)  # fmt: skip
 
 
+@pytest.mark.parametrize("draft", [VARIANT, "qwen3-qknorm"])
+def test_a_draft_model_leaves_the_outputs_unchanged(
+    draft: str, model_dirs: dict[str, Path]
+) -> None:
+    """`--speculative-model`: the draft model guesses in the runner, over the target's block
+    tables, through chunked prefill, prefix hits and preemption. The target as its own draft
+    guesses nearly every token; another model, few: the outputs are the same either way."""
+    model_dir = model_dirs[VARIANT]
+    limits: dict[str, Any] = {"max_batch_prefill_tokens": 64, "max_batch_size": 32}
+    batch = mixed_prompts() * 2
+    reference = run(make_engine(model_dir, None, 40, **limits), batch)
+    config = RunnerConfig(
+        str(model_dir), num_blocks=40, block_size=BLOCK_SIZE,
+        speculative_model=str(model_dirs[draft]),
+    )  # fmt: skip
+    runner = ModelRunner(config, _loaded(model_dir, None))
+    scheduler = SchedulerConfig(
+        speculate=3, speculative_method="draft", speculative_max_batch_tokens=4096, **limits
+    )
+    engine = LLMEngine(runner, scheduler, model=runner.model_config)
+    assert_same(run(engine, batch), reference)
+    stats = engine.scheduler.speculation.stats  # type: ignore[union-attr]
+    assert engine.scheduler.num_preemptions > 0 and stats.num_verified > 100
+    # Greedy requests alone (sampled ones and penalties keep fewer of the draft's argmaxes):
+    greedy = LLMEngine(runner, scheduler, model=runner.model_config)
+    greedy.generate(batch[:16], SamplingParams(), StoppingParams(max_new_tokens=NUM_NEW))
+    rate = greedy.scheduler.speculation.stats.acceptance_rate  # type: ignore[union-attr]
+    assert rate > 0.9 if draft == VARIANT else rate < 0.5
+
+
 def test_drafts_are_verified_as_decode_rows(model_dirs: dict[str, Path]) -> None:
     """A chunk with k drafts reaches the attention backend as k + 1 single-query rows, each
     attending up to its own position (the decode kernels, not the prefill path)."""
