@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-quantized test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
+.PHONY: run generate test test-quantized test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-speculation bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,9 @@ bench-kernels: $(STAMP)
 
 bench-structured: $(STAMP)
 	$(PY) -m bench.bench_structured
+
+bench-speculation: $(STAMP)
+	$(PY) -m bench.bench_speculation
 
 bench-families: $(STAMP)
 	$(PY) -m bench.bench_families

@@ -19,12 +19,12 @@ class SchedulerConfig:
     max_waiting_tokens: int = 20
     enable_prefix_cache: bool = True
     # Speculative decoding (TGI's --speculate N): up to N draft tokens per decoding request and
-    # step, from `speculative_method` (`batcher.speculation`); 0: off. Drafts are added only
-    # while a step stays within `speculative_max_batch_tokens` tokens (past that it is
-    # compute-bound and verifying drafts costs more than they save).
+    # step, from `speculative_method` (`batcher.speculation`); 0: off. Drafts are added while
+    # they pay for what a step costs on this machine (measured), never past
+    # `speculative_max_batch_tokens` tokens a step.
     speculate: int = 0
     speculative_method: str = "ngram"
-    speculative_max_batch_tokens: int = 16
+    speculative_max_batch_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -246,13 +246,22 @@ class LLMEngine:
             plan = dataclasses.replace(plan, token_masks=masks)
         outputs, self._pending = self._pending, []  # after the masks: a broken grammar ends here
         if not scheduled.is_empty:
+            start = time.perf_counter()
             result = self.runner.execute(plan)
+            self._time_step(plan, time.perf_counter() - start)
             updated = self.scheduler.update(scheduled, result)
             outputs += [_tokens_of(request, count) for request, count in updated]
         for output in outputs:
             if output.is_finished:
                 del self._requests[output.request_id]
         return outputs
+
+    def _time_step(self, plan: StepPlan, seconds: float) -> None:
+        """A decode step's time, for speculation's cost fit (`StepCost`)."""
+        speculation = self.scheduler.speculation
+        is_decode = all(c.num_new_tokens == 1 + c.num_drafts for c in plan.chunks)
+        if speculation is not None and plan.chunks and is_decode:
+            speculation.cost.record(plan.num_tokens, seconds)
 
     def _token_masks(self, scheduled: SchedulerOutput) -> StepMasks | None:
         """The grammar masks of the constrained sequences that sample in this step (greedy rows

@@ -131,8 +131,8 @@ class BatcherOptions(BaseSettings):
     speculative_max_batch_tokens: int = Field(
         _SCHEDULER.speculative_max_batch_tokens,
         ge=1,
-        description="drafts only while a step computes at most this many tokens (past it a step"
-        " is compute-bound and drafts cost more than they save)",
+        description="the most tokens a step with drafts computes; below it, drafts are added"
+        " while they pay for what a step costs here (timed: none where a step is compute-bound)",
     )
     max_grammar_cache: int = Field(
         DEFAULT_MAX_CACHE, ge=1, description="compiled grammars kept for structured output (LRU)"

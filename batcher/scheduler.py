@@ -15,7 +15,8 @@ highest-priority request always progresses: no crash, no deadlock.
 
 Speculation (`batcher.speculation`): a decoding request may also carry draft tokens, from the
 budget left after every running request's share and only while the step stays within
-`speculative_max_batch_tokens` tokens; drafts never preempt anything (no blocks, no drafts). After
+`speculative_max_batch_tokens` tokens and while drafts pay for what they cost here
+(`Speculation.draft_room`); drafts never preempt anything (no blocks, no drafts). After
 the runner has verified them, the request keeps the KV of its accepted tokens only
 (`KVManager.trim`).
 """
@@ -199,7 +200,7 @@ class Scheduler:
         num_shared = sum(shares.values())
         draft_room = 0
         if self.speculation is not None:
-            draft_room = min(step.token_budget, self.speculation.max_batch_tokens) - num_shared
+            draft_room = self.speculation.draft_room(num_shared, step.token_budget - num_shared)
         for request in list(self.running):
             num_new = shares[request.request_id]
             if request.status != RequestStatus.RUNNING or num_new == 0:

@@ -19,8 +19,12 @@ proposal costs O(new tokens + n) rather than a scan of the sequence.
 
 `Speculation` holds a proposer and the policy: how many drafts a request gets this step, from its
 running acceptance rate (fewer when its guesses fail, never zero while it speculates, so it can
-recover) and from the step's room (`SchedulerConfig.speculative_max_batch_tokens`: past that
-many rows a step is compute-bound and drafts would cost more than they save).
+recover), and how many the step has room for (`draft_room`), from what steps cost here: the
+engine times every decode step, `StepCost` fits seconds = a + b x rows to them, and drafts are
+added only while the next draft's expected tokens per second (acceptance / b) beat the step's
+(tokens / seconds). A step of many rows on a compute-bound CPU gets none; a step whose cost is
+mostly fixed (weights streamed once, per-step overhead) gets many. Never past
+`SchedulerConfig.speculative_max_batch_tokens` rows.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ ACCEPTANCE_SMOOTHING = 0.3  # weight of the latest step in a request's running a
 GROUP_PREFIX_TOKENS = 16  # prompt tokens that name a suffix group
 ALL_REQUESTS: tuple[int, ...] = (-1,)  # the suffix group of every request's outputs
 ACCEPTANCE_BOUNDS = tuple(i / 10 for i in range(11))  # per-chunk acceptance histogram
+COST_DECAY = 0.98  # weight of a step's timing after each later one (`StepCost`)
+MIN_COST_STEPS = 8  # timed steps before the fit is used
+UNFITTED_BATCH_TOKENS = 16  # the rows a step may fill with drafts before the fit exists
 
 
 class Proposer(Protocol):
@@ -207,8 +214,32 @@ class SpeculationStats:
         return 1 + self.num_accepted / self.num_verified if self.num_verified else 1.0
 
 
+class StepCost:
+    """Seconds per decode step as a + b x rows: least squares over the timed steps, each older
+    one weighing `COST_DECAY` less, so the fit follows the machine and the load."""
+
+    def __init__(self) -> None:
+        self._sums = [0.0] * 5  # weights, x, x^2, y, x * y
+
+    def record(self, rows: int, seconds: float) -> None:
+        self._sums = [s * COST_DECAY for s in self._sums]
+        for index, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            self._sums[index] += value
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b), or None before `MIN_COST_STEPS` steps or while the rows have not varied."""
+        weight, x, xx, y, xy = self._sums
+        if weight < MIN_COST_STEPS * COST_DECAY**MIN_COST_STEPS:
+            return None
+        spread = weight * xx - x * x
+        if spread <= 1e-9 * weight * weight:
+            return None
+        slope = (weight * xy - x * y) / spread
+        return (y - slope * x) / weight, max(slope, 0.0)
+
+
 class Speculation:
-    """The proposer and how many drafts each request gets."""
+    """The proposer, how many drafts each request gets and how many a step has room for."""
 
     def __init__(self, proposer: Proposer, max_drafts: int, max_batch_tokens: int) -> None:
         if max_drafts < 1:
@@ -217,7 +248,27 @@ class Speculation:
         self.max_drafts = max_drafts
         self.max_batch_tokens = max_batch_tokens
         self.stats = SpeculationStats()
+        self.cost = StepCost()
+        self.acceptance = 0.5  # running, over every request's verified drafts
         self._acceptance: dict[str, float] = {}  # per request, running
+
+    def draft_room(self, num_tokens: int, budget: int) -> int:
+        """How many drafts a step of `num_tokens` tokens should add (at most `budget`): while
+        the next draft's tokens per second, acceptance / b, beat the step's. Until the cost
+        fit exists, drafts only up to `UNFITTED_BATCH_TOKENS` rows."""
+        room = min(budget, self.max_batch_tokens - num_tokens)
+        fit = self.cost.fit()
+        if fit is None:  # small steps only: a compute-bound machine must not pay much to learn
+            room = min(room, UNFITTED_BATCH_TOKENS - num_tokens)
+        if room <= 0 or fit is None:
+            return max(room, 0)
+        fixed, per_row = fit
+        for drafts in range(room + 1):
+            tokens = num_tokens + self.acceptance * drafts
+            seconds = fixed + per_row * (num_tokens + drafts)
+            if self.acceptance * seconds <= per_row * tokens:  # the next draft would not pay
+                return drafts
+        return room
 
     @property
     def uses_draft_model(self) -> bool:
@@ -240,8 +291,9 @@ class Speculation:
 
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
-        rate = self._acceptance.get(request_id, 1.0)
         latest = num_accepted / num_proposed
+        self.acceptance += ACCEPTANCE_SMOOTHING / 4 * (latest - self.acceptance)
+        rate = self._acceptance.get(request_id, 1.0)
         self._acceptance[request_id] = rate + ACCEPTANCE_SMOOTHING * (latest - rate)
 
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:

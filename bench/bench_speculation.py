@@ -5,6 +5,8 @@ outputs copy their input), CPU, 2 threads:
 - extraction, batch 1: a passage then `Quote:`; the model quotes a sentence of it (n-gram);
 - records: 200 lines of one bulk batch, each a passage then `Record:`; the model writes a JSON
   object with the same keys every line (suffix), all 200 submitted at once, and 16 at a time;
+- free text, batch 1: the first words of a passage, continued by the model (draft: the trained
+  draft model, ~8x smaller, guesses);
 - the mixed workload: 64 requests of random tokens (prompts 32-512, outputs 16-256) at once, with
   n-gram speculation on at its defaults: it must not cost at high load.
 
@@ -36,7 +38,7 @@ from tgq.gpu_worker.config import model_eos_token_ids
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
-TARGETS = {"extraction": 2.0, "records": 1.5, "records16": 1.5, "mixed64": 0.97}
+TARGETS = {"extraction": 2.0, "records": 1.5, "records16": 1.5, "draft": 0.0, "mixed64": 0.97}
 
 
 @dataclass
@@ -98,6 +100,7 @@ def workloads(tokenizer: Tokenizer) -> list[Workload]:
 
     quotes = [encode(" ".join(passage(rng, t)) + QUOTE.rstrip(" ")) for t in texts[:8]]
     records = [encode(" ".join(passage(rng, t)) + RECORD.rstrip(" ")) for t in texts[8:208]]
+    free = [encode(" ".join(passage(rng, t, max_words=12))) for t in texts[208:216]]
     mixed_rng = random.Random(64)
     mixed = [
         [
@@ -111,6 +114,7 @@ def workloads(tokenizer: Tokenizer) -> list[Workload]:
         Workload("extraction", quotes, [96] * len(quotes), "ngram", 1),
         Workload("records", records, [96] * len(records), "suffix", len(records)),
         Workload("records16", records, [96] * len(records), "suffix", 16),
+        Workload("draft", free, [64] * len(free), "draft", 1, ignore_eos=True),
         Workload("mixed64", mixed, mixed_out, "ngram", 64, ignore_eos=True),
     ]
 
@@ -123,8 +127,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="workload names to run")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    target, _draft = spec_models(args.cache)
-    runner = ModelRunner(RunnerConfig(str(target), num_blocks=4096, block_size=16))
+    target, draft = spec_models(args.cache)
+    config = RunnerConfig(str(target), num_blocks=4096, block_size=16, speculative_model=str(draft))
+    runner = ModelRunner(config)  # its draft model idle unless a workload asks
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
     rows: dict[str, Any] = {}
     eos = model_eos_token_ids(target)
@@ -178,7 +183,7 @@ def print_table(rows: dict[str, Any]) -> None:
             f"| {name} | {r['method']} | {r['num_tokens']} | {r['baseline_tok_s']:.1f} |"
             f" {r['speculative_tok_s']:.1f} | {r['speedup']:.2f}x ({low:.2f}-{high:.2f}) |"
             f" {r.get('acceptance', 0):.2f} | {r.get('tokens_per_forward', 1):.2f} |"
-            f" >= {r['target']}x |"
+            f" {'>= ' + str(r['target']) + 'x' if r['target'] else 'report'} |"
         )
 
 
@@ -193,7 +198,8 @@ def plot(rows: dict[str, Any], path: Path) -> None:
     ]
     bars = ax.bar(names, speedups, yerr=errors, color="#1f77b4", capsize=3)
     ax.bar_label(bars, fmt="%.2fx", fontsize=8)
-    ax.scatter(names, [rows[n]["target"] for n in names], marker="_", s=400, color="red",
+    goals = [(n, rows[n]["target"]) for n in names if rows[n]["target"]]
+    ax.scatter([n for n, _ in goals], [g for _, g in goals], marker="_", s=400, color="red",
                label="goal")  # fmt: skip
     ax.axhline(1.0, color="#999999", linewidth=0.8)
     ax.set_ylabel("tokens/s with / without", fontsize=8)

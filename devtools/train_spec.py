@@ -41,12 +41,13 @@ from tgq.devtools.train_demo import (
 )
 
 SPEC_DIR = Path(".cache/spec")
-SPEC_VERSION = "spec-1"  # bump when the corpus, tokenizer or recipe changes
+SPEC_VERSION = "spec-2"  # bump when the corpus, tokenizer or recipe changes
 VERSION_FILE = "tgq-spec-version"
+SUMMARY_FILE = "train-summary.json"  # written once a model is trained and saved
 VOCAB_SIZE = 4096
 # The target: ~5M parameters, twice the demo model's width and depth.
 TARGET = TrainConfig(
-    steps=500, batch_size=8, context=256, lr=2e-3, vocab_size=VOCAB_SIZE, hidden_size=256,
+    steps=700, batch_size=8, context=192, lr=2e-3, vocab_size=VOCAB_SIZE, hidden_size=256,
     intermediate_size=768, num_layers=6, num_heads=4, num_kv_heads=2,
 )  # fmt: skip
 # The draft: ~0.7M parameters, a tenth of the target's compute per token.
@@ -61,7 +62,7 @@ def words_of(text: str) -> list[str]:
     return re.sub(r"\s+", " ", text).strip().split(" ")
 
 
-def passage(rng: random.Random, text: str, max_words: int = 60) -> list[str]:
+def passage(rng: random.Random, text: str, max_words: int = 40) -> list[str]:
     words = words_of(text)
     start = rng.randrange(max(len(words) - max_words, 0) + 1)
     return words[start : start + max_words]
@@ -69,7 +70,7 @@ def passage(rng: random.Random, text: str, max_words: int = 60) -> list[str]:
 
 def quote_task(rng: random.Random, words: list[str]) -> str:
     """A passage, then one of its spans word for word."""
-    length = rng.randint(6, min(24, len(words)))
+    length = rng.randint(6, min(20, len(words)))
     start = rng.randrange(len(words) - length + 1)
     return " ".join(words) + QUOTE + " ".join(words[start : start + length])
 
@@ -87,14 +88,16 @@ def record_task(rng: random.Random, words: list[str]) -> str:
 
 
 def spec_corpus(texts: list[str], seed: int = 0) -> list[str]:
-    """The documentation, plus a quote task and a record task per document long enough."""
+    """Mostly tasks: two quotes and a record from each document long enough (copying is what
+    the models must learn in a few minutes), and a quarter of the documents as they are."""
     rng = random.Random(seed)
     tasks = []
     for text in texts:
-        words = passage(rng, text)
-        if len(words) >= 12:
-            tasks += [quote_task(rng, words), record_task(rng, words)]
-    corpus = texts + tasks
+        for task in (quote_task, quote_task, record_task):
+            words = passage(rng, text)
+            if len(words) >= 12:
+                tasks.append(task(rng, words))
+    corpus = [text for text in texts if rng.random() < 0.25] + tasks
     rng.shuffle(corpus)
     return corpus
 
@@ -110,29 +113,40 @@ def build(out: Path, target: TrainConfig = TARGET, draft: TrainConfig = DRAFT) -
     print(f"corpus: {len(texts)} documents, {len(ids):,} tokens", file=sys.stderr)
     summary: dict[str, float] = {}
     for name, cfg in (("target", target), ("draft", draft)):
-        torch.manual_seed(cfg.seed)
-        start = time.perf_counter()
-        model = LlamaForCausalLM(llama_config(cfg))
-        num_params = sum(p.numel() for p in model.parameters())
-        print(f"{name}: {num_params:,} parameters", file=sys.stderr)
-        train(model, train_ids, cfg)
-        summary[f"{name}_val_loss"] = evaluate(model, val_ids, cfg)
-        summary[f"{name}_params"] = num_params
-        summary[f"{name}_seconds"] = time.perf_counter() - start
-        save(model, out / name)
-        if name == "draft":  # the same tokenizer files
-            for file in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(out / "target" / file, out / name / file)
+        done = out / name / SUMMARY_FILE  # a model an interrupted build finished is kept
+        trained = json.loads(done.read_text(encoding="utf-8")) if done.is_file() else {}
+        if trained.get("version") != SPEC_VERSION:
+            trained = {"version": SPEC_VERSION, **train_one(name, cfg, train_ids, val_ids, out)}
+            done.write_text(json.dumps(trained), encoding="utf-8")
+        summary |= {key: value for key, value in trained.items() if key != "version"}
     print(f"done: {summary}", file=sys.stderr)
     return summary
+
+
+def train_one(
+    name: str, cfg: TrainConfig, train_ids: torch.Tensor, val_ids: torch.Tensor, out: Path
+) -> dict[str, float]:
+    torch.manual_seed(cfg.seed)
+    start = time.perf_counter()
+    model = LlamaForCausalLM(llama_config(cfg))
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {num_params:,} parameters", file=sys.stderr)
+    train(model, train_ids, cfg)
+    val_loss = evaluate(model, val_ids, cfg)
+    if name != "target":  # the tokenizer's files first: `save` adds the chat template to them
+        (out / name).mkdir(parents=True, exist_ok=True)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(out / "target" / file, out / name / file)
+    save(model, out / name)
+    seconds = time.perf_counter() - start
+    return {f"{name}_val_loss": val_loss, f"{name}_params": num_params, f"{name}_seconds": seconds}
 
 
 def spec_models(path: Path = SPEC_DIR) -> tuple[Path, Path]:
     """(target, draft) under `path`, trained first unless they are the current version."""
     stamp = path / VERSION_FILE
     if not (stamp.is_file() and stamp.read_text(encoding="utf-8").strip() == SPEC_VERSION):
-        shutil.rmtree(path, ignore_errors=True)
-        build(path)
+        build(path)  # keeps a model an interrupted build of this version finished
         stamp.write_text(SPEC_VERSION, encoding="utf-8")
     return path / "target", path / "draft"
 

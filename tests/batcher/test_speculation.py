@@ -15,7 +15,13 @@ from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine, RequestOutput
 from tgq.batcher.kv_manager import KVManager
 from tgq.batcher.request import Priority, StoppingParams
-from tgq.batcher.speculation import NgramIndex, NgramProposer, Speculation, SuffixProposer
+from tgq.batcher.speculation import (
+    NgramIndex,
+    NgramProposer,
+    Speculation,
+    StepCost,
+    SuffixProposer,
+)
 from tgq.gpu_worker.plan import accepted_length
 
 
@@ -216,3 +222,45 @@ def test_ngram_index_indexes_each_end_once() -> None:
     index = NgramIndex(1, 2)
     index.extend([1, 2, 1, 2], 4)
     assert index.last_end == {(1,): 3, (2,): 2, (1, 2): 2, (2, 1): 3}
+
+
+def test_step_cost_fits_a_line_to_the_timed_steps() -> None:
+    cost = StepCost()
+    for rows in [1, 4, 9, 16, 1, 32, 64, 7]:
+        assert cost.fit() is None
+        cost.record(rows, 0.010 + 0.002 * rows)
+    fixed, per_row = cost.fit() or (0.0, 0.0)
+    assert fixed == pytest.approx(0.010) and per_row == pytest.approx(0.002)
+    same = StepCost()
+    for _ in range(20):
+        same.record(8, 0.05)
+    assert same.fit() is None  # rows never varied: no slope to tell
+
+
+def cost_with(fixed: float, per_row: float) -> StepCost:
+    cost = StepCost()
+    for rows in range(1, 40):
+        cost.record(rows, fixed + per_row * rows)
+    return cost
+
+
+@pytest.mark.parametrize(
+    ("fixed", "per_row", "rows", "acceptance", "room"),
+    [
+        (0.010, 0.0, 4, 0.5, 124),  # cost all fixed: every draft pays, up to the cap (128)
+        (0.010, 0.002, 64, 0.5, 0),  # compute-bound at 64 rows: none
+        # with a linear cost drafts pay below rows* = acceptance x fixed / (per_row x (1 -
+        # acceptance)), here 7.5 rows, and then every one of them does
+        (0.015, 0.003, 1, 0.6, 127),
+        (0.015, 0.003, 7, 0.6, 121),
+        (0.015, 0.003, 8, 0.6, 0),
+    ],
+)
+def test_draft_room_adds_drafts_while_they_pay(
+    fixed: float, per_row: float, rows: int, acceptance: float, room: int
+) -> None:
+    speculation = Speculation(NgramProposer(), max_drafts=4, max_batch_tokens=128)
+    assert speculation.draft_room(rows, 4096) == max(0, min(16 - rows, 4096))  # before the fit
+    speculation.cost, speculation.acceptance = cost_with(fixed, per_row), acceptance
+    assert speculation.draft_room(rows, 4096) == room
+    assert speculation.draft_room(rows, 3) == min(room, 3)
