@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.batcher import tokenizer_zoo
+from tests.batcher.test_speculation import drafting
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.detokenize import HFTokenDecoder
 from tgq.batcher.engine import LLMEngine, RequestOutput
@@ -102,6 +103,8 @@ def run(
     config = SchedulerConfig(speculate=speculate)
     guesser = ScriptGuesser(script) if speculate else None
     engine = LLMEngine(ScriptedRunner(script), config, decoder=decoder, proposer=guesser)
+    if speculate:
+        drafting(engine)
     stopping = StoppingParams(
         max_new_tokens=max_new_tokens or len(script), stop_strings=stop_strings
     )

@@ -25,6 +25,21 @@ from tgq.batcher.speculation import (
 from tgq.gpu_worker.plan import accepted_length
 
 
+class AlwaysPays(StepCost):
+    """A step cost that is all fixed: every draft pays, whatever this machine's timings (tests
+    of what drafts do, not of how many a step gets)."""
+
+    def fit(self) -> tuple[float, float] | None:
+        return 1.0, 0.0
+
+
+def drafting(engine: LLMEngine) -> LLMEngine:
+    """`engine` with drafts up to its caps every step (`AlwaysPays`)."""
+    assert engine.scheduler.speculation is not None
+    engine.scheduler.speculation.cost = AlwaysPays()
+    return engine
+
+
 class OracleProposer:
     """Guesses the fake model's true continuation, then corrupts it from a random position on
     (or not at all), so every acceptance length from 0 to k occurs."""
@@ -48,7 +63,7 @@ def make_engine(proposer: Any, num_blocks: int = 256, **limits: Any) -> LLMEngin
     config = SchedulerConfig(
         **{"max_batch_prefill_tokens": 64, "max_batch_size": 8, "speculate": 4, **limits}
     )
-    return LLMEngine(FakeRunner(num_blocks, 4), config, proposer=proposer)
+    return drafting(LLMEngine(FakeRunner(num_blocks, 4), config, proposer=proposer))
 
 
 def step_checked(engine: LLMEngine) -> list[RequestOutput]:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.batcher.test_e2e import BLOCK_SIZE, _loaded, mixed_prompts
+from tests.batcher.test_speculation import drafting
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine, RequestResult
 from tgq.batcher.request import StoppingParams
@@ -60,10 +61,11 @@ def make_engine(
     config = RunnerConfig(str(model_dir), num_blocks=num_blocks, block_size=BLOCK_SIZE)
     runner = ModelRunner(config, _loaded(model_dir, None))
     speculate = {"speculate": 4, "speculative_max_batch_tokens": 4096} if proposer else {}
-    return LLMEngine(
+    engine = LLMEngine(
         runner, SchedulerConfig(**{**limits, **speculate}), model=runner.model_config,
         proposer=proposer,
     )  # fmt: skip
+    return engine if proposer is None else drafting(engine)
 
 
 def mixed_sampling(count: int) -> list[SamplingParams]:
@@ -144,12 +146,12 @@ def test_a_draft_model_leaves_the_outputs_unchanged(
     scheduler = SchedulerConfig(
         speculate=3, speculative_method="draft", speculative_max_batch_tokens=4096, **limits
     )
-    engine = LLMEngine(runner, scheduler, model=runner.model_config)
+    engine = drafting(LLMEngine(runner, scheduler, model=runner.model_config))
     assert_same(run(engine, batch), reference)
     stats = engine.scheduler.speculation.stats  # type: ignore[union-attr]
     assert engine.scheduler.num_preemptions > 0 and stats.num_verified > 100
     # Greedy requests alone (sampled ones and penalties keep fewer of the draft's argmaxes):
-    greedy = LLMEngine(runner, scheduler, model=runner.model_config)
+    greedy = drafting(LLMEngine(runner, scheduler, model=runner.model_config))
     greedy.generate(batch[:16], SamplingParams(), StoppingParams(max_new_tokens=NUM_NEW))
     rate = greedy.scheduler.speculation.stats.acceptance_rate  # type: ignore[union-attr]
     assert rate > 0.9 if draft == VARIANT else rate < 0.5

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.api.stack import write_text_model
+from tests.batcher.test_speculation import drafting
 from tests.batcher.test_speculation_model import ReplayOracle
 from tests.gpu_worker.test_kv_fp8 import with_kv_scales
 from tests.gpu_worker.test_parity import prompts
@@ -298,7 +299,7 @@ def test_two_ranks_verify_drafts_as_one_process_does(tmp_path: Path) -> None:
     )
     try:
         config = SchedulerConfig(speculate=3, speculative_max_batch_tokens=64)
-        engine = LLMEngine(sharded, config, model=model, proposer=oracle)
+        engine = drafting(LLMEngine(sharded, config, model=model, proposer=oracle))
         for kind, outputs in zip(kinds, expected, strict=True):
             assert [r.token_ids for r in engine.generate(batch, kind, stopping)] == outputs
         stats = engine.scheduler.speculation.stats  # type: ignore[union-attr]
