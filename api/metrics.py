@@ -126,34 +126,43 @@ class BatcherCollector(Collector):
 
 
 def _compile_durations(beats: Sequence[Heartbeat]) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(
+    return _per_batcher_histogram(
+        beats,
         "tgq_grammar_compile_duration",
         "Seconds to compile a structured-output grammar (off the step loop)",
-        labels=["batcher"],
+        COMPILE_BUCKETS_S,
+        lambda beat: (beat.grammar_compiles, beat.grammar_compile_seconds),
     )
-    bounds = [*map(str, COMPILE_BUCKETS_S), "+Inf"]
-    for beat in beats:
-        if len(beat.grammar_compiles) != len(bounds):  # an older batcher's beat says nothing
-            continue
-        cumulative = list(itertools.accumulate(beat.grammar_compiles))
-        buckets = list(zip(bounds, cumulative, strict=True))
-        family.add_metric([beat.batcher_id], buckets, beat.grammar_compile_seconds)
-    return family
 
 
 def _spec_acceptance(beats: Sequence[Heartbeat]) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(
+    return _per_batcher_histogram(
+        beats,
         "tgq_spec_acceptance_ratio",
         "Per sequence-step with drafts: accepted / proposed draft tokens",
-        labels=["batcher"],
+        ACCEPTANCE_BOUNDS,
+        lambda beat: ([*beat.spec_acceptance, 0], beat.spec_acceptance_sum),
     )
-    bounds = [*map(str, ACCEPTANCE_BOUNDS), "+Inf"]
+
+
+def _per_batcher_histogram(
+    beats: Sequence[Heartbeat],
+    name: str,
+    help_text: str,
+    bounds: Sequence[float],
+    counts_of: Callable[[Heartbeat], tuple[list[int], float]],
+) -> HistogramMetricFamily:
+    """A histogram per batcher from its beat's bucket counts (one per bound, then +Inf) and
+    sum; a beat whose counts do not fit the bounds (an older batcher's, or the feature off)
+    adds none."""
+    family = HistogramMetricFamily(name, help_text, labels=["batcher"])
+    labels = [*map(str, bounds), "+Inf"]
     for beat in beats:
-        if len(beat.spec_acceptance) + 1 != len(bounds):  # speculation off, or an older batcher
+        counts, total = counts_of(beat)
+        if len(counts) != len(labels):
             continue
-        cumulative = list(itertools.accumulate([*beat.spec_acceptance, 0]))
-        buckets = list(zip(bounds, cumulative, strict=True))
-        family.add_metric([beat.batcher_id], buckets, beat.spec_acceptance_sum)
+        cumulative = list(itertools.accumulate(counts))
+        family.add_metric([beat.batcher_id], list(zip(labels, cumulative, strict=True)), total)
     return family
 
 

@@ -47,6 +47,10 @@ TGQ_TYPES = {
     "tgq_grammar_argmax_checks": "counter",
     "tgq_grammar_argmax_misses": "counter",
     "tgq_grammar_compile_duration": "histogram",
+    "tgq_spec_proposed_tokens": "counter",
+    "tgq_spec_accepted_tokens": "counter",
+    "tgq_spec_verify_forwards": "counter",
+    "tgq_spec_acceptance_ratio": "histogram",
 }
 
 
@@ -157,6 +161,11 @@ def beat(batcher_id: str, num_running: int, num_free: int, queries: int, hits: i
         grammar_mask_seconds=0.25,
         num_grammar_argmax_checks=700,
         num_grammar_argmax_misses=7,
+        num_spec_proposed=90,
+        num_spec_accepted=50,
+        num_spec_verified=30,
+        spec_acceptance=[10, 0, 0, 0, 0, 5, 0, 0, 0, 0, 15],
+        spec_acceptance_sum=17.5,
     )
 
 
@@ -183,6 +192,14 @@ def test_batcher_gauges_follow_the_live_heartbeats() -> None:
     assert samples['tgq_grammar_compile_duration_bucket{batcher="b0",le="+Inf"}'] == 4
     assert samples['tgq_grammar_compile_duration_count{batcher="b0"}'] == 4
     assert samples['tgq_grammar_compile_duration_sum{batcher="b0"}'] == 7.5
+    assert samples['tgq_spec_proposed_tokens{batcher="b0"}'] == 90
+    assert samples['tgq_spec_accepted_tokens{batcher="b0"}'] == 50
+    assert samples['tgq_spec_verify_forwards{batcher="b0"}'] == 30
+    assert samples['tgq_spec_acceptance_ratio_bucket{batcher="b0",le="0.0"}'] == 10
+    assert samples['tgq_spec_acceptance_ratio_bucket{batcher="b0",le="0.5"}'] == 15
+    assert samples['tgq_spec_acceptance_ratio_bucket{batcher="b0",le="1.0"}'] == 30
+    assert samples['tgq_spec_acceptance_ratio_bucket{batcher="b0",le="+Inf"}'] == 30
+    assert samples['tgq_spec_acceptance_ratio_sum{batcher="b0"}'] == 17.5
     metrics.set_batchers([beat("b1", 1, 50, 64, 16)])  # b0's heartbeat expired
     _, samples = parse(metrics)
     assert samples["tgq_batchers_alive"] == 1
