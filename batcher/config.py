@@ -19,8 +19,8 @@ class SchedulerConfig:
     max_waiting_tokens: int = 20
     enable_prefix_cache: bool = True
     # Speculative decoding (TGI's --speculate N): up to N draft tokens per decoding request and
-    # step, from `speculative_method` (`batcher.speculation`); 0: off. Drafts are added while
-    # they pay for what a step costs on this machine (measured), never past
+    # step, from `speculative_method` (`batcher.speculation`); 0: off. Drafts are added where
+    # they pay on this machine at this load (measured: `DraftChoice`), never past
     # `speculative_max_batch_tokens` tokens a step.
     speculate: int = 0
     speculative_method: str = "ngram"

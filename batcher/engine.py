@@ -239,6 +239,7 @@ class LLMEngine:
         return bool(self._requests) or self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         self._take_compiled()
         scheduled = self.scheduler.schedule()
         plan = scheduled.to_plan()
@@ -246,22 +247,24 @@ class LLMEngine:
             plan = dataclasses.replace(plan, token_masks=masks)
         outputs, self._pending = self._pending, []  # after the masks: a broken grammar ends here
         if not scheduled.is_empty:
-            start = time.perf_counter()
             result = self.runner.execute(plan)
-            self._time_step(plan, time.perf_counter() - start)
             updated = self.scheduler.update(scheduled, result)
             outputs += [_tokens_of(request, count) for request, count in updated]
+            num_kept = sum(count for _, count in updated)
+            self._time_step(plan, num_kept, time.perf_counter() - start)
         for output in outputs:
             if output.is_finished:
                 del self._requests[output.request_id]
         return outputs
 
-    def _time_step(self, plan: StepPlan, seconds: float) -> None:
-        """A decode step's time, for speculation's cost fit (`StepCost`)."""
+    def _time_step(self, plan: StepPlan, num_kept: int, seconds: float) -> None:
+        """A decode step's tokens and time, for speculation's choice (`DraftChoice`)."""
         speculation = self.scheduler.speculation
+        num_drafts = sum(chunk.num_drafts for chunk in plan.chunks)
         is_decode = all(c.num_new_tokens == 1 + c.num_drafts for c in plan.chunks)
         if speculation is not None and plan.chunks and is_decode:
-            speculation.cost.record(plan.num_tokens, seconds)
+            rows = plan.num_tokens - num_drafts
+            speculation.choice.record(rows, num_drafts > 0, num_kept, seconds)
 
     def _token_masks(self, scheduled: SchedulerOutput) -> StepMasks | None:
         """The grammar masks of the constrained sequences that sample in this step (greedy rows

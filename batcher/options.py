@@ -132,7 +132,7 @@ class BatcherOptions(BaseSettings):
         _SCHEDULER.speculative_max_batch_tokens,
         ge=1,
         description="the most tokens a step with drafts computes; below it, drafts are added"
-        " while they pay for what a step costs here (timed: none where a step is compute-bound)",
+        " where they pay here (steps timed per load level: none where a batch is compute-bound)",
     )
     max_grammar_cache: int = Field(
         DEFAULT_MAX_CACHE, ge=1, description="compiled grammars kept for structured output (LRU)"

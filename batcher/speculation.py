@@ -19,11 +19,11 @@ proposal costs O(new tokens + n) rather than a scan of the sequence.
 
 `Speculation` holds a proposer and the policy: how many drafts a request gets this step, from its
 running acceptance rate (fewer when its guesses fail, never zero while it speculates, so it can
-recover), and how many the step has room for (`draft_room`), from what steps cost here: the
-engine times every decode step, `StepCost` fits seconds = a + b x rows to them, and drafts are
-added only while the next draft's expected tokens per second (acceptance / b) beat the step's
-(tokens / seconds). A step of many rows on a compute-bound CPU gets none; a step whose cost is
-mostly fixed (weights streamed once, per-step overhead) gets many. Never past
+recover), and whether a step adds any (`DraftChoice`): the engine times every decode step and
+counts the tokens it kept, and at each load level (decode rows, by powers of two) drafts are
+added where the steps with drafts have kept at least as many tokens per second as those
+without. A compute-bound batch on a CPU gets none; a step whose cost is mostly fixed (weights
+streamed once, per-step overhead) gets them. Never past
 `SchedulerConfig.speculative_max_batch_tokens` rows.
 """
 
@@ -39,9 +39,9 @@ ACCEPTANCE_SMOOTHING = 0.3  # weight of the latest step in a request's running a
 GROUP_PREFIX_TOKENS = 16  # prompt tokens that name a suffix group
 ALL_REQUESTS: tuple[int, ...] = (-1,)  # the suffix group of every request's outputs
 ACCEPTANCE_BOUNDS = tuple(i / 10 for i in range(11))  # per-chunk acceptance histogram
-COST_DECAY = 0.98  # weight of a step's timing after each later one (`StepCost`)
-MIN_COST_STEPS = 8  # timed steps before the fit is used
-UNFITTED_BATCH_TOKENS = 16  # the rows a step may fill with drafts before the fit exists
+MIN_CHOICE_STEPS = 4  # timed steps of each choice at a load level before comparing them
+EXPLORE_EVERY = 16  # steps of a load level between two tries of the losing choice
+RATE_SMOOTHING = 0.1  # weight of a step in its choice's running tokens per second
 
 
 class Proposer(Protocol):
@@ -214,28 +214,37 @@ class SpeculationStats:
         return 1 + self.num_accepted / self.num_verified if self.num_verified else 1.0
 
 
-class StepCost:
-    """Seconds per decode step as a + b x rows: least squares over the timed steps, each older
-    one weighing `COST_DECAY` less, so the fit follows the machine and the load."""
+class DraftChoice:
+    """Whether drafts pay at a load level, measured: for each level (decode rows, by powers of
+    two) the running tokens per second of the steps that verified drafts and of those that did
+    not; drafts go where theirs is at least as high. An untried choice is tried first, and the
+    losing one again every `EXPLORE_EVERY` steps of its level, so the answer follows the
+    machine and the acceptance. Timings only ever add noise, and each rate averages many steps."""
 
     def __init__(self) -> None:
-        self._sums = [0.0] * 5  # weights, x, x^2, y, x * y
+        self._rates: dict[tuple[int, bool], float] = {}  # (level, drafted) -> tokens/s
+        self._counts: dict[tuple[int, bool], int] = {}
+        self._steps: dict[int, int] = {}
 
-    def record(self, rows: int, seconds: float) -> None:
-        self._sums = [s * COST_DECAY for s in self._sums]
-        for index, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            self._sums[index] += value
+    def drafts_pay(self, rows: int) -> bool:
+        level = rows.bit_length()
+        step = self._steps[level] = self._steps.get(level, 0) + 1
+        for drafted in (True, False):
+            if self._counts.get((level, drafted), 0) < MIN_CHOICE_STEPS:
+                return drafted
+        better = self._rates[level, True] >= self._rates[level, False]
+        return not better if step % EXPLORE_EVERY == 0 else better
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), or None before `MIN_COST_STEPS` steps or while the rows have not varied."""
-        weight, x, xx, y, xy = self._sums
-        if weight < MIN_COST_STEPS * COST_DECAY**MIN_COST_STEPS:
-            return None
-        spread = weight * xx - x * x
-        if spread <= 1e-9 * weight * weight:
-            return None
-        slope = (weight * xy - x * y) / spread
-        return (y - slope * x) / weight, max(slope, 0.0)
+    def record(self, rows: int, drafted: bool, num_tokens: int, seconds: float) -> None:
+        """A decode step of `rows` rows (drafts apart) kept `num_tokens` tokens in `seconds`."""
+        key = (rows.bit_length(), drafted)
+        rate = num_tokens / max(seconds, 1e-9)
+        count = self._counts[key] = self._counts.get(key, 0) + 1
+        old = self._rates.get(key, rate)
+        self._rates[key] = old + max(RATE_SMOOTHING, 1 / count) * (rate - old)
+
+    def rates(self) -> dict[tuple[int, bool], float]:
+        return dict(self._rates)
 
 
 class Speculation:
@@ -248,27 +257,14 @@ class Speculation:
         self.max_drafts = max_drafts
         self.max_batch_tokens = max_batch_tokens
         self.stats = SpeculationStats()
-        self.cost = StepCost()
-        self.acceptance = 0.5  # running, over every request's verified drafts
+        self.choice = DraftChoice()
         self._acceptance: dict[str, float] = {}  # per request, running
 
     def draft_room(self, num_tokens: int, budget: int) -> int:
-        """How many drafts a step of `num_tokens` tokens should add (at most `budget`): while
-        the next draft's tokens per second, acceptance / b, beat the step's. Until the cost
-        fit exists, drafts only up to `UNFITTED_BATCH_TOKENS` rows."""
+        """How many drafts a step of `num_tokens` tokens may add (at most `budget`): none where
+        they do not pay at this load (`DraftChoice`), never past `max_batch_tokens`."""
         room = min(budget, self.max_batch_tokens - num_tokens)
-        fit = self.cost.fit()
-        if fit is None:  # small steps only: a compute-bound machine must not pay much to learn
-            room = min(room, UNFITTED_BATCH_TOKENS - num_tokens)
-        if room <= 0 or fit is None:
-            return max(room, 0)
-        fixed, per_row = fit
-        for drafts in range(room + 1):
-            tokens = num_tokens + self.acceptance * drafts
-            seconds = fixed + per_row * (num_tokens + drafts)
-            if self.acceptance * seconds <= per_row * tokens:  # the next draft would not pay
-                return drafts
-        return room
+        return room if room > 0 and self.choice.drafts_pay(num_tokens) else 0
 
     @property
     def uses_draft_model(self) -> bool:
@@ -292,7 +288,6 @@ class Speculation:
     def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
         latest = num_accepted / num_proposed
-        self.acceptance += ACCEPTANCE_SMOOTHING / 4 * (latest - self.acceptance)
         rate = self._acceptance.get(request_id, 1.0)
         self._acceptance[request_id] = rate + ACCEPTANCE_SMOOTHING * (latest - rate)
 

@@ -16,27 +16,28 @@ from tgq.batcher.engine import LLMEngine, RequestOutput
 from tgq.batcher.kv_manager import KVManager
 from tgq.batcher.request import Priority, StoppingParams
 from tgq.batcher.speculation import (
+    EXPLORE_EVERY,
+    DraftChoice,
     NgramIndex,
     NgramProposer,
     Speculation,
-    StepCost,
     SuffixProposer,
 )
 from tgq.gpu_worker.plan import accepted_length
 
 
-class AlwaysPays(StepCost):
-    """A step cost that is all fixed: every draft pays, whatever this machine's timings (tests
-    of what drafts do, not of how many a step gets)."""
+class AlwaysDraft(DraftChoice):
+    """Drafts at every load, whatever this machine's timings (tests of what drafts do, not of
+    whether a step gets them)."""
 
-    def fit(self) -> tuple[float, float] | None:
-        return 1.0, 0.0
+    def drafts_pay(self, rows: int) -> bool:
+        return True
 
 
 def drafting(engine: LLMEngine) -> LLMEngine:
-    """`engine` with drafts up to its caps every step (`AlwaysPays`)."""
+    """`engine` with drafts up to its caps every step (`AlwaysDraft`)."""
     assert engine.scheduler.speculation is not None
-    engine.scheduler.speculation.cost = AlwaysPays()
+    engine.scheduler.speculation.choice = AlwaysDraft()
     return engine
 
 
@@ -239,43 +240,35 @@ def test_ngram_index_indexes_each_end_once() -> None:
     assert index.last_end == {(1,): 3, (2,): 2, (1, 2): 2, (2, 1): 3}
 
 
-def test_step_cost_fits_a_line_to_the_timed_steps() -> None:
-    cost = StepCost()
-    for rows in [1, 4, 9, 16, 1, 32, 64, 7]:
-        assert cost.fit() is None
-        cost.record(rows, 0.010 + 0.002 * rows)
-    fixed, per_row = cost.fit() or (0.0, 0.0)
-    assert fixed == pytest.approx(0.010) and per_row == pytest.approx(0.002)
-    same = StepCost()
-    for _ in range(20):
-        same.record(8, 0.05)
-    assert same.fit() is None  # rows never varied: no slope to tell
+def test_drafts_go_where_their_steps_keep_more_tokens_per_second() -> None:
+    """Each load level learns on its own: both choices are tried first, the faster one is
+    taken, and the slower one again every `EXPLORE_EVERY` steps (so a change is seen)."""
+    choice = DraftChoice()
+    speeds = {(1, True): 900.0, (1, False): 500.0, (64, True): 1500.0, (64, False): 2000.0}
+    taken: dict[int, list[bool]] = {1: [], 64: []}
+    for _ in range(200):
+        for rows in (1, 64):
+            drafted = choice.drafts_pay(rows)
+            taken[rows].append(drafted)
+            choice.record(rows, drafted, 100, 100 / speeds[rows, drafted])
+    assert taken[1][:8].count(True) == 4 and taken[64][:8].count(False) == 4  # tried both
+    late_one, late_many = taken[1][40:], taken[64][40:]
+    assert late_one.count(False) == len(late_one) // EXPLORE_EVERY  # drafts, bar exploration
+    assert late_many.count(True) == len(late_many) // EXPLORE_EVERY  # none, bar exploration
+    rates = choice.rates()
+    assert rates[1, True] == pytest.approx(900) and rates[7, False] == pytest.approx(2000)
 
 
-def cost_with(fixed: float, per_row: float) -> StepCost:
-    cost = StepCost()
-    for rows in range(1, 40):
-        cost.record(rows, fixed + per_row * rows)
-    return cost
-
-
-@pytest.mark.parametrize(
-    ("fixed", "per_row", "rows", "acceptance", "room"),
-    [
-        (0.010, 0.0, 4, 0.5, 124),  # cost all fixed: every draft pays, up to the cap (128)
-        (0.010, 0.002, 64, 0.5, 0),  # compute-bound at 64 rows: none
-        # with a linear cost drafts pay below rows* = acceptance x fixed / (per_row x (1 -
-        # acceptance)), here 7.5 rows, and then every one of them does
-        (0.015, 0.003, 1, 0.6, 127),
-        (0.015, 0.003, 7, 0.6, 121),
-        (0.015, 0.003, 8, 0.6, 0),
-    ],
-)
-def test_draft_room_adds_drafts_while_they_pay(
-    fixed: float, per_row: float, rows: int, acceptance: float, room: int
-) -> None:
+def test_draft_room_is_none_where_drafts_do_not_pay_and_capped_where_they_do() -> None:
     speculation = Speculation(NgramProposer(), max_drafts=4, max_batch_tokens=128)
-    assert speculation.draft_room(rows, 4096) == max(0, min(16 - rows, 4096))  # before the fit
-    speculation.cost, speculation.acceptance = cost_with(fixed, per_row), acceptance
-    assert speculation.draft_room(rows, 4096) == room
-    assert speculation.draft_room(rows, 3) == min(room, 3)
+    speculation.choice = AlwaysDraft()
+    assert speculation.draft_room(4, 4096) == 124
+    assert speculation.draft_room(4, 10) == 10
+    assert speculation.draft_room(128, 4096) == 0
+
+    class Never(DraftChoice):
+        def drafts_pay(self, rows: int) -> bool:
+            return False
+
+    speculation.choice = Never()
+    assert speculation.draft_room(4, 4096) == 0
