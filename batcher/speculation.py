@@ -39,8 +39,8 @@ ACCEPTANCE_SMOOTHING = 0.3  # weight of the latest step in a request's running a
 GROUP_PREFIX_TOKENS = 16  # prompt tokens that name a suffix group
 ALL_REQUESTS: tuple[int, ...] = (-1,)  # the suffix group of every request's outputs
 ACCEPTANCE_BOUNDS = tuple(i / 10 for i in range(11))  # per-chunk acceptance histogram
-MIN_CHOICE_STEPS = 4  # timed steps of each choice at a load level before comparing them
-EXPLORE_EVERY = 16  # steps of a load level between two tries of the losing choice
+MIN_CHOICE_STEPS = 3  # timed steps of each choice at a load level before comparing them
+EXPLORE_EVERY = 64  # steps of a load level between two tries of the losing choice
 RATE_SMOOTHING = 0.1  # weight of a step in its choice's running tokens per second
 
 
