@@ -59,6 +59,8 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
     custom_kernels = not options.disable_custom_kernels
     if options.quantize is not None:  # before any rank starts
         check_quantize(options.quantize)
+    if options.speculative_model is not None and options.num_shard > 1:
+        raise ValueError("--speculative-model runs on one rank only (--num-shard 1)")
     if options.num_shard > 1:
         sharded = ShardConfig(
             model_dir, options.num_shard, device=options.device, dtype=dtype,

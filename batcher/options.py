@@ -182,6 +182,4 @@ class BatcherOptions(BaseSettings):
                 "--speculative-method draft (with --speculate N) and --speculative-model DIR"
                 " go together"
             )
-        if self.speculative_model is not None and self.num_shard > 1:
-            raise ValueError("--speculative-model runs on one rank only (--num-shard 1)")
         return self

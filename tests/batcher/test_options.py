@@ -126,19 +126,6 @@ def test_quantize_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str])
     [
         (["--speculate", "3", "--speculative-method", "draft"], "go together"),
         (["--speculative-model", "d"], "go together"),
-        (
-            [
-                "--speculate",
-                "3",
-                "--speculative-method",
-                "draft",
-                "--speculative-model",
-                "d",
-                "--num-shard",
-                "2",
-            ],
-            "one rank only",
-        ),
         (["--speculate", "17"], "--speculate: Input should be less than or equal to 16"),
     ],
 )
@@ -148,6 +135,13 @@ def test_speculation_options_that_cannot_run_are_refused(
     with pytest.raises(SystemExit):
         parse_args(["--model-id", "m", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_a_draft_model_needs_one_rank(model_dir: Path) -> None:
+    argv = ["--model-id", str(model_dir), "--speculate", "2", "--speculative-method", "draft"]
+    options = parse_args([*argv, "--speculative-model", str(model_dir), "--num-shard", "2"])
+    with pytest.raises(ValueError, match="runs on one rank only"):
+        build_runner(options, str(model_dir))
 
 
 def test_a_draft_model_reaches_the_runner(model_dir: Path) -> None:
