@@ -250,8 +250,9 @@ class LLMEngine:
             result = self.runner.execute(plan)
             updated = self.scheduler.update(scheduled, result)
             outputs += [_tokens_of(request, count) for request, count in updated]
-            num_kept = sum(count for _, count in updated)
-            self._time_step(plan, num_kept, time.perf_counter() - start)
+            if self.scheduler.speculation is not None:
+                num_kept = sum(count for _, count in updated)
+                self._time_step(plan, num_kept, time.perf_counter() - start)
         for output in outputs:
             if output.is_finished:
                 del self._requests[output.request_id]
@@ -260,11 +261,13 @@ class LLMEngine:
     def _time_step(self, plan: StepPlan, num_kept: int, seconds: float) -> None:
         """A decode step's tokens and time, for speculation's choice (`DraftChoice`)."""
         speculation = self.scheduler.speculation
+        if speculation is None or not plan.chunks:
+            return  # no per-step work without speculation
+        if not all(c.num_new_tokens == 1 + c.num_drafts for c in plan.chunks):
+            return  # a prefill step says nothing about drafts
         num_drafts = sum(chunk.num_drafts for chunk in plan.chunks)
-        is_decode = all(c.num_new_tokens == 1 + c.num_drafts for c in plan.chunks)
-        if speculation is not None and plan.chunks and is_decode:
-            rows = plan.num_tokens - num_drafts
-            speculation.choice.record(rows, num_drafts > 0, num_kept, seconds)
+        rows = plan.num_tokens - num_drafts
+        speculation.choice.record(rows, num_drafts > 0, num_kept, seconds)
 
     def _token_masks(self, scheduled: SchedulerOutput) -> StepMasks | None:
         """The grammar masks of the constrained sequences that sample in this step (greedy rows

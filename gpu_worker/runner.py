@@ -209,7 +209,7 @@ class ModelRunner:
             return StepResult()
         tokens = output.token_ids.tolist()
         self.tp.broadcast_tokens(tokens, num_rows)
-        result = self._record(inputs, output, self._keep(inputs.samples, tokens))
+        result = self._record(inputs, tokens, output, self._keep(inputs.samples, tokens))
         self._trim(inputs.samples)
         return dataclasses.replace(result, prompt_logprobs=prompt)
 
@@ -524,9 +524,11 @@ class ModelRunner:
             else None,
         )
 
-    def _record(self, inputs: _StepInputs, output: SamplerOutput, rows: list[int]) -> StepResult:
-        """Appends the kept rows' tokens to their sequences; their `SampledToken`s, in order."""
-        token_ids = output.token_ids.tolist()
+    def _record(
+        self, inputs: _StepInputs, token_ids: list[int], output: SamplerOutput, rows: list[int]
+    ) -> StepResult:
+        """Appends the kept rows' tokens (`token_ids`: every row's) to their sequences; their
+        `SampledToken`s, in order."""
         logprobs = output.logprobs.tolist() if output.logprobs is not None else None
         top_ids = output.top_token_ids.tolist() if output.top_token_ids is not None else None
         top_logprobs = output.top_logprobs.tolist() if output.top_logprobs is not None else None
