@@ -278,6 +278,7 @@ class LLMEngine:
             return None
         masks_now: dict[str, Constraint] = {}
         argmax_first: dict[str, Constraint] = {}
+        drafts: dict[str, list[int]] = {}
         for chunk in scheduled.chunks:
             request = self.scheduler.requests.get(chunk.request_id)
             if request is None or request.grammar is None:
@@ -288,15 +289,18 @@ class LLMEngine:
                 self.scheduler.finish(chunk.request_id, RequestStatus.FINISHED_FAILED, error)
                 self._pending.append(_end_of(request))
                 continue
+            if chunk.draft_token_ids:  # a mask for each row it verifies, computed now
+                drafts[chunk.request_id] = chunk.draft_token_ids
             first = (
                 self._argmax_first
+                and not chunk.draft_token_ids
                 and request.sampling.needs_only_argmax
                 and request.grammar.checks_argmax_first()
             )
             (argmax_first if first else masks_now)[chunk.request_id] = request.grammar
         if not masks_now and not argmax_first:
             return None
-        return self.grammars.step_masks(masks_now, argmax_first)
+        return self.grammars.step_masks(masks_now, argmax_first, drafts)
 
     def stream(self) -> Iterator[RequestOutput]:
         """Per-token outputs of every added request until all are finished."""

@@ -54,10 +54,14 @@ class Constraint:
     further miss in a row, so a state the model keeps missing (a key it does not know) costs a
     few wasted head passes, not one per step."""
 
-    __slots__ = ("_backoff", "_masks_first", "_matcher")
+    __slots__ = ("_backoff", "_eos_token_ids", "_masks_first", "_matcher", "_vocab_size")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]
+    ) -> None:
         self._matcher = matcher
+        self._vocab_size = vocab_size  # the tokenizer's: llguidance breaks on a token past it
+        self._eos_token_ids = eos_token_ids
         self._backoff = 1  # steps with the mask up front after the next miss
         self._masks_first = 0  # steps left with the mask up front
 
@@ -82,6 +86,17 @@ class Constraint:
             self._masks_first = self._backoff
             self._backoff = min(2 * self._backoff, MAX_MASK_FIRST_STEPS)
         return allowed
+
+    def num_draftable(self, draft_token_ids: Sequence[int]) -> int:
+        """How many of speculation's guesses, in a row, the grammar allows from its state (it
+        consumes none). Not an EOS or a token past the tokenizer's vocabulary: the drafts end
+        before one."""
+        usable = 0
+        for token_id in draft_token_ids:
+            if token_id >= self._vocab_size or token_id in self._eos_token_ids:
+                break
+            usable += 1
+        return int(self._matcher.validate_tokens(list(draft_token_ids[:usable]))) if usable else 0
 
     @property
     def error(self) -> str | None:
@@ -164,7 +179,10 @@ class GrammarCompiler:
             return None
         self._cache.move_to_end(spec)
         self.stats.num_cache_hits += 1
-        return Constraint(matcher.deep_copy())
+        return self._constraint(matcher)
+
+    def _constraint(self, matcher: llguidance.LLMatcher) -> Constraint:
+        return Constraint(matcher.deep_copy(), self.vocab_size, self.eos_token_ids)
 
     def compile(self, spec: GrammarSpec) -> Future[llguidance.LLMatcher]:
         """Starts compiling the spec (or joins the compile already running for it); take the
@@ -188,21 +206,48 @@ class GrammarCompiler:
             self._cache[spec] = matcher
             while len(self._cache) > self.max_cache:
                 self._cache.popitem(last=False)
-        return Constraint(matcher.deep_copy())
+        return self._constraint(matcher)
 
-    def step_masks(self, masks_now: dict[str, Constraint], argmax_first: dict[str, Constraint]
-                   ) -> StepMasks:  # fmt: skip
+    def step_masks(
+        self,
+        masks_now: dict[str, Constraint],
+        argmax_first: dict[str, Constraint],
+        drafts: Mapping[str, Sequence[int]] | None = None,
+    ) -> StepMasks:
         """A step's masks by request id (`plan.StepPlan.token_masks`): those of `masks_now`
         computed now, together; those of `argmax_first` (greedy rows that may check their free
         argmax first) only if the runner asks, after their argmax missed the grammar, for as
-        many rows as `MAX_EXPECTED_MISSES` lets at the recent miss rate (the rest now too)."""
+        many rows as `MAX_EXPECTED_MISSES` lets at the recent miss rate (the rest now too).
+        `drafts`: the guesses a request of `masks_now` verifies (speculation, each allowed by
+        its grammar: `Constraint.num_draftable`); its entry is then one mask per row it
+        samples, one after another: before the drafts, then after each (`masks_along`)."""
         limit = max(1, int(MAX_EXPECTED_MISSES / max(self.miss_rate, 1e-6)))
         if len(argmax_first) > limit:
             rows = list(argmax_first.items())
             masks_now = masks_now | dict(rows[limit:])
             argmax_first = dict(rows[:limit])
-        computed = dict(zip(masks_now, self._step_masks(list(masks_now.values())), strict=True))
+        drafts = drafts or {}
+        plain = {key: c for key, c in masks_now.items() if not drafts.get(key)}
+        computed = dict(zip(plain, self._step_masks(list(plain.values())), strict=True))
+        for key, constraint in masks_now.items():
+            if key not in computed:
+                computed[key] = self.masks_along(constraint, drafts[key])
         return StepMasks(self, computed, argmax_first)
+
+    def masks_along(self, constraint: Constraint, draft_token_ids: Sequence[int]) -> bytes:
+        """The masks of a row and of each draft after it: the state now, then after each draft
+        in turn (the grammar must allow them all), concatenated; the state is left as it was."""
+        matcher = constraint._matcher
+        started = time.perf_counter()
+        masks = []
+        for token_id in draft_token_ids:
+            masks += self.masks([constraint])
+            matcher.consume_token(token_id)
+        masks += self.masks([constraint])
+        matcher.rollback(len(draft_token_ids))
+        self.stats.num_masks += len(masks)
+        self.stats.mask_seconds += time.perf_counter() - started
+        return b"".join(masks)
 
     def _step_masks(self, constraints: list[Constraint]) -> list[bytes]:
         """`masks`, counted and timed in `stats` as a step's."""

@@ -230,17 +230,22 @@ class Scheduler:
 
     def _drafts(self, request: Request, room: int) -> list[int]:
         """Draft tokens for a decoding request (placeholders where the runner's draft model
-        guesses them): none under a grammar, none past its last token (`max_new_tokens`: the
-        token after the drafts is sampled too)."""
-        assert self.speculation is not None
-        if request.grammar is not None or not request.speculate:
+        guesses them), none past its last token (`max_new_tokens`: the token after the drafts
+        is sampled too). Under a grammar, only the drafts it allows in a row (none from a
+        draft model, whose guesses the batcher never sees)."""
+        speculation = self.speculation
+        assert speculation is not None
+        if not request.speculate or request.num_computed_tokens != request.num_tokens - 1:
             return []
-        if request.num_computed_tokens != request.num_tokens - 1:
+        if request.grammar is not None and speculation.uses_draft_model:
             return []
         remaining = request.stopping.max_new_tokens - request.num_output_tokens - 1
-        return self.speculation.propose(
+        drafts = speculation.propose(
             request.request_id, request.token_ids, request.num_prompt_tokens, min(room, remaining)
         )
+        if request.grammar is not None:
+            del drafts[request.grammar.num_draftable(drafts) :]
+        return drafts
 
     def _shares(self, token_budget: int) -> dict[str, int]:
         """One token for each running request first, then the rest of the budget in queue order

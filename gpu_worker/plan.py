@@ -154,8 +154,10 @@ class StepPlan:
     finished_request_ids: list[str] = field(default_factory=list)  # drop their state first
     # Structured output: the tokens a sequence may sample next, for the sequences this step
     # samples under a grammar. A bitmask: token t is allowed when bit `t % 32` of little-endian
-    # 32-bit word `t // 32` is set; tokens past its end are not. In the engine's process the
-    # mapping may also be `ArgmaxFirst` (the wire carries every mask).
+    # 32-bit word `t // 32` is set; tokens past its end are not. A chunk with k drafts has k + 1
+    # masks of one size one after another: its last token's row's, then each draft's row's
+    # (the grammar's state after the drafts before it). In the engine's process the mapping
+    # may also be `ArgmaxFirst` (the wire carries every mask).
     token_masks: Mapping[str, bytes] = field(default_factory=dict)
 
     @property

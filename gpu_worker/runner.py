@@ -121,6 +121,7 @@ class ModelRunner:
         self.drafter = self._drafter(config, tp)
         self.sequences: dict[str, _Sequence] = {}
         self._token_masks: Mapping[str, bytes] = {}  # this step's (structured output)
+        self._num_rows: dict[str, int] = {}  # this step's rows of sequences verifying drafts
 
     def _drafter(self, config: RunnerConfig, tp: TensorParallel) -> Drafter | None:
         """The draft model's runner over this one's block tables (`--speculative-model`)."""
@@ -176,6 +177,7 @@ class ModelRunner:
         for chunk in chunks:
             self.sequences[chunk.request_id].block_ids.extend(chunk.new_block_ids)
         chunks = self._model_drafts(chunks)
+        self._num_rows = {c.request_id: c.num_drafts + 1 for c in chunks if c.num_drafts}
         for chunk in chunks:
             seq = self.sequences[chunk.request_id]
             seq.token_ids.extend(chunk.draft_token_ids)  # for this step only (`_keep`)
@@ -389,15 +391,30 @@ class ModelRunner:
         a grammar or in `free_rows`, zeros past a mask's end); None when all rows are free."""
         if not self._token_masks:
             return None
-        masks = [
-            None if row in free_rows else self._token_masks.get(request_id)
-            for row, request_id in enumerate(request_ids)
-        ]
+        masks = self._row_masks(request_ids, free_rows)
         if all(mask is None for mask in masks):
             return None
         vocab_bytes = (self.loaded.model.config.vocab_size + 31) // 32 * 4
         width = max(vocab_bytes, *(len(mask) for mask in masks if mask is not None))
         return token_mask_words(masks, width)
+
+    def _row_masks(
+        self, request_ids: list[str], free_rows: Collection[int] = ()
+    ) -> list[bytes | None]:
+        """Each row's grammar mask (None: no grammar, or in `free_rows`). A sequence verifying k
+        drafts has k + 1 masks one after another (`StepPlan.token_masks`), its rows' in order;
+        its rows come together and in order here."""
+        masks: list[bytes | None] = []
+        seen: dict[str, int] = {}
+        for row, request_id in enumerate(request_ids):
+            mask = None if row in free_rows else self._token_masks.get(request_id)
+            num_rows = self._num_rows.get(request_id, 1)
+            if mask is not None and num_rows > 1:
+                index = seen[request_id] = seen.get(request_id, -1) + 1
+                size = len(mask) // num_rows
+                mask = mask[index * size : (index + 1) * size]
+            masks.append(mask)
+        return masks
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name
@@ -422,6 +439,12 @@ class ModelRunner:
             if chunk.request_id not in shapes:
                 raise ValueError(f"chunk for unknown sequence {chunk.request_id!r}")
             self._check(chunk, *shapes[chunk.request_id])
+            mask = plan.token_masks.get(chunk.request_id) if chunk.num_drafts else None
+            if mask is not None and len(mask) % (chunk.num_drafts + 1):
+                raise ValueError(
+                    f"sequence {chunk.request_id!r}: {chunk.num_drafts} drafts need a mask for"
+                    f" each of {chunk.num_drafts + 1} rows, not {len(mask)} bytes"
+                )
 
     def _check(self, chunk: ScheduledChunk, num_tokens: int, num_blocks: int) -> None:
         end = chunk.num_computed_tokens + chunk.num_new_tokens
@@ -519,8 +542,7 @@ class ModelRunner:
             output_token_ids=[
                 s.token_ids[s.num_prompt_tokens : n] for s, n in zip(seqs, lengths, strict=True)
             ],
-            token_masks=[self._token_masks.get(request_id) for request_id in request_ids]
-            if self._token_masks
+            token_masks=self._row_masks(request_ids) if self._token_masks
             else None,
         )
 
