@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,17 +25,16 @@ from tgq.gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tgq.gpu_worker.loader import LoadedModel, load_model
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.gpu_worker.plan import (
-    ArgmaxFirst,
     PromptLogprobs,
     SampledToken,
-    SamplingParams,
     ScheduledChunk,
     StepPlan,
     StepResult,
     TokenLogprob,
     accepted_length,
 )
-from tgq.gpu_worker.sampling import Sampler, SamplerOutput, SamplingInputs, token_mask_words
+from tgq.gpu_worker.row_sampler import RowSampler, RunnerSequence
+from tgq.gpu_worker.sampling import Sampler, SamplerOutput
 from tgq.kernels import AttentionBackend, AttentionStep, SeqSpan, block_size_rule, get_backend
 from tgq.kernels.cpu_paged import CpuPagedAttention
 from tgq.kernels.interface import UNIT_SCALES, KvScales
@@ -74,14 +72,6 @@ class RunnerConfig:
     speculative_model: str | None = None
 
 
-@dataclass
-class _Sequence:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    block_ids: list[int] = field(default_factory=list)
-
-
 class ModelRunner:
     def __init__(
         self, config: RunnerConfig, loaded: LoadedModel | None = None, tp: TensorParallel = SINGLE
@@ -117,11 +107,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             local, self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
-        self.sampler = Sampler(self.device, custom_kernels=config.custom_kernels)
         self.drafter = self._drafter(config, tp)
-        self.sequences: dict[str, _Sequence] = {}
-        self._token_masks: Mapping[str, bytes] = {}  # this step's (structured output)
-        self._num_rows: dict[str, int] = {}  # this step's rows of sequences verifying drafts
+        self.sequences: dict[str, RunnerSequence] = {}
+        sampler = Sampler(self.device, custom_kernels=config.custom_kernels)
+        self.rows = RowSampler(self.loaded.model, sampler, self.sequences)
 
     def _drafter(self, config: RunnerConfig, tp: TensorParallel) -> Drafter | None:
         """The draft model's runner over this one's block tables (`--speculative-model`)."""
@@ -170,14 +159,12 @@ class ModelRunner:
         self._take_sequences(plan)
         if not plan.chunks:
             return StepResult()
-        self._token_masks = plan.token_masks
         # Single-token chunks first: the attention backends batch them in one call. A chunk
         # with drafts is single-token rows too (`_flatten`).
         chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1 and not c.num_drafts)
         for chunk in chunks:
             self.sequences[chunk.request_id].block_ids.extend(chunk.new_block_ids)
         chunks = self._model_drafts(chunks)
-        self._num_rows = {c.request_id: c.num_drafts + 1 for c in chunks if c.num_drafts}
         for chunk in chunks:
             seq = self.sequences[chunk.request_id]
             seq.token_ids.extend(chunk.draft_token_ids)  # for this step only (`_keep`)
@@ -197,7 +184,14 @@ class ModelRunner:
                 return StepResult(prompt_logprobs=prompt)
             if len(inputs.sample_request_ids) < hidden.shape[0]:  # else every row, in order
                 hidden = hidden[inputs.sample_rows]
-            output = self._sample(hidden, inputs.sample_request_ids, inputs.sample_lengths)
+            rows_of = {c.request_id: c.num_drafts + 1 for c in chunks if c.num_drafts}
+            output = self.rows.sample(
+                hidden,
+                inputs.sample_request_ids,
+                inputs.sample_lengths,
+                plan.token_masks,
+                rows_of,
+            )
         finally:
             for chunk in chunks:
                 if chunk.draft_token_ids:
@@ -221,7 +215,7 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self.sequences.pop(request_id, None)
         for new in plan.new_sequences:
-            self.sequences[new.request_id] = _Sequence(
+            self.sequences[new.request_id] = RunnerSequence(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
             )
         if self.drafter is not None:
@@ -315,106 +309,6 @@ class ModelRunner:
                     out.append(PromptLogprobs(chunk.request_id, start + 1, logprobs, tops, ranks))
             row += chunk.num_new_tokens
         return out
-
-    def _sample(
-        self, hidden: torch.Tensor, request_ids: list[str], lengths: list[int]
-    ) -> SamplerOutput | None:
-        """The next token of each row (None on a rank that does not sample). Rows that only need
-        the argmax (greedy, no penalties, no logprobs) take it from the model's greedy head where
-        it has one, without computing their logits (under a grammar, the argmax of the tokens
-        it allows). `lengths`: each row's tokens before the one it samples (a sequence's rows
-        under speculation see the drafts before them)."""
-        model = self.loaded.model
-        argmax_rows = [
-            row
-            for row, request_id in enumerate(request_ids)
-            if self.sequences[request_id].sampling.needs_only_argmax
-        ]
-        every_row = len(argmax_rows) == len(request_ids)
-        greedy = (
-            self._greedy(
-                hidden if every_row else hidden[argmax_rows],
-                [request_ids[row] for row in argmax_rows],
-            )
-            if argmax_rows
-            else None
-        )
-        if greedy is None:
-            logits = model.compute_logits(hidden)
-            return (
-                None
-                if logits is None
-                else self.sampler(logits, self._sampling_inputs(request_ids, lengths))
-            )
-        if every_row:
-            return SamplerOutput(greedy, None, None, None)
-        taken = set(argmax_rows)
-        rest = [row for row in range(len(request_ids)) if row not in taken]
-        logits = model.compute_logits(hidden[rest])
-        assert logits is not None  # a model with a greedy head samples on this rank
-        sampled = self.sampler(
-            logits,
-            self._sampling_inputs([request_ids[r] for r in rest], [lengths[r] for r in rest]),
-        )
-        return _merge_rows(len(request_ids), argmax_rows, greedy, rest, sampled)
-
-    def _greedy(self, hidden: torch.Tensor, request_ids: list[str]) -> torch.Tensor | None:
-        """The model's greedy-head argmax of these rows, each under its grammar's mask (None:
-        no greedy head). Rows that check their argmax first (`plan.ArgmaxFirst`) take it over
-        every token; those whose grammar does not allow it take it again under their mask."""
-        model = self.loaded.model
-        masks = self._token_masks
-        first = (
-            {row for row, request_id in enumerate(request_ids)
-             if masks.checks_argmax_first(request_id)}
-            if isinstance(masks, ArgmaxFirst)
-            else set()
-        )  # fmt: skip
-        tokens = model.greedy_tokens(hidden, self._greedy_masks(request_ids, free_rows=first))
-        if tokens is None or not first:
-            return tokens
-        assert isinstance(masks, ArgmaxFirst)
-        chosen = tokens.tolist()
-        missed = [row for row in sorted(first) if not masks.allows(request_ids[row], chosen[row])]
-        if missed:
-            again = model.greedy_tokens(
-                hidden[missed], self._greedy_masks([request_ids[row] for row in missed])
-            )
-            assert again is not None
-            tokens[missed] = again
-        return tokens
-
-    def _greedy_masks(
-        self, request_ids: list[str], free_rows: Collection[int] = ()
-    ) -> torch.Tensor | None:
-        """[N, W] int32 bitmasks of these rows for the greedy head (all ones for a row without
-        a grammar or in `free_rows`, zeros past a mask's end); None when all rows are free."""
-        if not self._token_masks:
-            return None
-        masks = self._row_masks(request_ids, free_rows)
-        if all(mask is None for mask in masks):
-            return None
-        vocab_bytes = (self.loaded.model.config.vocab_size + 31) // 32 * 4
-        width = max(vocab_bytes, *(len(mask) for mask in masks if mask is not None))
-        return token_mask_words(masks, width)
-
-    def _row_masks(
-        self, request_ids: list[str], free_rows: Collection[int] = ()
-    ) -> list[bytes | None]:
-        """Each row's grammar mask (None: no grammar, or in `free_rows`). A sequence verifying k
-        drafts has k + 1 masks one after another (`StepPlan.token_masks`), its rows' in order;
-        its rows come together and in order here."""
-        masks: list[bytes | None] = []
-        seen: dict[str, int] = {}
-        for row, request_id in enumerate(request_ids):
-            mask = None if row in free_rows else self._token_masks.get(request_id)
-            num_rows = self._num_rows.get(request_id, 1)
-            if mask is not None and num_rows > 1:
-                index = seen[request_id] = seen.get(request_id, -1) + 1
-                size = len(mask) // num_rows
-                mask = mask[index * size : (index + 1) * size]
-            masks.append(mask)
-        return masks
 
     def _validate(self, plan: StepPlan) -> None:
         # (number of tokens, number of blocks) of every sequence the plan's chunks may name
@@ -534,18 +428,6 @@ class ModelRunner:
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _sampling_inputs(self, request_ids: list[str], lengths: list[int]) -> SamplingInputs:
-        seqs = [self.sequences[request_id] for request_id in request_ids]
-        return SamplingInputs(
-            params=[s.sampling for s in seqs],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
-            output_token_ids=[
-                s.token_ids[s.num_prompt_tokens : n] for s, n in zip(seqs, lengths, strict=True)
-            ],
-            token_masks=self._row_masks(request_ids) if self._token_masks
-            else None,
-        )
-
     def _record(
         self, inputs: _StepInputs, token_ids: list[int], output: SamplerOutput, rows: list[int]
     ) -> StepResult:
@@ -568,34 +450,6 @@ class ModelRunner:
                 top = [TokenLogprob(t, lp) for t, lp in pairs]
             sampled.append(SampledToken(request_id, token_ids[row], logprob, top))
         return StepResult(sampled)
-
-
-def _merge_rows(
-    num_rows: int,
-    greedy_rows: list[int],
-    greedy: torch.Tensor,
-    sampled_rows: list[int],
-    sampled: SamplerOutput,
-) -> SamplerOutput:
-    """One output for all rows: the greedy head's tokens and the sampler's tokens and logprobs
-    (zeros in the greedy rows, which asked for none)."""
-    token_ids = torch.empty(num_rows, dtype=torch.int64, device=greedy.device)
-    token_ids[greedy_rows] = greedy
-    token_ids[sampled_rows] = sampled.token_ids
-
-    def spread(values: torch.Tensor | None) -> torch.Tensor | None:
-        if values is None:
-            return None
-        out = values.new_zeros((num_rows, *values.shape[1:]))
-        out[sampled_rows] = values
-        return out
-
-    return SamplerOutput(
-        token_ids,
-        spread(sampled.logprobs),
-        spread(sampled.top_token_ids),
-        spread(sampled.top_logprobs),
-    )
 
 
 def pick_attention(config: RunnerConfig, device: torch.device) -> tuple[AttentionBackend[Any], int]:
