@@ -59,15 +59,13 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
     custom_kernels = not options.disable_custom_kernels
     if options.quantize is not None:  # before any rank starts
         check_quantize(options.quantize)
-    if options.speculative_model is not None and options.num_shard > 1:
-        raise ValueError("--speculative-model runs on one rank only (--num-shard 1)")
     if options.num_shard > 1:
         sharded = ShardConfig(
             model_dir, options.num_shard, device=options.device, dtype=dtype,
             block_size=options.block_size, num_blocks=options.num_blocks,
             kv_cache_bytes=kv_cache_bytes, threads_per_rank=options.threads_per_rank,
             custom_kernels=custom_kernels, kv_cache_dtype=options.kv_cache_dtype,
-            quantize=options.quantize,
+            quantize=options.quantize, speculative_model=options.speculative_model,
         )  # fmt: skip
         return ShardedRunner(sharded)
     from tgq.gpu_worker.runner import ModelRunner, RunnerConfig  # torch, at start-up only

@@ -126,7 +126,7 @@ class BatcherOptions(BaseSettings):
     speculative_model: str | None = Field(
         None,
         description="a draft model's local directory (the same tokenizer, smaller) for"
-        " --speculative-method draft; one rank only",
+        " --speculative-method draft; with --num-shard > 1 run whole on rank 0",
     )
     speculative_max_batch_tokens: int = Field(
         _SCHEDULER.speculative_max_batch_tokens,

@@ -50,6 +50,7 @@ class ShardConfig:
     custom_kernels: bool = True  # False: torch attention and plain torch ops on every rank
     kv_cache_dtype: str = "auto"  # `--kv-cache-dtype`
     quantize: str | None = None  # `--quantize`: each rank quantizes its slice at load
+    speculative_model: str | None = None  # `--speculative-model`: run whole on rank 0
     start_timeout_s: float = 600.0  # loading the model
     step_timeout_s: float = 120.0  # one step (longer than the ranks' collective timeout)
     hang_timeout_s: float = 5.0  # a rank without a heartbeat this long is hung
@@ -188,6 +189,7 @@ class ShardedRunner:
                 ("--threads", config.threads_per_rank),
                 ("--kv-cache-dtype", config.kv_cache_dtype),
                 ("--quantize", config.quantize),
+                ("--speculative-model", config.speculative_model),
             ):
                 if value is not None:
                     command += [flag, str(value)]

@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--quantize", default=None, help="int8 or fp8: this rank's slice at load")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    parser.add_argument(
+        "--speculative-model", default=None, help="a draft model's dir: rank 0 runs it whole"
+    )
     parser.add_argument("--attention-backend", default="auto", help="a kernels registry key")
     parser.add_argument(
         "--disable-custom-kernels",
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model_id, dtype=args.dtype, device=str(device), block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         attention_backend=args.attention_backend, custom_kernels=custom_kernels,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, speculative_model=args.speculative_model,
     )  # fmt: skip
     backend, block_size = pick_attention(config, device)
     kv_dtype = kv_cache_dtype(config, loaded.dtype, backend)

@@ -107,17 +107,18 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             local, self.num_blocks, self.block_size, self.kv_dtype, self.device
         )
-        self.drafter = self._drafter(config, tp)
+        self.drafts_by_model = config.speculative_model is not None  # `num_model_drafts`
+        self.drafter = self._drafter(config)
         self.sequences: dict[str, RunnerSequence] = {}
         sampler = Sampler(self.device, custom_kernels=config.custom_kernels)
         self.rows = RowSampler(self.loaded.model, sampler, self.sequences)
 
-    def _drafter(self, config: RunnerConfig, tp: TensorParallel) -> Drafter | None:
-        """The draft model's runner over this one's block tables (`--speculative-model`)."""
-        if config.speculative_model is None:
+    def _drafter(self, config: RunnerConfig) -> Drafter | None:
+        """The draft model's runner over this one's block tables (`--speculative-model`); with
+        tensor parallelism on rank 0 only, the whole draft model, guessing for every rank
+        (`_model_drafts`)."""
+        if config.speculative_model is None or not self.tp.is_first:
             return None
-        if tp.world_size > 1:
-            raise ValueError("--speculative-model runs on one rank only (--num-shard 1)")
         draft_config = dataclasses.replace(
             config,
             model_id=config.speculative_model,
@@ -237,23 +238,31 @@ class ModelRunner:
         return kept
 
     def _model_drafts(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """The chunks, those that ask for model drafts with the draft model's guesses."""
+        """The chunks, those that ask for model drafts with the draft model's guesses (made on
+        rank 0 and broadcast to the other ranks)."""
         asking = [chunk for chunk in chunks if chunk.num_model_drafts]
         if not asking:
             return chunks
-        assert self.drafter is not None  # `_validate`
-        requests = [
-            DraftRequest(
-                chunk.request_id,
-                self.sequences[chunk.request_id].token_ids,
-                self.sequences[chunk.request_id].block_ids,
-                chunk.num_model_drafts,
-            )
-            for chunk in asking
-        ]
-        drafts = self.drafter.propose(requests)
+        guessed = None
+        if self.drafter is not None:
+            requests = [
+                DraftRequest(
+                    chunk.request_id,
+                    self.sequences[chunk.request_id].token_ids,
+                    self.sequences[chunk.request_id].block_ids,
+                    chunk.num_model_drafts,
+                )
+                for chunk in asking
+            ]
+            drafts = self.drafter.propose(requests)
+            guessed = [token for chunk in asking for token in drafts[chunk.request_id]]
+        guessed = self.tp.broadcast_tokens(guessed, sum(c.num_model_drafts for c in asking))
+        by_request = {}
+        for chunk in asking:
+            by_request[chunk.request_id] = guessed[: chunk.num_model_drafts]
+            del guessed[: chunk.num_model_drafts]
         return [
-            dataclasses.replace(chunk, draft_token_ids=drafts[chunk.request_id])
+            dataclasses.replace(chunk, draft_token_ids=by_request[chunk.request_id])
             if chunk.num_model_drafts
             else chunk
             for chunk in chunks
@@ -343,7 +352,7 @@ class ModelRunner:
     def _check(self, chunk: ScheduledChunk, num_tokens: int, num_blocks: int) -> None:
         end = chunk.num_computed_tokens + chunk.num_new_tokens
         num_drafts = chunk.num_drafts
-        if chunk.num_model_drafts and (self.drafter is None or chunk.draft_token_ids):
+        if chunk.num_model_drafts and (not self.drafts_by_model or chunk.draft_token_ids):
             raise ValueError(
                 f"sequence {chunk.request_id!r}: model drafts need a draft model"
                 " (--speculative-model) and no drafts of the plan's own"

@@ -137,13 +137,6 @@ def test_speculation_options_that_cannot_run_are_refused(
     assert message in capsys.readouterr().err
 
 
-def test_a_draft_model_needs_one_rank(model_dir: Path) -> None:
-    argv = ["--model-id", str(model_dir), "--speculate", "2", "--speculative-method", "draft"]
-    options = parse_args([*argv, "--speculative-model", str(model_dir), "--num-shard", "2"])
-    with pytest.raises(ValueError, match="runs on one rank only"):
-        build_runner(options, str(model_dir))
-
-
 def test_a_draft_model_reaches_the_runner(model_dir: Path) -> None:
     argv = ["--model-id", str(model_dir), "--speculate", "2", "--speculative-method", "draft"]
     options = parse_args([*argv, "--speculative-model", str(model_dir), "--num-blocks", "64"])

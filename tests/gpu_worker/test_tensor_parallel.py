@@ -306,3 +306,35 @@ def test_two_ranks_verify_drafts_as_one_process_does(tmp_path: Path) -> None:
         assert stats.num_accepted > 0 and stats.num_accepted < stats.num_proposed
     finally:
         sharded.close()
+
+
+def test_two_ranks_verify_a_draft_models_guesses(tmp_path: Path) -> None:
+    """`--speculative-model` with `--num-shard 2`: rank 0 runs the whole draft model and sends
+    its guesses to rank 1; the target as its own draft guesses every greedy token, and the
+    outputs (greedy and seeded) equal one process's without speculation."""
+    model_dir = write_model(tmp_path / "llama", CONFIGS["llama-gqa"], seed=3)
+    batch = prompts(6, 500, 11, (3, 40))
+    model = ModelConfig.from_dir(model_dir)
+    stopping = StoppingParams(max_new_tokens=12, ignore_eos=True)
+    kinds = [SamplingParams(), SamplingParams(temperature=0.8, seed=7)]
+    single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    plain = LLMEngine(single, model=model)
+    expected = [[r.token_ids for r in plain.generate(batch, kind, stopping)] for kind in kinds]
+    sharded = ShardedRunner(
+        ShardConfig(
+            str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
+            speculative_model=str(model_dir),
+        )
+    )  # fmt: skip
+    try:
+        config = SchedulerConfig(
+            speculate=3, speculative_method="draft", speculative_max_batch_tokens=64
+        )
+        engine = drafting(LLMEngine(sharded, config, model=model))
+        stats = engine.scheduler.speculation.stats  # type: ignore[union-attr]
+        for kind, outputs in zip(kinds, expected, strict=True):
+            assert [r.token_ids for r in engine.generate(batch, kind, stopping)] == outputs
+            if kind.is_greedy:  # the same model guesses the same argmax (sampled rows differ)
+                assert stats.acceptance_rate > 0.9
+    finally:
+        sharded.close()
