@@ -23,7 +23,7 @@ from tests.batcher.test_speculation import drafting
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine, RequestResult
 from tgq.batcher.request import StoppingParams
-from tgq.batcher.speculation import NgramProposer, Proposer
+from tgq.batcher.speculation import NgramProposer, Proposer, SuffixProposer
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 from tgq.kernels import AttentionStep
@@ -100,19 +100,19 @@ def assert_same(ours: list[RequestResult], reference: list[RequestResult]) -> No
 
 
 @pytest.mark.parametrize(
-    ("limits", "num_blocks"),
+    ("limits", "num_blocks", "num_requests"),
     [
-        ({"max_batch_prefill_tokens": 16, "max_batch_size": 16}, 512),  # chunked prefill
-        ({"max_batch_prefill_tokens": 64, "max_batch_size": 32}, 40),  # forced preemption
+        ({"max_batch_prefill_tokens": 16, "max_batch_size": 16}, 512, 64),  # chunked prefill
+        ({"max_batch_prefill_tokens": 64, "max_batch_size": 32}, 40, 200),  # forced preemption
     ],
 )
 def test_outputs_equal_the_run_without_speculation(
-    limits: dict[str, int], num_blocks: int, model_dirs: dict[str, Path]
+    limits: dict[str, int], num_blocks: int, num_requests: int, model_dirs: dict[str, Path]
 ) -> None:
-    """64 requests (32 mixed prompts, twice: the second time with prefix hits), every sampling
-    kind, with the oracle's drafts and then the n-gram proposer's."""
+    """64 and 200 requests (32 mixed prompts, again and again: prefix hits), every sampling
+    kind, with the oracle's drafts, then the n-gram proposer's, then the suffix proposer's."""
     model_dir = model_dirs[VARIANT]
-    batch = mixed_prompts() * 2
+    batch = (mixed_prompts() * 7)[:num_requests]
     reference = run(make_engine(model_dir, None, num_blocks, **limits), batch)
     oracle = ReplayOracle(seed=num_blocks)
     for prompt, result in zip(batch, reference, strict=True):
@@ -123,8 +123,8 @@ def test_outputs_equal_the_run_without_speculation(
     assert stats.num_accepted > 100 and stats.acceptance_counts[0] > 0
     if num_blocks < 512:
         assert engine.scheduler.num_preemptions > 0
-    assert_same(run(make_engine(model_dir, NgramProposer(1, 3), num_blocks, **limits), batch),
-                reference)  # fmt: skip
+    for proposer in (NgramProposer(1, 3), SuffixProposer()):
+        assert_same(run(make_engine(model_dir, proposer, num_blocks, **limits), batch), reference)
 
 
 @pytest.mark.parametrize("draft", [VARIANT, "qwen3-qknorm"])
