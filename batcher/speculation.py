@@ -9,8 +9,10 @@ verifies in the same step (`gpu_worker.plan`, "Speculative decoding"). Pure Pyth
   outputs of requests that share its first prompt tokens (the lines of one bulk batch or job
   share a template, and their outputs a shape: a schema's keys, a form's sentences), and over
   the recent outputs of all requests (lines whose prompts differ from the start still share
-  their output's shape); the longest guess wins. Bounded: `max_groups` groups of at most
-  `max_group_tokens` output tokens each, the all-requests pool one of them.
+  their output's shape), and over the outputs of the requests still running, as they grow (the
+  lines of a batch that run together guess from each other before any finishes); the longest
+  guess wins. Bounded: `max_groups` groups of at most `max_group_tokens` output tokens each, the
+  all-requests pool one of them, and `max_live_ngrams` n-grams of running outputs.
 - `DraftModelSlots` (`draft`, with `--speculative-model DIR`): a small model with the same
   tokenizer guesses, in the runner (`gpu_worker.drafter`); the scheduler only budgets how many.
 
@@ -116,16 +118,27 @@ class SuffixProposer:
         max_n: int = 8,
         max_groups: int = 64,
         max_group_tokens: int = 16384,
+        max_live_ngrams: int = 1 << 20,
     ) -> None:
         self.own = NgramProposer(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         self.max_groups, self.max_group_tokens = max_groups, max_group_tokens
         self._groups: OrderedDict[tuple[int, ...], _Group] = OrderedDict()  # least recent first
+        # The outputs of the requests still running, as they grow: n-gram -> (the output of
+        # the request that wrote it last, where it ended). Lines of one bulk batch that run
+        # together guess from each other before any of them finishes. Emptied past the cap.
+        self.max_live_ngrams = max_live_ngrams
+        self._live: dict[tuple[int, ...], tuple[Sequence[int], int]] = {}
+        self._live_indexed: dict[str, int] = {}  # per running request: output indexed up to
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
                 max_tokens: int) -> list[int]:  # fmt: skip
         guess = self.own.propose(request_id, token_ids, num_prompt_tokens, max_tokens)
         tail = token_ids[-self.max_n :]
+        if len(guess) < max_tokens:
+            live = self._follow_live(tail, max_tokens)
+            guess = live if len(live) > len(guess) else guess
+        self._index_live(request_id, token_ids, num_prompt_tokens)
         for key in (_group_key(token_ids, num_prompt_tokens), ALL_REQUESTS):
             group = self._groups.get(key)
             if group is None or len(guess) == max_tokens:
@@ -138,8 +151,32 @@ class SuffixProposer:
             guess = shared if len(shared) > len(guess) else guess
         return guess
 
+    def _follow_live(self, tail: Sequence[int], max_tokens: int) -> list[int]:
+        """What followed the longest suffix of `tail` in a running request's output."""
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            found = self._live.get(tuple(tail[len(tail) - n :]))
+            if found is not None:
+                token_ids, end = found
+                return list(token_ids[end : end + max_tokens])
+        return []
+
+    def _index_live(
+        self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int
+    ) -> None:
+        """Index the request's output n-grams that have a token after them (their end < its
+        length), after its own lookup, so its newest n-grams point at itself only once it has
+        moved past them."""
+        if len(self._live) > self.max_live_ngrams:
+            self._live.clear()
+        start = self._live_indexed.get(request_id, num_prompt_tokens + self.min_n)
+        for end in range(start, len(token_ids)):
+            for n in range(self.min_n, min(self.max_n, end - num_prompt_tokens) + 1):
+                self._live[tuple(token_ids[end - n : end])] = (token_ids, end)
+        self._live_indexed[request_id] = max(start, len(token_ids))
+
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         self.own.finish(request_id, token_ids, num_prompt_tokens)
+        self._live_indexed.pop(request_id, None)
         output = token_ids[num_prompt_tokens:]
         if not output:
             return

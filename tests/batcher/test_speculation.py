@@ -222,6 +222,26 @@ def test_suffix_proposer_learns_from_finished_outputs() -> None:
     assert len(proposer._groups) == 3 and proposer.num_group_tokens <= 3 * 64
 
 
+def test_suffix_proposer_learns_from_running_outputs() -> None:
+    """Lines of one batch that run together: one guesses what another, further along, wrote
+    after the same tokens, before either finishes; the pool is bounded."""
+    proposer = SuffixProposer(min_n=2, max_n=4, max_live_ngrams=40)
+    first = [10, 11, 12, 1, 70, 71, 72, 73]  # prompt [10, 11, 12], output from 1 on
+    second = [20, 21, 22, 2]
+    assert proposer.propose("a", first, 3, 3) == []
+    assert proposer.propose("b", second, 3, 3) == []
+    second += [70, 71]
+    assert proposer.propose("b", second, 3, 3) == [72, 73]  # "a" wrote 72 73 after 70 71
+    first += [74, 75]  # "a" goes on: the guess follows its output as it grows
+    assert proposer.propose("b", second, 3, 4) == [72, 73, 74, 75]
+    assert proposer.propose("c", [5, 6, 11, 12], 2, 3) == []  # prompt n-grams are not pooled
+    for index in range(20):  # bounded: the pool empties past its cap
+        proposer.propose(f"x{index}", [40, 41, *range(100 + index * 5, 105 + index * 5)], 2, 2)
+        assert len(proposer._live) <= 40 + 3 * 5
+    proposer.finish("a", first, 3)
+    assert "a" not in proposer._live_indexed
+
+
 def test_draft_length_follows_the_acceptance_rate() -> None:
     speculation = Speculation(NgramProposer(), max_drafts=5, max_batch_tokens=32)
     assert speculation.num_drafts("r") == 5
