@@ -16,8 +16,9 @@ verifies in the same step (`gpu_worker.plan`, "Speculative decoding"). Pure Pyth
 - `DraftModelSlots` (`draft`, with `--speculative-model DIR`): a small model with the same
   tokenizer guesses, in the runner (`gpu_worker.drafter`); the scheduler only budgets how many.
 
-Each index maps an n-gram to where it last ended, and grows with the request's tokens, so a
-proposal costs O(new tokens + n) rather than a scan of the sequence.
+Each index maps the request's `min_n`-grams to where they ended and grows with its tokens; a
+lookup extends the latest matches backwards, so a proposal costs O(new tokens + matches) rather
+than a scan of the sequence.
 
 `Speculation` holds a proposer and the policy: how many drafts a request gets this step, from its
 running acceptance rate (fewer when its guesses fail, never zero while it speculates, so it can
@@ -44,6 +45,7 @@ ACCEPTANCE_BOUNDS = tuple(i / 10 for i in range(11))  # per-chunk acceptance his
 MIN_CHOICE_STEPS = 3  # timed steps of each choice at a load level before comparing them
 EXPLORE_EVERY = 64  # steps of a load level between two tries of the losing choice
 RATE_SMOOTHING = 0.1  # weight of a step in its choice's running tokens per second
+MAX_CANDIDATES = 64  # latest occurrences of a lookup's last tokens whose match is measured
 
 
 class Proposer(Protocol):
@@ -59,28 +61,46 @@ class Proposer(Protocol):
 
 @dataclass
 class NgramIndex:
-    """Where each n-gram (min_n <= n <= max_n) of a growing token list last ended."""
+    """Where each n-gram of a growing token list ended, found from its last `min_n` tokens:
+    each `min_n`-gram maps to the ends of its occurrences, and a lookup extends the match of
+    the latest ones backwards, up to `max_n` tokens. One entry per token (not one per n), so
+    indexing a long prompt costs a seventh of an entry per n-gram size at min 2, max 8."""
 
     min_n: int
     max_n: int
-    num_indexed: int = 0  # n-grams ending at positions < this are indexed
-    last_end: dict[tuple[int, ...], int] = field(default_factory=dict)
+    num_indexed: int = 0  # `min_n`-grams ending at positions < this are indexed
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
 
     def extend(self, token_ids: Sequence[int], upto: int) -> None:
-        """Index the n-grams that end before `upto`."""
-        for end in range(max(self.num_indexed, 1), upto):
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.last_end[tuple(token_ids[end - n : end])] = end
+        """Index the `min_n`-grams that end before `upto`."""
+        n = self.min_n
+        for end in range(max(self.num_indexed, n), upto):
+            self.ends.setdefault(tuple(token_ids[end - n : end]), []).append(end)
         self.num_indexed = max(self.num_indexed, upto)
 
     def follow(self, token_ids: Sequence[int], tail: Sequence[int], max_tokens: int) -> list[int]:
-        """The tokens of `token_ids` after the latest indexed occurrence of the longest suffix
-        of `tail` that has one."""
-        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-            end = self.last_end.get(tuple(tail[len(tail) - n :]))
-            if end is not None:
-                return list(token_ids[end : end + max_tokens])
-        return []
+        """The tokens of `token_ids` after the indexed occurrence that matches the longest
+        suffix of `tail` (up to `max_n` tokens; the latest of equals), among the latest
+        `MAX_CANDIDATES` occurrences of its last `min_n` tokens."""
+        n = self.min_n
+        candidates = self.ends.get(tuple(tail[len(tail) - n :])) if len(tail) >= n else None
+        if not candidates:
+            return []
+        limit = min(self.max_n, len(tail))
+        best_end, best_length = -1, 0
+        for end in reversed(candidates[-MAX_CANDIDATES:]):
+            length = n
+            while (
+                length < limit
+                and end > length
+                and token_ids[end - length - 1] == tail[len(tail) - length - 1]
+            ):
+                length += 1
+            if length > best_length:
+                best_end, best_length = end, length
+                if length == limit:
+                    break
+        return list(token_ids[best_end : best_end + max_tokens])
 
 
 class NgramProposer:

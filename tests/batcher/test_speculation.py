@@ -256,8 +256,9 @@ def test_draft_length_follows_the_acceptance_rate() -> None:
 
 def test_ngram_index_indexes_each_end_once() -> None:
     index = NgramIndex(1, 2)
+    index.extend([1, 2, 1, 2], 3)
     index.extend([1, 2, 1, 2], 4)
-    assert index.last_end == {(1,): 3, (2,): 2, (1, 2): 2, (2, 1): 3}
+    assert index.ends == {(1,): [1, 3], (2,): [2]}
 
 
 def test_drafts_go_where_their_steps_keep_more_tokens_per_second() -> None:
