@@ -2,8 +2,8 @@
 target (`devtools.train_spec`: ~5.8M parameters, trained here on Python's docs plus tasks whose
 outputs copy their input), CPU, 2 threads:
 
-- extraction, batch 1: a passage then `Quote:`, 96 tokens (EOS ignored); what was trained to
-  quote a sentence of the passage (n-gram);
+- extraction, batch 1: a passage of 60 words then `Quote:`; the model was trained to quote a
+  span of it (10-40 words) and end (EOS, at most 128 tokens) (n-gram);
 - records: 200 lines of one bulk batch, each a passage then `Record:`; the model writes a JSON
   object with the same keys every line (suffix), all 200 submitted at once, and 16 at a time;
 - free text, batch 1: the first words of a passage, continued by the model (draft: the trained
@@ -113,7 +113,7 @@ def workloads(tokenizer: Tokenizer) -> list[Workload]:
     ]
     mixed_out = [mixed_rng.randint(16, 256) for _ in range(64)]
     return [
-        Workload("extraction", quotes, [96] * len(quotes), "ngram", 1, ignore_eos=True),
+        Workload("extraction", quotes, [128] * len(quotes), "ngram", 1),
         Workload("records", records, [96] * len(records), "suffix", len(records)),
         Workload("records16", records, [96] * len(records), "suffix", 16),
         Workload("draft", free, [64] * len(free), "draft", 1, ignore_eos=True),
