@@ -276,18 +276,29 @@ def test_ranks_report_their_block_size_and_kernels(custom_kernels: bool, tmp_pat
         sharded.close()
 
 
-def test_two_ranks_verify_drafts_as_one_process_does(tmp_path: Path) -> None:
-    """Speculation on two ranks: rank 0 samples every draft's row, both ranks keep the same
-    accepted prefix and give back the same blocks; greedy and seeded outputs equal one process's
+STOPPING = StoppingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def _one_process_outputs(
+    tmp_path: Path,
+) -> tuple[Path, ModelConfig, list[list[int]], list[SamplingParams], list[list[list[int]]]]:
+    """A model, six prompts, greedy and seeded sampling, and one process's outputs of each
     without speculation."""
     model_dir = write_model(tmp_path / "llama", CONFIGS["llama-gqa"], seed=3)
     batch = prompts(6, 500, 11, (3, 40))
     model = ModelConfig.from_dir(model_dir)
-    stopping = StoppingParams(max_new_tokens=12, ignore_eos=True)
     kinds = [SamplingParams(), SamplingParams(temperature=0.8, seed=7)]
     single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
     plain = LLMEngine(single, model=model)
-    expected = [[r.token_ids for r in plain.generate(batch, kind, stopping)] for kind in kinds]
+    expected = [[r.token_ids for r in plain.generate(batch, kind, STOPPING)] for kind in kinds]
+    return model_dir, model, batch, kinds, expected
+
+
+def test_two_ranks_verify_drafts_as_one_process_does(tmp_path: Path) -> None:
+    """Speculation on two ranks: rank 0 samples every draft's row, both ranks keep the same
+    accepted prefix and give back the same blocks; greedy and seeded outputs equal one process's
+    without speculation."""
+    model_dir, model, batch, kinds, expected = _one_process_outputs(tmp_path)
     oracle = ReplayOracle(seed=3)
     for outputs in expected:
         for prompt, output in zip(batch, outputs, strict=True):
@@ -301,7 +312,7 @@ def test_two_ranks_verify_drafts_as_one_process_does(tmp_path: Path) -> None:
         config = SchedulerConfig(speculate=3, speculative_max_batch_tokens=64)
         engine = drafting(LLMEngine(sharded, config, model=model, proposer=oracle))
         for kind, outputs in zip(kinds, expected, strict=True):
-            assert [r.token_ids for r in engine.generate(batch, kind, stopping)] == outputs
+            assert [r.token_ids for r in engine.generate(batch, kind, STOPPING)] == outputs
         stats = engine.scheduler.speculation.stats  # type: ignore[union-attr]
         assert stats.num_accepted > 0 and stats.num_accepted < stats.num_proposed
     finally:
@@ -312,14 +323,7 @@ def test_two_ranks_verify_a_draft_models_guesses(tmp_path: Path) -> None:
     """`--speculative-model` with `--num-shard 2`: rank 0 runs the whole draft model and sends
     its guesses to rank 1; the target as its own draft guesses every greedy token, and the
     outputs (greedy and seeded) equal one process's without speculation."""
-    model_dir = write_model(tmp_path / "llama", CONFIGS["llama-gqa"], seed=3)
-    batch = prompts(6, 500, 11, (3, 40))
-    model = ModelConfig.from_dir(model_dir)
-    stopping = StoppingParams(max_new_tokens=12, ignore_eos=True)
-    kinds = [SamplingParams(), SamplingParams(temperature=0.8, seed=7)]
-    single = ModelRunner(RunnerConfig(str(model_dir), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
-    plain = LLMEngine(single, model=model)
-    expected = [[r.token_ids for r in plain.generate(batch, kind, stopping)] for kind in kinds]
+    model_dir, model, batch, kinds, expected = _one_process_outputs(tmp_path)
     sharded = ShardedRunner(
         ShardConfig(
             str(model_dir), 2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, threads_per_rank=1,
@@ -333,7 +337,7 @@ def test_two_ranks_verify_a_draft_models_guesses(tmp_path: Path) -> None:
         engine = drafting(LLMEngine(sharded, config, model=model))
         stats = engine.scheduler.speculation.stats  # type: ignore[union-attr]
         for kind, outputs in zip(kinds, expected, strict=True):
-            assert [r.token_ids for r in engine.generate(batch, kind, stopping)] == outputs
+            assert [r.token_ids for r in engine.generate(batch, kind, STOPPING)] == outputs
             if kind.is_greedy:  # the same model guesses the same argmax (sampled rows differ)
                 assert stats.acceptance_rate > 0.9
     finally:
