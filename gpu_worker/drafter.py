@@ -13,10 +13,12 @@ KV of the accepted tokens only; `forget` drops a sequence the target dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from tgq.gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan
+from tgq.gpu_worker.config import ModelConfig
+from tgq.gpu_worker.plan import NewSequence, SamplingParams, ScheduledChunk, StepPlan, StepResult
 
 GREEDY = SamplingParams()
 
@@ -29,13 +31,24 @@ class DraftRequest:
     num_drafts: int
 
 
+class DraftRunner(Protocol):
+    """What the drafter uses of its `ModelRunner` (the runner module imports this one)."""
+
+    @property
+    def sequences(self) -> Mapping[str, object]: ...
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    num_blocks: int
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
 class Drafter:
-    def __init__(self, runner: object) -> None:
+    def __init__(self, runner: DraftRunner) -> None:
         """`runner`: a `ModelRunner` of the draft model, with the target's number of blocks
         and block size."""
-        from tgq.gpu_worker.runner import ModelRunner
-
-        assert isinstance(runner, ModelRunner)
         self.runner = runner
         self._num_computed: dict[str, int] = {}  # tokens whose draft KV holds, per sequence
 
