@@ -80,27 +80,46 @@ class NgramIndex:
 
     def follow(self, token_ids: Sequence[int], tail: Sequence[int], max_tokens: int) -> list[int]:
         """The tokens of `token_ids` after the indexed occurrence that matches the longest
-        suffix of `tail` (up to `max_n` tokens; the latest of equals), among the latest
-        `MAX_CANDIDATES` occurrences of its last `min_n` tokens."""
-        n = self.min_n
-        candidates = self.ends.get(tuple(tail[len(tail) - n :])) if len(tail) >= n else None
-        if not candidates:
+        suffix of `tail` (`longest_match`)."""
+        if len(tail) < self.min_n:
             return []
-        limit = min(self.max_n, len(tail))
-        best_end, best_length = -1, 0
-        for end in reversed(candidates[-MAX_CANDIDATES:]):
-            length = n
-            while (
-                length < limit
-                and end > length
-                and token_ids[end - length - 1] == tail[len(tail) - length - 1]
-            ):
-                length += 1
-            if length > best_length:
-                best_end, best_length = end, length
-                if length == limit:
-                    break
-        return list(token_ids[best_end : best_end + max_tokens])
+        ends = self.ends.get(tuple(tail[len(tail) - self.min_n :]))
+        if not ends:
+            return []
+        occurrences = [(token_ids, end) for end in ends[-MAX_CANDIDATES:]]
+        return longest_match(occurrences, tail, self.min_n, self.max_n, max_tokens)
+
+
+def longest_match(
+    occurrences: Sequence[tuple[Sequence[int], int]],
+    tail: Sequence[int],
+    min_n: int,
+    max_n: int,
+    max_tokens: int,
+) -> list[int]:
+    """Of the occurrences (token list, end) of `tail`'s last `min_n` tokens, oldest first: what
+    followed the one whose tokens before `end` match the longest suffix of `tail`, up to
+    `max_n` tokens (the latest of equals), at most `max_tokens` of them. Only the latest
+    `MAX_CANDIDATES` are measured."""
+    limit = min(max_n, len(tail))
+    best: tuple[Sequence[int], int] | None = None
+    best_length = 0
+    for token_ids, end in reversed(occurrences[-MAX_CANDIDATES:]):
+        length = min_n
+        while (
+            length < limit
+            and end > length
+            and token_ids[end - length - 1] == tail[len(tail) - length - 1]
+        ):
+            length += 1
+        if length > best_length:
+            best, best_length = (token_ids, end), length
+            if length == limit:
+                break
+    if best is None:
+        return []
+    token_ids, end = best
+    return list(token_ids[end : end + max_tokens])
 
 
 class NgramProposer:
@@ -144,11 +163,13 @@ class SuffixProposer:
         self.min_n, self.max_n = min_n, max_n
         self.max_groups, self.max_group_tokens = max_groups, max_group_tokens
         self._groups: OrderedDict[tuple[int, ...], _Group] = OrderedDict()  # least recent first
-        # The outputs of the requests still running, as they grow: n-gram -> (the output of
-        # the request that wrote it last, where it ended). Lines of one bulk batch that run
-        # together guess from each other before any of them finishes. Emptied past the cap.
+        # The outputs of the requests still running, as they grow: each `min_n`-gram -> where
+        # it ended, as (the request's token list, end), oldest first (`longest_match`). Lines
+        # of one bulk batch that run together guess from each other before any of them
+        # finishes. Emptied past `max_live_ngrams` entries.
         self.max_live_ngrams = max_live_ngrams
-        self._live: dict[tuple[int, ...], tuple[Sequence[int], int]] = {}
+        self._live: dict[tuple[int, ...], list[tuple[Sequence[int], int]]] = {}
+        self.num_live_ngrams = 0
         self._live_indexed: dict[str, int] = {}  # per running request: output indexed up to
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int,
@@ -173,25 +194,26 @@ class SuffixProposer:
 
     def _follow_live(self, tail: Sequence[int], max_tokens: int) -> list[int]:
         """What followed the longest suffix of `tail` in a running request's output."""
-        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-            found = self._live.get(tuple(tail[len(tail) - n :]))
-            if found is not None:
-                token_ids, end = found
-                return list(token_ids[end : end + max_tokens])
-        return []
+        if len(tail) < self.min_n:
+            return []
+        found = self._live.get(tuple(tail[len(tail) - self.min_n :]))
+        if not found:
+            return []
+        return longest_match(found, tail, self.min_n, self.max_n, max_tokens)
 
     def _index_live(
         self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int
     ) -> None:
-        """Index the request's output n-grams that have a token after them (their end < its
-        length), after its own lookup, so its newest n-grams point at itself only once it has
-        moved past them."""
-        if len(self._live) > self.max_live_ngrams:
+        """Index the request's output `min_n`-grams that have a token after them (their end <
+        its length), after its own lookup."""
+        if self.num_live_ngrams > self.max_live_ngrams:
             self._live.clear()
-        start = self._live_indexed.get(request_id, num_prompt_tokens + self.min_n)
+            self.num_live_ngrams = 0
+        n = self.min_n
+        start = self._live_indexed.get(request_id, num_prompt_tokens + n)
         for end in range(start, len(token_ids)):
-            for n in range(self.min_n, min(self.max_n, end - num_prompt_tokens) + 1):
-                self._live[tuple(token_ids[end - n : end])] = (token_ids, end)
+            self._live.setdefault(tuple(token_ids[end - n : end]), []).append((token_ids, end))
+        self.num_live_ngrams += max(len(token_ids) - start, 0)
         self._live_indexed[request_id] = max(start, len(token_ids))
 
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:

@@ -237,7 +237,7 @@ def test_suffix_proposer_learns_from_running_outputs() -> None:
     assert proposer.propose("c", [5, 6, 11, 12], 2, 3) == []  # prompt n-grams are not pooled
     for index in range(20):  # bounded: the pool empties past its cap
         proposer.propose(f"x{index}", [40, 41, *range(100 + index * 5, 105 + index * 5)], 2, 2)
-        assert len(proposer._live) <= 40 + 3 * 5
+        assert proposer.num_live_ngrams <= 40 + 3  # the cap, plus one request's new ones
     proposer.finish("a", first, 3)
     assert "a" not in proposer._live_indexed
 
