@@ -229,9 +229,11 @@ class GrammarCompiler:
         drafts = drafts or {}
         plain = {key: c for key, c in masks_now.items() if not drafts.get(key)}
         computed = dict(zip(plain, self._step_masks(list(plain.values())), strict=True))
-        for key, constraint in masks_now.items():
-            if key not in computed:
-                computed[key] = self.masks_along(constraint, drafts[key])
+        computed |= {
+            key: self.masks_along(constraint, drafts[key])
+            for key, constraint in masks_now.items()
+            if key not in plain
+        }
         return StepMasks(self, computed, argmax_first)
 
     def masks_along(self, constraint: Constraint, draft_token_ids: Sequence[int]) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -256,11 +257,10 @@ class ModelRunner:
             ]
             drafts = self.drafter.propose(requests)
             guessed = [token for chunk in asking for token in drafts[chunk.request_id]]
-        guessed = self.tp.broadcast_tokens(guessed, sum(c.num_model_drafts for c in asking))
-        by_request = {}
-        for chunk in asking:
-            by_request[chunk.request_id] = guessed[: chunk.num_model_drafts]
-            del guessed[: chunk.num_model_drafts]
+        tokens = iter(self.tp.broadcast_tokens(guessed, sum(c.num_model_drafts for c in asking)))
+        by_request = {
+            c.request_id: list(itertools.islice(tokens, c.num_model_drafts)) for c in asking
+        }
         return [
             dataclasses.replace(chunk, draft_token_ids=by_request[chunk.request_id])
             if chunk.num_model_drafts
