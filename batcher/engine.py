@@ -132,6 +132,8 @@ class LLMEngine:
         self.decoder = decoder
         self.grammars = grammars
         self._argmax_first = bool(getattr(runner, "checks_argmax_first", False))
+        # The LoRA adapters the runner serves (`ModelRunner.adapter_names`; none by default).
+        self.adapter_names: frozenset[str] = frozenset(getattr(runner, "adapter_names", ()))
         # Requests waiting for their grammar's compile: (request, spec, compile).
         self._compiling: dict[str, tuple[Request, GrammarSpec, Future[Any]]] = {}
         self.eos_token_ids = eos_token_ids
@@ -157,8 +159,11 @@ class LLMEngine:
         request_id: str | None = None,
         grammar: GrammarSpec | None = None,
         speculate: bool = True,
+        adapter: str | None = None,
     ) -> str:
-        """`speculate`: False opts this request out of speculative decoding."""
+        """`speculate`: False opts this request out of speculative decoding. `adapter`: the LoRA
+        adapter it runs with (None: the base model); one the runner has not loaded
+        (`adapter_names`) rejects the request."""
         if grammar is not None and self.grammars is None:
             raise ValueError("structured output needs an engine with a tokenizer (grammars)")
         stopping = stopping or StoppingParams()
@@ -175,9 +180,14 @@ class LLMEngine:
             priority,
             time.monotonic(),
             speculate=speculate,
+            adapter=adapter,
         )
         request.output_text = self._output_text(request)
         self._requests[request.request_id] = request
+        if adapter is not None and adapter not in self.adapter_names:
+            request.transition(RequestStatus.FINISHED_REJECTED, f"unknown adapter {adapter!r}")
+            self._pending.append(_end_of(request))
+            return request.request_id
         if grammar is not None and self.grammars is not None:
             request.grammar = self.grammars.cached(grammar)
             if request.grammar is None:
@@ -315,14 +325,19 @@ class LLMEngine:
         *,
         priority: Priority = Priority.INTERACTIVE,
         grammar: GrammarSpec | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[RequestResult]:
         """Run the prompts together (with anything already added) to completion; `sampling` is
-        one for all, or one per prompt; `grammar` constrains every prompt's output."""
+        one for all, or one per prompt; `grammar` constrains every prompt's output; `adapters`:
+        each prompt's LoRA adapter (None: every prompt on the base model)."""
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
-        pairs = list(zip(prompts, sampling, strict=True))  # a length mismatch adds nothing
+        adapters = [None] * len(prompts) if adapters is None else adapters
+        # a length mismatch adds nothing
+        triples = list(zip(prompts, sampling, adapters, strict=True))
         request_ids = [
-            self.add_request(p, s, stopping, priority=priority, grammar=grammar) for p, s in pairs
+            self.add_request(p, s, stopping, priority=priority, grammar=grammar, adapter=a)
+            for p, s, a in triples
         ]
         requests = [self._requests[request_id] for request_id in request_ids]
         for _ in self.stream():

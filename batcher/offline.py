@@ -38,15 +38,17 @@ class OfflineEngine:
         *,
         max_new_tokens: int = 16,
         chunk_size: int | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[RequestResult]:
         """Run the prompts together to completion. `chunk_size`: the tokens one step computes,
         prefill chunks and decodes together (None: as many as the KV pool holds, so prompts
-        are not chunked). Raises ValueError for a prompt the KV pool could never hold."""
+        are not chunked). `adapters`: each prompt's LoRA adapter (None: the base model). Raises
+        ValueError for a prompt the KV pool could never hold."""
         # The scheduler reads its limits at every step and nothing runs between calls, so each
         # call sets its own; the KV manager, prefix cache included, carries over.
         self.engine.scheduler.config = self._limits(chunk_size)
         stopping = StoppingParams(max_new_tokens=max_new_tokens)
-        results = self.engine.generate(prompts, sampling, stopping)
+        results = self.engine.generate(prompts, sampling, stopping, adapters=adapters)
         for result in results:
             if result.finish_reason == "rejected":
                 raise ValueError(f"{result.request_id}: {result.finish_detail}")

@@ -139,6 +139,7 @@ class Request:
     # Structured output: masks each next token, advances with each sampled one.
     grammar: Constraint | None = None
     speculate: bool = True  # False: never gets draft tokens (a per-request opt-out)
+    adapter: str | None = None  # the LoRA adapter it runs with (`--lora-adapters`); None: base
 
     def record_prompt_logprobs(self, part: PromptLogprobs) -> None:
         """Keep a step's prompt logprobs; positions already kept (a recompute after preemption

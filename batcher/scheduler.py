@@ -24,6 +24,7 @@ the runner has verified them, the request keeps the KV of its accepted tokens on
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -185,10 +186,14 @@ class Scheduler:
         expect_integrity(len(self.running) <= self.config.max_batch_size, "batch too large")
 
     def _kv_salt(self, request: Request) -> bytes:
-        """The prefix-cache salt of the KV the request would compute now."""
-        if self.model is None:
-            return b""
-        return self.model.prefix_cache_salt(request.num_prompt_tokens, request.num_tokens)
+        """The prefix-cache salt of the KV the request would compute now: its rope's, and its
+        LoRA adapter's (one prompt's KV differs from adapter to adapter)."""
+        salt = b""
+        if self.model is not None:
+            salt = self.model.prefix_cache_salt(request.num_prompt_tokens, request.num_tokens)
+        if request.adapter is None:
+            return salt
+        return hashlib.sha256(b"adapter\0" + request.adapter.encode() + b"\0" + salt).digest()
 
     def _schedule_running(self, step: StepBuilder) -> None:
         for request in list(self.running):
@@ -334,6 +339,7 @@ class Scheduler:
             request.num_prompt_tokens,
             request.sampling,
             list(block_ids),
+            request.adapter,
         )
         step.add(ScheduledChunk(request.request_id, num_cached, num_new))
         return True

@@ -124,6 +124,7 @@ class NewSequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     block_ids: list[int]  # initial block table
+    adapter: str | None = None  # the LoRA adapter it runs with (`--lora-adapters`); None: base
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +244,7 @@ def plan_from_wire(data: dict[str, Any]) -> StepPlan:
                 num_prompt_tokens=s["num_prompt_tokens"],
                 sampling=SamplingParams(**s["sampling"]),
                 block_ids=list(s["block_ids"]),
+                adapter=s.get("adapter"),
             )
             for s in data["new_sequences"]
         ],

@@ -23,6 +23,7 @@ class RunnerSequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     block_ids: list[int] = field(default_factory=list)
+    adapter_slot: int = 0  # its LoRA adapter's (`gpu_worker.lora`; 0: the base model)
 
 
 class RowSampler:

@@ -24,6 +24,7 @@ from tgq.gpu_worker.drafter import Drafter, DraftRequest
 from tgq.gpu_worker.host_memory import keep_freed_memory
 from tgq.gpu_worker.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tgq.gpu_worker.loader import LoadedModel, load_model
+from tgq.gpu_worker.lora import load_adapters
 from tgq.gpu_worker.parallel import SINGLE, TensorParallel
 from tgq.gpu_worker.plan import (
     PromptLogprobs,
@@ -71,6 +72,9 @@ class RunnerConfig:
     # `--speculative-model`: a draft model's directory (the same tokenizer), for chunks that ask
     # for model drafts (`ScheduledChunk.num_model_drafts`; `gpu_worker.drafter`).
     speculative_model: str | None = None
+    # `--lora-adapters`: (name, PEFT checkpoint directory) of each LoRA adapter served
+    # (`gpu_worker.lora`); a sequence picks one by name (`NewSequence.adapter`).
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
 
 class ModelRunner:
@@ -113,6 +117,11 @@ class ModelRunner:
         self.sequences: dict[str, RunnerSequence] = {}
         sampler = Sampler(self.device, custom_kernels=config.custom_kernels)
         self.rows = RowSampler(self.loaded.model, sampler, self.sequences)
+        if config.lora_adapters and self.tp.world_size > 1:
+            raise ValueError("--lora-adapters is not supported with --num-shard > 1")
+        self.adapters = load_adapters(
+            self.loaded.model, dict(config.lora_adapters), self.loaded.dtype
+        )
 
     def _drafter(self, config: RunnerConfig) -> Drafter | None:
         """The draft model's runner over this one's block tables (`--speculative-model`); with
@@ -129,6 +138,7 @@ class ModelRunner:
             quantize=None,
             kv_cache_dtype="auto",
             speculative_model=None,
+            lora_adapters=(),
         )
         drafter = Drafter(ModelRunner(draft_config))
         draft_vocab = drafter.runner.model_config.vocab_size
@@ -144,6 +154,11 @@ class ModelRunner:
     def model_config(self) -> ModelConfig:
         """The model's config (the engine's scheduler reads its rope's prefix-cache salts)."""
         return self.loaded.model.config
+
+    @property
+    def adapter_names(self) -> frozenset[str]:
+        """The LoRA adapters a sequence may name (`RunnerConfig.lora_adapters`)."""
+        return frozenset(self.adapters.slots)
 
     @property
     def checks_argmax_first(self) -> bool:
@@ -173,6 +188,11 @@ class ModelRunner:
         try:
             inputs = self._flatten(chunks)
             meta = self.backend.prepare(inputs.attention, self.device)
+            if self.adapters.slots:
+                slots = [self.sequences[c.request_id].adapter_slot for c in chunks]
+                counts = [c.num_new_tokens for c in chunks]
+                rows = [slot for slot, n in zip(slots, counts, strict=True) for _ in range(n)]
+                self.adapters.rows.use(rows, self.device)
             hidden = self.loaded.model(
                 inputs.input_ids,
                 inputs.positions,
@@ -218,7 +238,11 @@ class ModelRunner:
             self.sequences.pop(request_id, None)
         for new in plan.new_sequences:
             self.sequences[new.request_id] = RunnerSequence(
-                list(new.token_ids), new.num_prompt_tokens, new.sampling, list(new.block_ids)
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.sampling,
+                list(new.block_ids),
+                self.adapters.slot(new.adapter),
             )
         if self.drafter is not None:
             for request_id in [
@@ -335,6 +359,8 @@ class ModelRunner:
                     f" {len(new.token_ids)} tokens"
                 )
             self._check_block_ids(new.request_id, new.block_ids)
+            if new.adapter is not None and new.adapter not in self.adapters.slots:
+                raise ValueError(f"sequence {new.request_id!r}: unknown adapter {new.adapter!r}")
             shapes[new.request_id] = (len(new.token_ids), len(new.block_ids))
         if len({c.request_id for c in plan.chunks}) != len(plan.chunks):
             raise ValueError("a sequence is scheduled twice in one step")

@@ -50,9 +50,13 @@ class Linear(nn.Module):
         # INT8 W8A8 on the VNNI kernel (`use_vnni_kernel`): 128 * each column's sum of w [N]
         self.weight_offset: torch.Tensor | None
         self.register_buffer("weight_offset", None, persistent=False)
+        # LoRA adapters' low-rank terms (`gpu_worker.lora.LoraTerm`): (x, out) -> out, each row
+        # plus its adapter's term, added to what the matmul above returns.
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        return self.matmul(x, self.weight, self.bias)
+        out = self.matmul(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     @property
     def is_quantized(self) -> bool:

@@ -184,8 +184,9 @@ class MLP(nn.Module):
         return self.tp.all_reduce_(out)
 
     def rows_per_pass(self, x: torch.Tensor) -> int:
-        """Rows of x per pass of the MLP (CPU_MLP_PASS_BYTES on CPU; all of them elsewhere)."""
-        if x.device.type != "cpu":
+        """Rows of x per pass of the MLP (CPU_MLP_PASS_BYTES on CPU; all of them elsewhere, and
+        with LoRA adapters, whose rows are numbered over the whole step)."""
+        if x.device.type != "cpu" or self.gate_up_proj.lora or self.down_proj.lora:
             return x.shape[0]
         row_bytes = 2 * self.intermediate_size * x.element_size()
         return max(1, CPU_MLP_PASS_BYTES // row_bytes)

@@ -1,0 +1,216 @@
+"""LoRA adapters (`--lora-adapters name=DIR,...`): PEFT checkpoints served beside the base model,
+each row of a step taking its own sequence's adapter.
+
+A PEFT adapter stores, per target projection, A [r, K] and B [N, r]; the projection's output
+gains `scale * (x @ A^T) @ B^T` with `scale = lora_alpha / r` (`lora_alpha / sqrt(r)` with
+`use_rslora`), which is what merging `W + scale * B @ A` computes. tgq fuses q/k/v into
+`qkv_proj` and gate/up into `gate_up_proj`, so the parts of one fused linear are stacked: A's of
+the parts one under another (their ranks summed), B block-diagonal over the parts' output
+columns, zeros where the adapter leaves a part out. The scale is folded into B at load.
+
+Each step the runner says which adapter each token row takes (`AdapterRows.use`); every LoRA
+linear then adds, per adapter present in the step, its term to that adapter's rows only: one
+gather, two small matmuls and one scatter-add per adapter and linear, all adapters in the same
+forward (a segmented grouped matmul). Rows of the base model (slot 0) add nothing. The term is
+added to whatever the base matmul returned, so packed and quantized linears take adapters too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tgq.gpu_worker.layers.linear import Linear
+from tgq.gpu_worker.models.decoder import MLP, Attention, DecoderForCausalLM
+
+BASE = 0  # the adapter slot of rows that take none
+_PEFT_PREFIX = "base_model.model."
+# A PEFT target (the checkpoint's module name) -> (our fused linear, its part of the outputs).
+_FUSED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Settings that change what the adapter computes beyond A, B and one scale: refused.
+_UNSUPPORTED = {
+    "use_dora": False,
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+}
+
+
+@dataclass
+class AdapterRows:
+    """Which token rows of this step take which adapter: (slot, rows [n] int64, or None for
+    every row), for the slots other than BASE present in the step. Shared by every LoRA linear."""
+
+    segments: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+    def use(self, slots: list[int], device: torch.device) -> None:
+        """`slots`: the adapter slot of each token row of the step, in row order."""
+        present = sorted(set(slots) - {BASE})
+        if present == [slots[0]] and slots.count(slots[0]) == len(slots):
+            self.segments = [(slots[0], None)]
+            return
+        ids = torch.tensor(slots, device=device)
+        self.segments = [(slot, torch.nonzero(ids == slot)[:, 0]) for slot in present]
+
+
+class LoraTerm:
+    """One linear's LoRA weights per adapter slot: A [R, K] and B [N, R] (scale folded in), added
+    to the linear's output row by row (`Linear.lora`)."""
+
+    def __init__(self, rows: AdapterRows) -> None:
+        self.rows = rows
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [T, K], [T, N]
+        for slot, rows in self.rows.segments:
+            if (weights := self.weights.get(slot)) is None:
+                continue
+            a, b = weights
+            if rows is None:
+                out += ((x @ a.T) @ b.T).to(out.dtype)
+            else:
+                term = (x.index_select(0, rows) @ a.T) @ b.T
+                out.index_add_(0, rows, term.to(out.dtype))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Adapters:
+    """The adapters loaded into a model: slot 1, 2, ... in the order given."""
+
+    slots: dict[str, int]  # adapter name -> slot
+    rows: AdapterRows
+
+    def slot(self, name: str | None) -> int:
+        """An adapter's slot (BASE for None); KeyError for a name not loaded."""
+        return BASE if name is None else self.slots[name]
+
+
+def load_adapters(
+    model: DecoderForCausalLM, adapters: dict[str, str], dtype: torch.dtype
+) -> Adapters:
+    """Loads `adapters` (name -> PEFT checkpoint directory) into `model`'s linears, in `dtype`
+    (the model's; a quantized linear's weights are not in it). The model's
+    recorded decode steps (`replay`) are dropped: which rows take which adapter changes the ops.
+    Raises ValueError for a checkpoint tgq cannot serve."""
+    if adapters and model.config.num_experts:
+        raise ValueError("LoRA adapters (--lora-adapters) need a model without experts")
+    rows = AdapterRows()
+    slots: dict[str, int] = {}
+    terms: dict[str, LoraTerm] = {}
+    for slot, (name, directory) in enumerate(adapters.items(), start=1):
+        slots[name] = slot
+        for module_name, (a, b) in _fused_weights(model, Path(directory), name, dtype).items():
+            term = terms.setdefault(module_name, LoraTerm(rows))
+            term.weights[slot] = (a, b)
+    modules = dict(model.named_modules())
+    for module_name, term in terms.items():
+        linear = modules[module_name]
+        assert isinstance(linear, Linear)
+        linear.lora = term
+    if adapters:
+        model.replay = None
+    return Adapters(slots, rows)
+
+
+def _fused_weights(
+    model: DecoderForCausalLM, directory: Path, name: str, dtype: torch.dtype
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One PEFT checkpoint's (A, B) per linear of ours, fused as the linears are."""
+    config = json.loads((directory / "adapter_config.json").read_text())
+    _check_config(config, name)
+    parts = _read_parts(directory / "adapter_model.safetensors", name)
+    modules = dict(model.named_modules())
+    fused: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for target, (a, b) in parts.items():
+        ours = model.stored_name(target)
+        owner, _, leaf = (ours or "").rpartition(".")
+        fused_leaf, part = _FUSED_PARTS.get(leaf, (leaf, 0))
+        module_name = f"{owner}.{fused_leaf}"
+        if ours is None or not isinstance(modules.get(module_name), Linear):
+            raise ValueError(f"adapter {name!r}: no linear of the model for {target!r}")
+        scale = _scale(config, a.shape[0])
+        fused.setdefault(module_name, []).append((part, a, b * scale))
+    return {
+        module_name: _stack(modules, module_name, pieces, dtype)
+        for module_name, pieces in fused.items()
+    }
+
+
+def _check_config(config: dict[str, object], name: str) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+    for key, default in _UNSUPPORTED.items():
+        if config.get(key, default) not in (default, None, {}, False):
+            raise ValueError(f"adapter {name!r}: {key}={config[key]!r} is not supported")
+
+
+def _scale(config: dict[str, object], rank: int) -> float:
+    alpha = float(config.get("lora_alpha", rank))  # type: ignore[arg-type]
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _read_parts(path: Path, name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The checkpoint's target module names (as the base checkpoint names them) -> (A, B)."""
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        target = key.removesuffix(".lora_A.weight")
+        b = tensors.get(f"{target}.lora_B.weight")
+        if b is None:
+            raise ValueError(f"adapter {name!r}: {target!r} has lora_A and no lora_B")
+        parts[target.removeprefix(_PEFT_PREFIX)] = (a, b)
+    if len(parts) * 2 != len(tensors):
+        raise ValueError(f"adapter {name!r}: tensors other than lora_A and lora_B weights")
+    return parts
+
+
+def _stack(
+    modules: dict[str, torch.nn.Module],
+    module_name: str,
+    pieces: list[tuple[int, torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts of one fused linear: A's stacked [sum r, K], B block-diagonal [N, sum r]."""
+    linear = modules[module_name]
+    assert isinstance(linear, Linear)
+    sizes = _part_sizes(modules, module_name, linear)
+    offsets = [sum(sizes[:index]) for index in range(len(sizes))]
+    weight = linear.weight
+    rank = sum(a.shape[0] for _, a, _ in pieces)
+    a_all = torch.cat([a for _, a, _ in pieces]).to(weight.device, dtype)
+    b_all = torch.zeros(linear.out_features, rank, dtype=dtype, device=weight.device)
+    column = 0
+    for part, a, b in pieces:
+        if tuple(b.shape) != (sizes[part], a.shape[0]) or a.shape[1] != linear.in_features:
+            raise ValueError(f"{module_name}: LoRA shapes {tuple(a.shape)}, {tuple(b.shape)}")
+        b_all[offsets[part] : offsets[part] + sizes[part], column : column + a.shape[0]] = b
+        column += a.shape[0]
+    return a_all, b_all
+
+
+def _part_sizes(modules: dict[str, torch.nn.Module], module_name: str, linear: Linear) -> list[int]:
+    """The output columns of each part of a fused linear (one part for the others)."""
+    owner = modules[module_name.rpartition(".")[0]]
+    if isinstance(owner, Attention) and linear is owner.qkv_proj:
+        shape = owner.shape
+        return [shape.q_size, shape.kv_size, shape.kv_size]
+    if isinstance(owner, MLP) and linear is owner.gate_up_proj:
+        return [owner.intermediate_size, owner.intermediate_size]
+    return [linear.out_features]

@@ -1,0 +1,124 @@
+"""LoRA adapters (`gpu_worker.lora`): greedy output through the engine equals transformers with
+the PEFT adapter merged (`merge_and_unload`), token for token, with four adapters and the base
+model mixed in one batch; one prompt's KV is never shared between adapters."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.gpu_worker.test_parity import NUM_NEW, generate_greedy, prompts
+from tgq.batcher.offline import OfflineEngine
+from tgq.devtools.random_model import make_config, write_model
+from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
+
+peft = pytest.importorskip("peft")
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, use_rslora, targets): ranks up to 64, some parts of a fused linear only
+ADAPTERS: dict[str, tuple[int, int, bool, list[str]]] = {
+    "r4-all": (4, 8, False, ATTENTION + MLP),
+    "r8-qv-up": (8, 16, False, ["q_proj", "v_proj", "up_proj"]),
+    "r16-rslora": (16, 32, True, ATTENTION + MLP),
+    "r64-mlp": (64, 16, False, [*MLP, "o_proj"]),
+}
+LORA_STD = 0.05  # random A and B: terms as large as the base weights' (std 0.02)
+
+
+@pytest.fixture(scope="module")
+def lora_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """A tiny random Llama and four random PEFT adapters for it, saved by peft."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("lora")
+    base = write_model(root / "base", make_config("LlamaForCausalLM"), seed=7)
+    adapters = {}
+    for seed, (name, (rank, alpha, rslora, targets)) in enumerate(ADAPTERS.items()):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        config = peft.LoraConfig(
+            r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets
+        )
+        wrapped = peft.get_peft_model(model, config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param_name, param in wrapped.named_parameters():
+                if "lora_" in param_name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
+        wrapped.save_pretrained(root / name)
+        adapters[name] = root / name
+    return base, adapters
+
+
+@functools.cache
+def _merged(base: Path, adapter: Path | None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    model.generation_config.eos_token_id = None  # generate exactly NUM_NEW tokens
+    return model.eval()
+
+
+def reference(base: Path, adapters: dict[str, Path], name: str | None, prompt: list[int]) -> Any:
+    model = _merged(base, None if name is None else adapters[name])
+    return generate_greedy(model, prompt).token_ids
+
+
+def lora_engine(base: Path, adapters: dict[str, Path]) -> OfflineEngine:
+    config = RunnerConfig(
+        str(base),
+        num_blocks=256,
+        block_size=16,
+        lora_adapters=tuple((name, str(path)) for name, path in adapters.items()),
+    )
+    return OfflineEngine(ModelRunner(config))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_four_adapters_and_the_base_in_one_batch_equal_merged_peft(
+    lora_model: tuple[Path, dict[str, Path]], chunk_size: int | None
+) -> None:
+    base, adapters = lora_model
+    names: list[str | None] = [None, *ADAPTERS]
+    batch = prompts(2 * len(names), 512, 5, (5, 40))
+    chosen = [names[index % len(names)] for index in range(len(batch))]
+    results = lora_engine(base, adapters).generate(
+        batch, max_new_tokens=NUM_NEW, chunk_size=chunk_size, adapters=chosen
+    )
+    for result, prompt, name in zip(results, batch, chosen, strict=True):
+        assert result.token_ids == reference(base, adapters, name, prompt), name
+
+
+def test_one_prompt_on_two_adapters_shares_no_kv(
+    lora_model: tuple[Path, dict[str, Path]],
+) -> None:
+    base, adapters = lora_model
+    engine = lora_engine(base, adapters)
+    [prompt] = prompts(1, 512, 6, (40, 40))  # two full blocks before the last token
+    [first] = engine.generate([prompt], max_new_tokens=NUM_NEW, adapters=["r4-all"])
+    names: list[str | None] = ["r8-qv-up", None, "r4-all"]
+    results = engine.generate([prompt] * 3, max_new_tokens=NUM_NEW, adapters=names)
+    assert [r.num_cached_tokens for r in results] == [0, 0, 32]
+    assert first.token_ids == results[2].token_ids
+    assert results[0].token_ids != results[1].token_ids  # else these adapters show nothing
+    for result, name in zip(results, names, strict=True):
+        assert result.token_ids == reference(base, adapters, name, prompt), name
+    engine.engine.scheduler.check_integrity()
+
+
+def test_an_unknown_adapter_is_rejected_and_the_engine_goes_on(
+    lora_model: tuple[Path, dict[str, Path]],
+) -> None:
+    base, adapters = lora_model
+    engine = lora_engine(base, adapters)
+    [prompt] = prompts(1, 512, 7, (8, 8))
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        engine.generate([prompt], max_new_tokens=2, adapters=["nope"])
+    [result] = engine.generate([prompt], max_new_tokens=NUM_NEW, adapters=["r64-mlp"])
+    assert result.token_ids == reference(base, adapters, "r64-mlp", prompt)
