@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.gpu_worker.test_parity import NUM_NEW, generate_greedy, prompts
+from tests.quantized_mode import as_reference
 from tgq.batcher.offline import OfflineEngine
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
@@ -55,44 +56,55 @@ def lora_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 
 @functools.cache
-def _merged(base: Path, adapter: Path | None) -> Any:
+def _merged(base: Path, adapter: Path | None, quantize: str | None) -> Any:
+    """transformers with the adapter merged; `quantize`: over the base's weights as tgq's
+    `--quantize` holds them (the adapter's terms stay unquantized, as in tgq)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = as_reference(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), quantize)
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
     model.generation_config.eos_token_id = None  # generate exactly NUM_NEW tokens
     return model.eval()
 
 
-def reference(base: Path, adapters: dict[str, Path], name: str | None, prompt: list[int]) -> Any:
-    model = _merged(base, None if name is None else adapters[name])
+def reference(
+    base: Path,
+    adapters: dict[str, Path],
+    name: str | None,
+    prompt: list[int],
+    quantize: str | None = None,
+) -> Any:
+    model = _merged(base, None if name is None else adapters[name], quantize)
     return generate_greedy(model, prompt).token_ids
 
 
-def lora_engine(base: Path, adapters: dict[str, Path]) -> OfflineEngine:
+def lora_engine(
+    base: Path, adapters: dict[str, Path], quantize: str | None = None
+) -> OfflineEngine:
     config = RunnerConfig(
         str(base),
         num_blocks=256,
         block_size=16,
+        quantize=quantize,
         lora_adapters=tuple((name, str(path)) for name, path in adapters.items()),
     )
     return OfflineEngine(ModelRunner(config))
 
 
-@pytest.mark.parametrize("chunk_size", [None, 7])
+@pytest.mark.parametrize(("chunk_size", "quantize"), [(None, None), (7, None), (None, "int8")])
 def test_four_adapters_and_the_base_in_one_batch_equal_merged_peft(
-    lora_model: tuple[Path, dict[str, Path]], chunk_size: int | None
+    lora_model: tuple[Path, dict[str, Path]], chunk_size: int | None, quantize: str | None
 ) -> None:
     base, adapters = lora_model
     names: list[str | None] = [None, *ADAPTERS]
     batch = prompts(2 * len(names), 512, 5, (5, 40))
     chosen = [names[index % len(names)] for index in range(len(batch))]
-    results = lora_engine(base, adapters).generate(
+    results = lora_engine(base, adapters, quantize).generate(
         batch, max_new_tokens=NUM_NEW, chunk_size=chunk_size, adapters=chosen
     )
     for result, prompt, name in zip(results, batch, chosen, strict=True):
-        assert result.token_ids == reference(base, adapters, name, prompt), name
+        assert result.token_ids == reference(base, adapters, name, prompt, quantize), name
 
 
 def test_one_prompt_on_two_adapters_shares_no_kv(
