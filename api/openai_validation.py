@@ -63,12 +63,19 @@ def chat_params(
         num_choices=_num_choices(request.n, settings),
         ignore_eos=request.ignore_eos,
         speculate=request.speculate,
+        adapter=_adapter(request, settings),
         top_n_tokens=top_n,
         add_special_tokens=False,  # the chat template has them already
         grammar=tools.grammar or grammar,
         tool_parser=tools.parser,
         parallel_tool_calls=tools.parallel,
     )
+
+
+def _adapter(request: ChatCompletionRequest | CompletionRequest, settings: Settings) -> str | None:
+    """OpenAI's `model`: a served LoRA adapter's name picks it; any other value is the base
+    model (as TGI, which ignores `model`)."""
+    return request.model if request.model in settings.adapter_dirs else None
 
 
 def completion_params(request: CompletionRequest, settings: Settings) -> GenerationParams:
@@ -101,6 +108,7 @@ def completion_params(request: CompletionRequest, settings: Settings) -> Generat
         num_choices=num_choices,
         ignore_eos=request.ignore_eos,
         speculate=request.speculate,
+        adapter=_adapter(request, settings),
         return_full_text=request.echo,
         decoder_input_details=request.echo and request.logprobs is not None,
         top_n_tokens=top_n,

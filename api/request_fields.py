@@ -10,6 +10,7 @@ exact and tested (`tests/api/test_request_fields.py`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from pydantic import BaseModel
@@ -73,14 +74,19 @@ def check_parameter_fields(parameters: GenerateParameters | None) -> None:
         _check_tgi_unknown(parameters, prefix="parameters.")
 
 
-def check_adapter_id(adapter_id: str | None, model_id: str) -> None:
-    """tgq serves no LoRA adapters: only the base model (null or its id)."""
+def adapter_of(adapter_id: str | None, model_id: str, adapters: Collection[str]) -> str | None:
+    """TGI's `adapter_id`: one of the served LoRA adapters (`--lora-adapters`), or the base model
+    (None for null or the base model's id)."""
+    if adapter_id is None or adapter_id == model_id:
+        return None
+    served = ", ".join(repr(name) for name in sorted(adapters)) or "none"
     require(
-        adapter_id is None or adapter_id == model_id,
-        f"`adapter_id` must be null or the base model's id ({model_id!r}): tgq serves no "
-        f"LoRA adapters. Given: {adapter_id!r}",
+        adapter_id in adapters,
+        f"`adapter_id` must be null, the base model's id ({model_id!r}) or a served LoRA"
+        f" adapter ({served}). Given: {adapter_id!r}",
         "adapter_id",
     )
+    return adapter_id
 
 
 def _check_tgi_unknown(body: BaseModel, *, prefix: str) -> None:

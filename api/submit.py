@@ -70,6 +70,7 @@ def item_request(
         attempt=attempt,
         grammar=prompt.params.grammar,
         speculate=prompt.params.speculate,
+        adapter=prompt.params.adapter,
     )
 
 

@@ -36,6 +36,7 @@ class GenerationParams:
     tool_parser: str | None = None
     parallel_tool_calls: bool = True
     speculate: bool = True  # False: no draft tokens for it (`--speculate`)
+    adapter: str | None = None  # the LoRA adapter it runs with (`--lora-adapters`); None: base
 
 
 @dataclass(frozen=True, slots=True)

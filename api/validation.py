@@ -29,8 +29,8 @@ Deviations from TGI
   tgq keeps 422, the status of every validation error on these routes).
 - `watermark: true` is rejected ("`watermark` is not supported"); `grammar` is rejected with
   TGI's own message for a server without grammar support ("grammar is not supported");
-  `adapter_id` other than null or the base model's id is rejected (tgq serves no LoRA adapters;
-  TGI falls back to the base model for unknown ids).
+  `adapter_id` other than null, the base model's id or a served LoRA adapter (`--lora-adapters`)
+  is rejected (TGI falls back to the base model for unknown ids).
 - OpenAI `logit_bias` (non-empty), `tools`, `tool_choice` other than "none"/"auto",
   `response_format` other than `{"type": "text"}` and image content parts are rejected with a
   message naming the field; TGI fails to parse OpenAI's shapes or ignores them. So are chat
@@ -63,7 +63,7 @@ import dataclasses
 from typing import TypeVar
 
 from tgq.api.errors import require
-from tgq.api.request_fields import check_adapter_id, check_parameter_fields
+from tgq.api.request_fields import adapter_of, check_parameter_fields
 from tgq.api.schemas.tgi import GenerateParameters, default_parameters
 from tgq.api.settings import Settings
 from tgq.api.structured import tgi_grammar
@@ -119,6 +119,7 @@ def tgi_params(
         include_stop_string=True,
         top_n_tokens=default(p.top_n_tokens, 0),
         grammar=tgi_grammar(p.grammar),
+        adapter=adapter_of(p.adapter_id, settings.model_id, settings.adapter_dirs),
     )
 
 
@@ -201,7 +202,6 @@ def _check_tgi_limits(p: GenerateParameters, best_of: int, settings: Settings) -
         "truncate",
     )
     require(not p.watermark, "`watermark` is not supported", "watermark")
-    check_adapter_id(p.adapter_id, settings.model_id)
 
 
 def _tgi_sampling(p: GenerateParameters, *, logprobs: bool) -> SamplingParams:

@@ -76,6 +76,7 @@ def build_runner(options: BatcherOptions, model_dir: str) -> StepRunner:
         greedy_head=options.greedy_head, custom_kernels=custom_kernels,
         quantize=options.quantize, kv_cache_dtype=options.kv_cache_dtype,
         speculative_model=options.speculative_model,
+        lora_adapters=tuple(options.adapter_dirs.items()),
     )  # fmt: skip
     return ModelRunner(config)
 

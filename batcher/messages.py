@@ -41,6 +41,7 @@ class SubmitRequest:
     # Structured output: what the output must match (optional on the wire; None: free).
     grammar: GrammarSpec | None = None
     speculate: bool = True  # False: no draft tokens (optional on the wire)
+    adapter: str | None = None  # its LoRA adapter (`--lora-adapters`; optional on the wire)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +226,7 @@ def _submit(body: dict[str, Any]) -> SubmitRequest:
         traceparent=_optional(body, "traceparent", str) or "",
         grammar=spec_from_wire(body.get("grammar")),
         speculate=_optional(body, "speculate", bool) is not False,
+        adapter=_optional(body, "adapter", str),
     )
 
 

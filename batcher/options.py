@@ -128,6 +128,12 @@ class BatcherOptions(BaseSettings):
         description="a draft model's local directory (the same tokenizer, smaller) for"
         " --speculative-method draft; with --num-shard > 1 run whole on rank 0",
     )
+    lora_adapters: str | None = Field(
+        None,
+        description="LoRA adapters served beside the model, name=DIR,... (PEFT checkpoints:"
+        " adapter_config.json and adapter_model.safetensors); a request picks one by name"
+        " (TGI's adapter_id, OpenAI's model); not with --num-shard > 1",
+    )
     speculative_max_batch_tokens: int = Field(
         _SCHEDULER.speculative_max_batch_tokens,
         ge=1,
@@ -147,6 +153,11 @@ class BatcherOptions(BaseSettings):
     inject_fault: str | None = Field(
         None, description="reliability tests: engine_step:N makes the Nth engine step raise"
     )
+
+    @property
+    def adapter_dirs(self) -> dict[str, str]:
+        """`--lora-adapters` as adapter name -> directory, in the order given."""
+        return parse_adapters(self.lora_adapters or "")
 
     @property
     def model_path(self) -> str:
@@ -182,4 +193,27 @@ class BatcherOptions(BaseSettings):
                 "--speculative-method draft (with --speculate N) and --speculative-model DIR"
                 " go together"
             )
+        adapters = self.adapter_dirs
+        if adapters and self.num_shard > 1:
+            raise ValueError(
+                "--lora-adapters is not supported with --num-shard > 1 (the adapters' weights"
+                " are not sharded)"
+            )
+        if self.model_id in adapters:
+            raise ValueError(f"--lora-adapters: {self.model_id!r} is the base model's id")
         return self
+
+
+def parse_adapters(text: str) -> dict[str, str]:
+    """`name=DIR,name=DIR` -> {name: DIR}; a ValueError for an entry without both or a name
+    given twice."""
+    adapters: dict[str, str] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, _, directory = entry.partition("=")
+        name, directory = name.strip(), directory.strip()
+        if not name or not directory:
+            raise ValueError(f"--lora-adapters: {entry!r} is not name=DIR")
+        if name in adapters:
+            raise ValueError(f"--lora-adapters: adapter {name!r} is given twice")
+        adapters[name] = directory
+    return adapters

@@ -244,6 +244,7 @@ class Batcher:
                 request_id=submit.request_id,
                 grammar=submit.grammar,
                 speculate=submit.speculate,
+                adapter=submit.adapter,
             )
         except ValueError as error:  # e.g. stop strings for a batcher without a tokenizer
             self._finish(ActiveRequest(delivery, None), FinishReason.REJECTED, str(error))

@@ -284,9 +284,13 @@ async def _completion_chunks(
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> ModelList:
-    """The one model this server serves."""
-    model_id = state_of(request).settings.model_id
-    return ModelList(data=[Model(id=model_id, owned_by="tgq")])
+    """The base model, then each LoRA adapter served on it (`--lora-adapters`; a request's
+    `model` picks one)."""
+    settings = state_of(request).settings
+    adapters = [
+        Model(id=name, owned_by="tgq", parent=settings.model_id) for name in settings.adapter_dirs
+    ]
+    return ModelList(data=[Model(id=settings.model_id, owned_by="tgq"), *adapters])
 
 
 __all__ = ["Response", "router"]

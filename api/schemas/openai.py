@@ -359,6 +359,7 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str
+    parent: str | None = None  # a LoRA adapter's base model (as vLLM lists adapters)
 
 
 class ModelList(BaseModel):

@@ -165,8 +165,8 @@ TGI_CASES: dict[str, Case | tuple[Case, ...]] = {
     "parameters": Works({}, lambda b, m: _eq(_details(b)["generated_tokens"], 1)),
     "adapter_id": Rejected(
         {"adapter_id": "my-lora"},
-        "`adapter_id` must be null or the base model's id ('tgq-test'): tgq serves no LoRA "
-        "adapters. Given: 'my-lora'",
+        "`adapter_id` must be null, the base model's id ('tgq-test') or a served LoRA adapter"
+        " (none). Given: 'my-lora'",
     ),
     "best_of": Works(
         {"best_of": 2, "do_sample": True},

@@ -9,63 +9,44 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
+from tests.gpu_worker.lora_adapters import ATTENTION, MLP, merged_model, write_adapter
 from tests.gpu_worker.test_parity import NUM_NEW, generate_greedy, prompts
 from tests.quantized_mode import as_reference
 from tgq.batcher.offline import OfflineEngine
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
 # name -> (rank, alpha, use_rslora, targets): ranks up to 64, some parts of a fused linear only
-ADAPTERS: dict[str, tuple[int, int, bool, list[str]]] = {
+ADAPTERS: dict[str, tuple[int, int, bool, tuple[str, ...]]] = {
     "r4-all": (4, 8, False, ATTENTION + MLP),
-    "r8-qv-up": (8, 16, False, ["q_proj", "v_proj", "up_proj"]),
+    "r8-qv-up": (8, 16, False, ("q_proj", "v_proj", "up_proj")),
     "r16-rslora": (16, 32, True, ATTENTION + MLP),
-    "r64-mlp": (64, 16, False, [*MLP, "o_proj"]),
+    "r64-mlp": (64, 16, False, (*MLP, "o_proj")),
 }
-LORA_STD = 0.05  # random A and B: terms as large as the base weights' (std 0.02)
 
 
 @pytest.fixture(scope="module")
 def lora_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
     """A tiny random Llama and four random PEFT adapters for it, saved by peft."""
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("lora")
     base = write_model(root / "base", make_config("LlamaForCausalLM"), seed=7)
-    adapters = {}
-    for seed, (name, (rank, alpha, rslora, targets)) in enumerate(ADAPTERS.items()):
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        config = peft.LoraConfig(
-            r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets
+    adapters = {
+        name: write_adapter(
+            base, root / name, rank=rank, alpha=alpha, targets=targets, use_rslora=rslora, seed=seed
         )
-        wrapped = peft.get_peft_model(model, config)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param_name, param in wrapped.named_parameters():
-                if "lora_" in param_name:
-                    param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
-        wrapped.save_pretrained(root / name)
-        adapters[name] = root / name
+        for seed, (name, (rank, alpha, rslora, targets)) in enumerate(ADAPTERS.items())
+    }
     return base, adapters
 
 
 @functools.cache
 def _merged(base: Path, adapter: Path | None, quantize: str | None) -> Any:
-    """transformers with the adapter merged; `quantize`: over the base's weights as tgq's
-    `--quantize` holds them (the adapter's terms stay unquantized, as in tgq)."""
-    from transformers import AutoModelForCausalLM
-
-    model = as_reference(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), quantize)
-    if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    model.generation_config.eos_token_id = None  # generate exactly NUM_NEW tokens
-    return model.eval()
+    """`quantize`: the adapter over the base's weights as tgq's `--quantize` holds them (the
+    adapter's terms stay unquantized, as in tgq)."""
+    return merged_model(base, adapter, functools.partial(as_reference, method=quantize))
 
 
 def reference(
