@@ -122,6 +122,8 @@ class ModelRunner:
         self.adapters = load_adapters(
             self.loaded.model, dict(config.lora_adapters), self.loaded.dtype
         )
+        if config.lora_adapters:
+            log.info("LoRA adapters %s", ", ".join(name for name, _ in config.lora_adapters))
 
     def _drafter(self, config: RunnerConfig) -> Drafter | None:
         """The draft model's runner over this one's block tables (`--speculative-model`); with

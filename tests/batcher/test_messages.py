@@ -33,6 +33,7 @@ SUBMIT = SubmitRequest(
     deadline=1.9e9,
     attempt=2,
     speculate=False,
+    adapter="support-bot",
 )
 MESSAGES: list[Message] = [
     SUBMIT,

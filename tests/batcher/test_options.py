@@ -10,6 +10,7 @@ import pytest
 import torch
 from huggingface_hub import constants
 
+from tests.gpu_worker.lora_adapters import write_adapter
 from tests.gpu_worker.test_weights import make_hub_cache, safetensors_bytes
 from tgq.api.settings import Settings
 from tgq.batcher.__main__ import build_engine, build_runner, describe, parse_args, resolve_model
@@ -127,6 +128,10 @@ def test_quantize_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str])
         (["--speculate", "3", "--speculative-method", "draft"], "go together"),
         (["--speculative-model", "d"], "go together"),
         (["--speculate", "17"], "--speculate: Input should be less than or equal to 16"),
+        (["--lora-adapters", "a"], "--lora-adapters: 'a' is not name=DIR"),
+        (["--lora-adapters", "a=x,a=y"], "--lora-adapters: adapter 'a' is given twice"),
+        (["--lora-adapters", "m=x"], "--lora-adapters: 'm' is the base model's id"),
+        (["--lora-adapters", "a=x", "--num-shard", "2"], "not supported with --num-shard > 1"),
     ],
 )
 def test_speculation_options_that_cannot_run_are_refused(
@@ -135,6 +140,18 @@ def test_speculation_options_that_cannot_run_are_refused(
     with pytest.raises(SystemExit):
         parse_args(["--model-id", "m", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_lora_adapters_reach_the_runner_and_the_engine(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    for name in ("a", "b"):
+        write_adapter(model_dir, tmp_path / name, rank=4, alpha=8)
+    adapters = f"a={tmp_path / 'a'},b={tmp_path / 'b'}"
+    options = parse_args(["--model-id", str(model_dir), "--lora-adapters", adapters])
+    assert options.adapter_dirs == {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
+    runner = build_runner(options, str(model_dir))
+    assert isinstance(runner, ModelRunner) and runner.adapter_names == {"a", "b"}
+    assert build_engine(options, str(model_dir), runner).adapter_names == {"a", "b"}
 
 
 def test_a_draft_model_reaches_the_runner(model_dir: Path) -> None:
