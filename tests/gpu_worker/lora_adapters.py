@@ -37,7 +37,7 @@ def write_adapter(
         for name, param in wrapped.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
-    wrapped.save_pretrained(path)
+    wrapped.save_pretrained(str(path))
     return path
 
 
