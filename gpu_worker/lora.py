@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.models.decoder import MLP, Attention, DecoderForCausalLM
+from tgq.kernels.replay import OpReplay
 
 BASE = 0  # the adapter slot of rows that take none
 _PEFT_PREFIX = "base_model.model."
@@ -59,11 +60,13 @@ class AdapterRows:
     def use(self, slots: list[int], device: torch.device) -> None:
         """`slots`: the adapter slot of each token row of the step, in row order."""
         present = sorted(set(slots) - {BASE})
-        if present == [slots[0]] and slots.count(slots[0]) == len(slots):
-            self.segments = [(slots[0], None)]
-            return
-        ids = torch.tensor(slots, device=device)
-        self.segments = [(slot, torch.nonzero(ids == slot)[:, 0]) for slot in present]
+        if not present:
+            self.segments = []
+        elif len(present) == 1 and BASE not in slots:  # every row takes one adapter
+            self.segments = [(present[0], None)]
+        else:
+            ids = torch.tensor(slots, device=device)
+            self.segments = [(slot, torch.nonzero(ids == slot)[:, 0]) for slot in present]
 
 
 class LoraTerm:
@@ -91,21 +94,30 @@ class LoraTerm:
 class Adapters:
     """The adapters loaded into a model: slot 1, 2, ... in the order given."""
 
+    model: DecoderForCausalLM
     slots: dict[str, int]  # adapter name -> slot
     rows: AdapterRows
+    replay: OpReplay | None  # the model's recorded decode steps, for steps without adapters
 
     def slot(self, name: str | None) -> int:
         """An adapter's slot (BASE for None); KeyError for a name not loaded."""
         return BASE if name is None else self.slots[name]
+
+    def use(self, slots: list[int], device: torch.device) -> None:
+        """`slots`: the adapter slot of each token row of the step, in row order. A step with
+        adapter rows runs without the recorded ops (`kernels.replay`): which rows take which
+        adapter changes the ops; a step of base rows only runs them, and records only base
+        steps."""
+        self.rows.use(slots, device)
+        self.model.replay = None if self.rows.segments else self.replay
 
 
 def load_adapters(
     model: DecoderForCausalLM, adapters: dict[str, str], dtype: torch.dtype
 ) -> Adapters:
     """Loads `adapters` (name -> PEFT checkpoint directory) into `model`'s linears, in `dtype`
-    (the model's; a quantized linear's weights are not in it). The model's
-    recorded decode steps (`replay`) are dropped: which rows take which adapter changes the ops.
-    Raises ValueError for a checkpoint tgq cannot serve."""
+    (the model's; a quantized linear's weights are not in it). Raises ValueError for a
+    checkpoint tgq cannot serve."""
     if adapters and model.config.num_experts:
         raise ValueError("LoRA adapters (--lora-adapters) need a model without experts")
     rows = AdapterRows()
@@ -121,9 +133,7 @@ def load_adapters(
         linear = modules[module_name]
         assert isinstance(linear, Linear)
         linear.lora = term
-    if adapters:
-        model.replay = None
-    return Adapters(slots, rows)
+    return Adapters(model, slots, rows, model.replay)
 
 
 def _fused_weights(

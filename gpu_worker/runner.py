@@ -194,7 +194,7 @@ class ModelRunner:
                 slots = [self.sequences[c.request_id].adapter_slot for c in chunks]
                 counts = [c.num_new_tokens for c in chunks]
                 rows = [slot for slot, n in zip(slots, counts, strict=True) for _ in range(n)]
-                self.adapters.rows.use(rows, self.device)
+                self.adapters.use(rows, self.device)
             hidden = self.loaded.model(
                 inputs.input_ids,
                 inputs.positions,

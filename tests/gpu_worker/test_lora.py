@@ -9,9 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from tests.batcher.test_e2e import NUM_NEW as BF16_NUM_NEW
 from tests.gpu_worker.lora_adapters import ATTENTION, MLP, merged_model, write_adapter
-from tests.gpu_worker.test_parity import NUM_NEW, generate_greedy, prompts
+from tests.gpu_worker.test_parity import (
+    GREEDY_WITH_LOGPROBS,
+    NUM_NEW,
+    generate_greedy,
+    prompts,
+)
+from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
 from tests.quantized_mode import as_reference
 from tgq.batcher.offline import OfflineEngine
 from tgq.devtools.random_model import make_config, write_model
@@ -115,3 +123,37 @@ def test_an_unknown_adapter_is_rejected_and_the_engine_goes_on(
         engine.generate([prompt], max_new_tokens=2, adapters=["nope"])
     [result] = engine.generate([prompt], max_new_tokens=NUM_NEW, adapters=["r64-mlp"])
     assert result.token_ids == reference(base, adapters, "r64-mlp", prompt)
+
+
+def test_bf16_on_the_cpu_kernels_is_what_merged_peft_would_pick(
+    lora_model: tuple[Path, dict[str, Path]],
+) -> None:
+    """bf16 (packed linears and recorded decode steps where this CPU has the kernels): each
+    token within bf16's tolerance of transformers' bf16 model with the adapter merged,
+    teacher-forced (tests/gpu_worker/test_parity_bf16.py); base rows alone run as without
+    adapters, bit for bit."""
+    base, adapters = lora_model
+    names: list[str | None] = [None, *ADAPTERS]
+    batch = prompts(2 * len(names), 512, 8, (5, 40))
+    chosen = [names[index % len(names)] for index in range(len(batch))]
+
+    def bf16_engine(served: dict[str, Path]) -> OfflineEngine:
+        config = RunnerConfig(
+            str(base), dtype="bfloat16", num_blocks=256, block_size=16,
+            lora_adapters=tuple((name, str(path)) for name, path in served.items()),
+        )  # fmt: skip
+        return OfflineEngine(ModelRunner(config))
+
+    engine = bf16_engine(adapters)
+    results = engine.generate(
+        batch, GREEDY_WITH_LOGPROBS, max_new_tokens=BF16_NUM_NEW, adapters=chosen
+    )
+    for result, name in zip(results, chosen, strict=True):
+        adapter = None if name is None else adapters[name]
+        reference_model = merged_model(base, adapter).to(torch.bfloat16)
+        assert_within_tolerance(base, [result], reference_model)
+    base_only = engine.generate(batch, GREEDY_WITH_LOGPROBS, max_new_tokens=BF16_NUM_NEW)
+    plain = bf16_engine({}).generate(batch, GREEDY_WITH_LOGPROBS, max_new_tokens=BF16_NUM_NEW)
+    assert [(r.token_ids, r.logprobs) for r in base_only] == [
+        (r.token_ids, r.logprobs) for r in plain
+    ]
