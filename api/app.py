@@ -33,6 +33,8 @@ from tgq.api.errors import UnavailableError, dependency_failure, install_error_h
 from tgq.api.files.storage import FileStorage, LocalFileStorage
 from tgq.api.generation import Generation
 from tgq.api.health import DatabaseProbe, Health
+from tgq.api.key_limiter_redis import RedisKeyLimiter
+from tgq.api.key_policy import KeyAccess, KeyLimiter, MemoryKeyLimiter, renew_leases
 from tgq.api.loops import cancel_and_wait
 from tgq.api.metrics import Metrics
 from tgq.api.observability import install_observability
@@ -127,7 +129,7 @@ def create_app(settings: Settings, *, batch_starter: StarterFactory) -> FastAPI:
     )
     install_error_handlers(app)
 
-    async def verify_key(key: str) -> int | None:
+    async def verify_key(key: str) -> KeyAccess | None:
         try:
             async with app.state.tgq.db.begin() as conn:
                 record = await api_keys.verify_api_key(conn, key=key)
@@ -138,7 +140,9 @@ def create_app(settings: Settings, *, batch_starter: StarterFactory) -> FastAPI:
                 "The database is unavailable: cannot check the API key",
                 retry_after_s=settings.retry_after_s,
             ) from error
-        return None if record is None else record.id
+        if record is None:
+            return None
+        return KeyAccess(record.id, record.name, record.limits)
 
     app.add_middleware(ShedOverload, state=lambda: getattr(app.state, "tgq", None))
     app.state.drain = Drain()
@@ -150,6 +154,7 @@ def create_app(settings: Settings, *, batch_starter: StarterFactory) -> FastAPI:
         files,
         job_events,
         jobs,
+        keys,
         openai,
         tgi,
     )
@@ -160,6 +165,7 @@ def create_app(settings: Settings, *, batch_starter: StarterFactory) -> FastAPI:
     app.include_router(job_events.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(keys.router)
     return app
 
 
@@ -218,6 +224,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     )
     admission = Admission(limits, on_reject=metrics.on_rejected)
     recorder, running = Recorder(db, transport), Running(db, transport)
+    limiter = _key_limiter(settings, transport)
     health = Health(database=DatabaseProbe(db))
     consumer = f"{socket.gethostname()}-{os.getpid()}"
     persister = Persister(db, transport, consumer, on_results=_observer(health))
@@ -229,6 +236,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
         metrics=metrics,
         admission=admission,
         recorder=recorder,
+        limiter=limiter,
     )
     state = AppState(
         settings, db, transport, tokenizer, metrics, generation, persister, running, health,
@@ -240,6 +248,7 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     running.start()
     persister.start()
     state.tasks.append(asyncio.create_task(_monitor(state), name="monitor"))
+    state.tasks.append(asyncio.create_task(renew_leases(limiter), name="key-leases"))
     if settings.reconcile_interval_s > 0:
         state.tasks.append(asyncio.create_task(_reconcile(state), name="reconciler"))
     with contextlib.suppress(Exception):  # batches an earlier process left (or the reconciler)
@@ -248,6 +257,15 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
         "api serving %s (%s)", settings.model_id, "redis" if settings.redis_url else "embedded"
     )
     return state
+
+
+def _key_limiter(settings: Settings, transport: AsyncApiTransport) -> KeyLimiter:
+    """Per-key limits counted in Redis for every replica, or in this process when embedded."""
+    if isinstance(transport, AsyncRedisApiTransport):
+        return RedisKeyLimiter(
+            transport.client, settings.redis_prefix, window_s=settings.rate_limit_window_s
+        )
+    return MemoryKeyLimiter(window_s=settings.rate_limit_window_s)
 
 
 def _observer(health: Health) -> Any:

@@ -127,6 +127,26 @@ class OverloadedError(ApiError):
         super().__init__(message, retry_after_s=retry_after_s)
 
 
+class RateLimitedError(ApiError):
+    """Over one of the API key's own limits (`api/key_policy.py`): 429 with `Retry-After`,
+    `retry-after-ms` (read by the OpenAI SDKs) and the key's `x-ratelimit-*` headers."""
+
+    status_code = 429
+    error_type = "rate_limited"
+    openai_type = "rate_limit_error"
+    openai_code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, *, retry_after_s: int, retry_ms: int, headers: dict[str, str]
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.retry_ms = retry_ms
+        self.extra_headers = headers
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "retry-after-ms": str(self.retry_ms), **self.extra_headers}
+
+
 class NotFoundError(ApiError):
     status_code = 404
     error_type = "not_found"

@@ -20,9 +20,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Receive
@@ -31,6 +32,7 @@ from tgq.api.admission import Admission, Ticket
 from tgq.api.db import store
 from tgq.api.errors import ApiError, TemplateError, UnavailableError
 from tgq.api.ids import new_job_id
+from tgq.api.key_policy import KeyAccess, KeyLimiter, check_fits
 from tgq.api.metrics import Metrics
 from tgq.api.recorder import Recorder
 from tgq.api.run import Run
@@ -59,6 +61,7 @@ class Generation:
         metrics: Metrics,
         admission: Admission,
         recorder: Recorder,
+        limiter: KeyLimiter,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -67,6 +70,7 @@ class Generation:
         self.metrics = metrics
         self.admission = admission
         self.recorder = recorder
+        self.limiter = limiter
         self._background: set[asyncio.Task[None]] = set()
         self._runs: dict[str, Run] = {}  # by job id: the requests this replica's clients wait for
 
@@ -149,17 +153,26 @@ class Generation:
         ticket: Ticket,
         *,
         route: str,
-        api_key_id: int | None = None,
+        key: KeyAccess | None = None,
         keep_events: bool = False,
     ) -> Run:
-        """Records the request as a job, commits it, enqueues its items."""
+        """Admits it under its key's limits, records it as a job, commits it, enqueues its
+        items."""
         validated_at = time.time()
+        if key is not None and key.capped("interactive") == "bulk":
+            prompts = [dataclasses.replace(p, priority=Priority.BULK) for p in prompts]
         params = prompts[0].params
         job_id = new_job_id()
         requests = job_requests(job_id, prompts)
-        ticket.add_tokens(
-            sum(len(r.prompt_token_ids) + r.stopping.max_new_tokens for r in requests)
-        )
+        num_tokens = sum(len(r.prompt_token_ids) + r.stopping.max_new_tokens for r in requests)
+        ticket.add_tokens(num_tokens)
+        if key is not None and key.limits.is_rated:
+            check_fits(key.limits, num_tokens)
+            grant = await self.limiter.acquire(
+                key.key_id, key.limits, lease_id=job_id, num_tokens=num_tokens
+            )
+            key.headers.update(grant.headers())
+        api_key_id = None if key is None else key.key_id
         job = store.NewJob(
             job_id=job_id,
             kind="interactive",
@@ -172,13 +185,17 @@ class Generation:
             deadline=_as_datetime(prompts[0].deadline),
         )
         self.admission.note_submitted(len(requests))
+        copies = num_copies(params)
+        run = Run(job_id, prompts, requests, copies, ticket, ticket.admitted_at, validated_at)
+        if key is not None and key.limits.is_rated:
+            run.key, run.num_tokens_charged = key, num_tokens
         try:
             await self.recorder.submit(job, requests)
         except BaseException:
             self.admission.note_submitted(-len(requests))
+            run.num_tokens_charged = 0  # it never ran
+            self._release_key(run)
             raise
-        copies = num_copies(params)
-        run = Run(job_id, prompts, requests, copies, ticket, ticket.admitted_at, validated_at)
         run.keep_events = keep_events
         self._runs[job_id] = run
         return run
@@ -261,9 +278,12 @@ class Generation:
         """Aborts the unfinished items, from a task of its own (this one may be cancelled)."""
         pending = [r.request_id for r in run.requests if r.request_id not in run.finals]
         if pending:
-            task = asyncio.create_task(self._abort(pending))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._abort(pending))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -284,9 +304,21 @@ class Generation:
             self.metrics.observe_itl((now - run.last_token_at) / len(event.token_ids))
         run.last_token_at = now
 
+    def _release_key(self, run: Run) -> None:
+        """Gives the run's lease back and settles its key's charge, from a task of its own."""
+        if run.key is not None:
+            self._in_background(self._settle(run.key, run.job_id, run.num_tokens_used))
+
+    async def _settle(self, key: KeyAccess, lease_id: str, num_tokens_used: int) -> None:
+        try:
+            await self.limiter.release(key.key_id, lease_id, num_tokens_used=num_tokens_used)
+        except Exception as error:  # Redis away: the lease lapses by itself
+            log.warning("could not release %s of key %d: %r", lease_id, key.key_id, error)
+
     def _finish(self, run: Run) -> None:
         self._runs.pop(run.job_id, None)
         self.release(run.ticket)
+        self._release_key(run)
         if not run.is_finished:
             return
         finals = list(run.finals.values())

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tgq.api.db import store
+from tgq.api.db import api_keys, store
 from tgq.api.errors import UnavailableError, dependency_failure
+from tgq.api.key_policy import KeyAccess, check_open_work
 from tgq.api.loops import BackgroundLoop
 from tgq.api.withdrawals import Withdrawals
 from tgq.batcher import tracing
@@ -68,14 +69,18 @@ class Recorder(BackgroundLoop):
         _log_queued(job, len(requests))
         return record
 
-    async def submit_idempotent(
-        self, job: store.NewJob, requests: list[SubmitRequest]
+    async def submit_alone(
+        self, job: store.NewJob, requests: list[SubmitRequest], *, key: KeyAccess | None = None
     ) -> tuple[store.JobRecord, bool]:
-        """A job with an idempotency key, in its own transaction: (the job, created). A repeat of
-        the key returns the first job and enqueues nothing."""
+        """A job in its own transaction (one with an idempotency key, or of a key with a
+        queued-jobs limit, checked in that transaction): (the job, created). A repeat of the
+        idempotency key returns the first job and enqueues nothing."""
         with tracing.span("enqueue", job_id=job.job_id, num_requests=len(requests)):
             try:
                 async with self.db.begin() as conn:
+                    if key is not None and key.limits.max_queued_jobs is not None:
+                        num_open = await api_keys.count_open_work(conn, key_id=key.key_id)
+                        check_open_work(key.limits, num_open)
                     fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
                     record, created = await store.create_job(conn, **fields)
             except Exception as error:

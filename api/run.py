@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tgq.api.admission import Ticket
 from tgq.api.errors import GenerationError
+from tgq.api.key_policy import KeyAccess
 from tgq.api.validated import ValidatedRequest
 from tgq.batcher.messages import FinalResult, SubmitRequest, TokenEvent
 from tgq.batcher.request import FAILED_REASONS
@@ -30,6 +31,16 @@ class Run:
     finals: dict[str, FinalResult] = field(default_factory=dict)
     keep_events: bool = False  # keep every token event (non-stream answers with top tokens)
     events: dict[str, list[TokenEvent]] = field(default_factory=dict)
+    key: KeyAccess | None = None  # a key with limits holds a lease (the job id) until the end
+    num_tokens_charged: int = 0
+
+    @property
+    def num_tokens_used(self) -> int:
+        """What the run cost its key: every prompt and what was generated; an unfinished run
+        keeps its whole charge (prompt + max new tokens)."""
+        if not self.is_finished:
+            return self.num_tokens_charged
+        return sum(f.num_prompt_tokens + f.num_output_tokens for f in self.finals.values())
 
     def prompt_of(self, item_index: int) -> ValidatedRequest:
         return self.prompts[item_index // self.copies]

@@ -23,9 +23,10 @@ from tgq.api.errors import (
     error_response,
     flavour_for_path,
 )
+from tgq.api.key_policy import KeyAccess
 from tgq.api.settings import Settings
 
-VerifyKey = Callable[[str], Awaitable[int | None]]  # a stored key's id, or None
+VerifyKey = Callable[[str], Awaitable[KeyAccess | None]]  # a stored key, or None
 
 MULTIPART_FRAMING_BYTES = 64 * 1024  # boundaries, part headers and the `purpose` field
 CORS_ALLOWED_HEADERS = ("Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID")
@@ -132,8 +133,10 @@ def _too_large(limit: int, scope: Scope) -> ASGIApp:
 
 class ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on every path outside `settings.public_routes` (and CORS
-    preflights), when auth is on. Sets `request.state.api_key_id`: the stored key's id, None for
-    the static key, for public paths and when auth is off."""
+    preflights), when auth is on. Sets `request.state.key` (`KeyAccess`: the stored key, its
+    limits, the rate-limit headers its admission leaves, which are added to the response) and
+    `request.state.api_key_id` (its id); both None for the static key, for public paths and
+    when auth is off."""
 
     def __init__(
         self, app: ASGIApp, *, settings: Settings, verify_key: VerifyKey | None = None
@@ -149,29 +152,48 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
-        state["api_key_id"] = None
-        if self.is_enabled and not self._is_public(scope):
-            try:
-                state["api_key_id"] = await self._authenticate(Headers(scope=scope))
-            except ApiError as error:  # 401, or 503 when the key store is down
-                response = error_response(error, flavour=flavour_for_path(scope["path"]))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        state["api_key_id"] = state["key"] = None
+        if not self.is_enabled or self._is_public(scope):
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = await self._authenticate(Headers(scope=scope))
+        except ApiError as error:  # 401, or 503 when the key store is down
+            response = error_response(error, flavour=flavour_for_path(scope["path"]))
+            await response(scope, receive, send)
+            return
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        state["api_key_id"], state["key"] = key.key_id, key
+
+        async def send_with_limits(message: Message) -> None:
+            if message["type"] == "http.response.start" and key.headers:
+                message = {**message, "headers": _with(message.get("headers", []), key.headers)}
+            await send(message)
+
+        await self.app(scope, receive, send_with_limits)
 
     def _is_public(self, scope: Scope) -> bool:
         return scope["path"] in self.public_routes or _is_preflight(scope)
 
-    async def _authenticate(self, headers: Headers) -> int | None:
+    async def _authenticate(self, headers: Headers) -> KeyAccess | None:
         key = _bearer_key(headers)
         if key is None:
             raise UnauthorizedError(MISSING_KEY)
         if self.static_key is not None and hmac.compare_digest(key.encode(), self.static_key):
             return None
-        key_id = None if self.verify_key is None else await self.verify_key(key)
-        if key_id is None:
+        access = None if self.verify_key is None else await self.verify_key(key)
+        if access is None:
             raise UnauthorizedError(INVALID_KEY)
-        return key_id
+        return access
+
+
+def _with(headers: list[tuple[bytes, bytes]], more: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """`headers` plus `more`, the ones already there (a 429's own) kept."""
+    present = {name.lower() for name, _ in headers}
+    added = [(k.encode(), v.encode()) for k, v in more.items() if k.encode() not in present]
+    return [*headers, *added]
 
 
 def _bearer_key(headers: Headers) -> str | None:

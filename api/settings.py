@@ -98,6 +98,8 @@ class Settings(BatcherOptions):
     # Auth: when on, every route outside `public_routes` needs `Authorization: Bearer <key>`.
     api_key: str | None = Field(None, description="one static key, as TGI's --api-key")
     require_api_keys: bool = Field(False, description="require keys stored in the database")
+    # The window a key's per-minute limits count over (`api/key_policy.py`); shorter only in tests.
+    rate_limit_window_s: float = Field(60.0, gt=0, description="window of per-key rpm/tpm")
     public_routes: tuple[str, ...] = Field(
         ("/health", "/ping", "/info", "/metrics", "/v1/models"),
         description="routes open without a key",

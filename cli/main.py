@@ -114,10 +114,17 @@ def _add_keys(commands: Commands) -> None:
     actions = group.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = actions.add_parser("create", help="a new key; its secret is printed this once")
     create.add_argument("name", metavar="NAME", help="who or what the key is for")
+    keys.add_limit_flags(create)
     create.set_defaults(handler=keys.create)
-    actions.add_parser("list", help="every key (never its secret)").set_defaults(
+    actions.add_parser("list", help="every key and its limits (never its secret)").set_defaults(
         handler=keys.list_keys
     )
+    limits = actions.add_parser(
+        "limits", help="change a key's limits: the flags given (`none` lifts one), others kept"
+    )
+    limits.add_argument("key", metavar="ID|NAME")
+    keys.add_limit_flags(limits)
+    limits.set_defaults(handler=keys.set_limits)
     revoke = actions.add_parser("revoke", help="revoke a key by its id or name")
     revoke.add_argument("key", metavar="ID|NAME")
     revoke.set_defaults(handler=keys.revoke)

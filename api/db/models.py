@@ -68,6 +68,12 @@ api_keys = Table(
     Column("created_at", UtcDateTime, nullable=False),
     Column("revoked_at", UtcDateTime),
     Column("last_used_at", UtcDateTime),
+    # The key's limits (None: none) and the highest priority it may ask for (`api/key_policy.py`)
+    Column("rpm", Integer),
+    Column("tpm", Integer),
+    Column("max_concurrent", Integer),
+    Column("max_queued_jobs", Integer),
+    Column("priority", Text),
     UniqueConstraint("key_hash", name="uq_api_keys_key_hash"),
 )
 
@@ -98,6 +104,7 @@ jobs = Table(
     Column("metadata", Json),
     UniqueConstraint("idempotency_scope", "idempotency_key", name="uq_jobs_idempotency"),
     Index("ix_jobs_status_created_at", "status", "created_at"),
+    Index("ix_jobs_api_key_id_status", "api_key_id", "status"),
 )
 
 job_items = Table(
@@ -161,10 +168,13 @@ usage = Table(
     ),
     Column("item_index", Integer, nullable=False),
     Column("api_key_id", Integer),
+    Column("model", Text),
     Column("prompt_tokens", Integer, nullable=False),
     Column("completion_tokens", Integer, nullable=False),
+    _counter("cached_tokens"),
     Column("created_at", UtcDateTime, nullable=False),
     UniqueConstraint("job_id", "item_index", name="uq_usage_job_item"),
+    Index("ix_usage_api_key_id_created_at", "api_key_id", "created_at"),
 )
 
 # Uploaded files (OpenAI's Files API); the bytes are in the file storage under `storage_key`.

@@ -14,11 +14,12 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict
 
 from tgq.api.app import AppState, state_of
+from tgq.api.db import api_keys, store
 from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
-from tgq.api.db import store
 from tgq.api.errors import NotFoundError, ValidationError
 from tgq.api.files.batch_input import BATCH_URLS
+from tgq.api.key_policy import KeyAccess, check_open_work
 
 router = APIRouter(tags=["Batches"])
 # OpenAI accepts "24h" only; tgq takes any `<n>s|m|h` (a short window is how expiry is tested).
@@ -125,8 +126,11 @@ async def create_batch(body: BatchRequest, request: Request) -> BatchObject:
             f"endpoint must be one of {urls}; got {body.endpoint!r}", param="endpoint"
         )
     expires_at = datetime.now(UTC) + timedelta(seconds=window_s(body.completion_window))
+    key: KeyAccess | None = request.state.key
     key_id = request.state.api_key_id
     async with state.db.begin() as conn:
+        if key is not None and key.limits.max_queued_jobs is not None:
+            check_open_work(key.limits, await api_keys.count_open_work(conn, key_id=key.key_id))
         file = await db_files.get_file(conn, file_id=body.input_file_id, api_key_id=key_id)
         if file is None or file.purpose != "batch":
             raise NotFoundError(

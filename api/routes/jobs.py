@@ -23,6 +23,7 @@ from tgq.api.app import AppState, state_of
 from tgq.api.db import store
 from tgq.api.errors import NotFoundError, RouteValidationError, ValidationError
 from tgq.api.ids import new_job_id, request_id_of
+from tgq.api.key_policy import KeyAccess
 from tgq.api.schemas.tgi import GenerateParameters
 from tgq.api.submit import job_items, job_params, job_requests
 from tgq.api.validation import check_inputs, tgi_params
@@ -161,7 +162,9 @@ async def create_job(
     for prompt in prompts:
         check_inputs(prompt, "prompt")
     state.generation.admission.check_queue(len(prompts))
-    priority = Priority.INTERACTIVE if body.priority == "interactive" else Priority.BULK
+    key: KeyAccess | None = request.state.key
+    asked = body.priority if key is None else key.capped(body.priority)
+    priority = Priority.INTERACTIVE if asked == "interactive" else Priority.BULK
     deadline = None if body.deadline is None else _aware(body.deadline).timestamp()
     validated = await state.generation.validate(
         prompts, params, priority=priority, deadline=deadline, param="prompt"
@@ -187,10 +190,10 @@ async def create_job(
     admission.note_submitted(len(requests))  # before the write (`Admission.note_submitted`)
     is_new = False
     try:
-        if idempotency_key is None:
+        if idempotency_key is None and (key is None or key.limits.max_queued_jobs is None):
             record, is_new = await recorder.submit(job, requests), True
         else:
-            record, is_new = await recorder.submit_idempotent(job, requests)
+            record, is_new = await recorder.submit_alone(job, requests, key=key)
     finally:
         if not is_new:  # failed, or the key's earlier job: nothing new queued
             admission.note_submitted(-len(requests))

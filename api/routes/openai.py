@@ -81,7 +81,7 @@ async def _start(
         validated,
         ticket,
         route=route,
-        api_key_id=request.state.api_key_id,
+        key=request.state.key,
         keep_events=params.sampling.wants_logprobs,
     )
 

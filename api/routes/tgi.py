@@ -71,7 +71,7 @@ async def start_generation(
             prompts,
             ticket,
             route=route,
-            api_key_id=request.state.api_key_id,
+            key=request.state.key,
             keep_events=params.top_n_tokens > 0,
         )
 

@@ -21,6 +21,7 @@ from tgq.api.errors import OverloadedError, TemplateError, UnavailableError, Val
 from tgq.api.generation import Generation
 from tgq.api.health import Health
 from tgq.api.ids import new_job_id, parse_request_id, request_id_of
+from tgq.api.key_policy import MemoryKeyLimiter
 from tgq.api.loops import RECANCEL_S, cancel_and_wait
 from tgq.api.metrics import Metrics
 from tgq.api.persister import Persister
@@ -288,6 +289,7 @@ def test_admitted_gives_the_ticket_back_only_when_the_request_never_started(
         generation = Generation(
             settings=settings, db=pg_engine, transport=transport, tokenizer=tokenizer,
             metrics=metrics, admission=admission, recorder=Recorder(pg_engine, transport),
+            limiter=MemoryKeyLimiter(),
         )  # fmt: skip
         for error in (ValidationError("bad"), TemplateError("broken"), asyncio.CancelledError()):
             with pytest.raises(type(error)), generation.admitted():

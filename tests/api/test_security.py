@@ -20,6 +20,7 @@ from starlette.types import Message
 
 from tgq.api.db import api_keys, models
 from tgq.api.errors import install_error_handlers
+from tgq.api.key_policy import KeyAccess
 from tgq.api.security import VerifyKey, install_security
 from tgq.api.settings import Settings
 
@@ -245,10 +246,10 @@ def test_stored_keys_need_verify_key() -> None:
 
 
 def verifier(engine: AsyncEngine) -> VerifyKey:
-    async def verify(key: str) -> int | None:
+    async def verify(key: str) -> KeyAccess | None:
         async with engine.begin() as conn:
             record = await api_keys.verify_api_key(conn, key=key)
-        return None if record is None else record.id
+        return None if record is None else KeyAccess(record.id, record.name, record.limits)
 
     return verify
 

@@ -97,7 +97,7 @@ async def count(conn: AsyncConnection, table: Any) -> int:
 def test_migrations_round_trip(empty_pg_url: str) -> None:
     assert current_revision(empty_pg_url) is None
     upgrade(empty_pg_url)
-    assert current_revision(empty_pg_url) == head_revision() == "0004"
+    assert current_revision(empty_pg_url) == head_revision() == "0005"
     downgrade(empty_pg_url, "base")
     assert current_revision(empty_pg_url) is None
     upgrade(empty_pg_url)

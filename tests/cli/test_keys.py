@@ -55,7 +55,23 @@ def test_keys_create_list_revoke(capsys: pytest.CaptureFixture[str], database_ur
     )
     code, listed = keys(capsys, database_url, "list")
     assert listed.splitlines()[1].split()[:3] == ["1", "ci", secret[:8]]
-    assert len(listed.splitlines()[1].split()) == 8  # created and revoked dates, never used
+    # created and revoked dates, never used, no limits
+    assert listed.splitlines()[1].split()[-2:] == ["-", "-"]
+
+
+def test_keys_limits(capsys: pytest.CaptureFixture[str], database_url: str) -> None:
+    code, _ = keys(capsys, database_url, "create", "team", "--rpm", "60", "--priority", "bulk")
+    assert code == 0
+    _, listed = keys(capsys, database_url, "list")
+    assert listed.splitlines()[1].endswith(" rpm=60 priority=bulk")
+    code, out = keys(capsys, database_url, "limits", "team", "--rpm", "none", "--tpm", "1000")
+    assert (code, out) == (0, "key 1 (team): tpm=1000 priority=bulk\n")
+    with pytest.raises(SystemExit):
+        keys(capsys, database_url, "limits", "1", "--max-concurrent", "0")
+    message = "argument --max-concurrent: a positive integer or `none`, not '0'"
+    assert message in capsys.readouterr().err
+    code, out = keys(capsys, database_url, "limits", "nobody", "--rpm", "1")
+    assert (code, out) == (2, "tgq: error: no unrevoked key with id or name 'nobody'\n")
 
 
 def test_a_created_key_is_let_in_and_a_revoked_one_is_not(

@@ -41,14 +41,16 @@ async def _record_result(conn: AsyncConnection, result: NewResult, now: datetime
     )
     if written.first() is None:
         return False
-    api_key_id = await _count_result(conn, result, is_failed=status == "failed", now=now)
+    api_key_id, model = await _count_result(conn, result, is_failed=status == "failed", now=now)
     await conn.execute(
         insert(db.usage).values(
             job_id=result.job_id,
             item_index=result.item_index,
             api_key_id=api_key_id,
+            model=model,
             prompt_tokens=result.num_prompt_tokens,
             completion_tokens=result.num_output_tokens,
+            cached_tokens=result.num_cached_tokens,
             created_at=now,
         )
     )
@@ -81,10 +83,10 @@ async def _finish_item(
 
 async def _count_result(
     conn: AsyncConnection, result: NewResult, *, is_failed: bool, now: datetime
-) -> int | None:
+) -> tuple[int | None, str | None]:
     """Add one result to the job's counters; the result that completes an open job makes it
     terminal: `succeeded` when any item succeeded, else `failed` when any failed, else
-    `cancelled`. Returns the job's api key id."""
+    `cancelled`. Returns the job's api key id and model."""
     job, items = db.jobs.c, db.job_items.c
     num_done = job.num_items_done + 1
     num_failed = job.num_items_failed + int(is_failed)
@@ -113,7 +115,7 @@ async def _count_result(
             started_at=func.coalesce(job.started_at, at(now)),
             finished_at=case((completes, at(now)), else_=job.finished_at),
         )
-        .returning(job.api_key_id)
+        .returning(job.api_key_id, job.model)
     )
-    api_key_id: int | None = counted.scalar_one()
-    return api_key_id
+    api_key_id, model = counted.one()
+    return api_key_id, model
