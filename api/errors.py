@@ -137,9 +137,16 @@ class RateLimitedError(ApiError):
     openai_code = "rate_limit_exceeded"
 
     def __init__(
-        self, message: str, *, retry_after_s: int, retry_ms: int, headers: dict[str, str]
+        self,
+        message: str,
+        *,
+        limit: str,
+        retry_after_s: int,
+        retry_ms: int,
+        headers: dict[str, str],
     ) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
+        self.limit = limit  # which one: requests, tokens, concurrent, queued_jobs
         self.retry_ms = retry_ms
         self.extra_headers = headers
 

@@ -30,7 +30,7 @@ from starlette.types import Receive
 
 from tgq.api.admission import Admission, Ticket
 from tgq.api.db import store
-from tgq.api.errors import ApiError, TemplateError, UnavailableError
+from tgq.api.errors import ApiError, RateLimitedError, TemplateError, UnavailableError
 from tgq.api.ids import new_job_id
 from tgq.api.key_policy import KeyAccess, KeyLimiter, check_fits
 from tgq.api.metrics import Metrics
@@ -168,9 +168,13 @@ class Generation:
         ticket.add_tokens(num_tokens)
         if key is not None and key.limits.is_rated:
             check_fits(key.limits, num_tokens)
-            grant = await self.limiter.acquire(
-                key.key_id, key.limits, lease_id=job_id, num_tokens=num_tokens
-            )
+            try:
+                grant = await self.limiter.acquire(
+                    key.key_id, key.limits, lease_id=job_id, num_tokens=num_tokens
+                )
+            except RateLimitedError as error:
+                self.metrics.on_key_limited(key.name, error.limit)
+                raise
             key.headers.update(grant.headers())
         api_key_id = None if key is None else key.key_id
         job = store.NewJob(
@@ -187,8 +191,9 @@ class Generation:
         self.admission.note_submitted(len(requests))
         copies = num_copies(params)
         run = Run(job_id, prompts, requests, copies, ticket, ticket.admitted_at, validated_at)
+        run.key = key
         if key is not None and key.limits.is_rated:
-            run.key, run.num_tokens_charged = key, num_tokens
+            run.holds_lease, run.num_tokens_charged = True, num_tokens
         try:
             await self.recorder.submit(job, requests)
         except BaseException:
@@ -306,7 +311,8 @@ class Generation:
 
     def _release_key(self, run: Run) -> None:
         """Gives the run's lease back and settles its key's charge, from a task of its own."""
-        if run.key is not None:
+        if run.key is not None and run.holds_lease:
+            run.holds_lease = False
             self._in_background(self._settle(run.key, run.job_id, run.num_tokens_used))
 
     async def _settle(self, key: KeyAccess, lease_id: str, num_tokens_used: int) -> None:
@@ -328,6 +334,12 @@ class Generation:
         now = time.time()
         first = run.first_token_at or now
         generated = sum(final.num_output_tokens for final in finals)
+        if run.key is not None:
+            self.metrics.on_key_usage(
+                run.key.name,
+                num_prompt_tokens=sum(final.num_prompt_tokens for final in finals),
+                num_completion_tokens=generated,
+            )
         self.metrics.on_success(
             validation_s=run.validated_at - run.started_at,
             queue_s=max(first - run.validated_at, 0.0),

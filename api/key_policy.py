@@ -128,7 +128,11 @@ def refusal(limits: KeyLimits, reason: Reason, retry_ms: int, grant: Grant) -> R
     }
     retry_after_s = max(1, math.ceil(retry_ms / 1000))
     return RateLimitedError(
-        messages[reason], retry_after_s=retry_after_s, retry_ms=retry_ms, headers=grant.headers()
+        messages[reason],
+        limit=reason,
+        retry_after_s=retry_after_s,
+        retry_ms=retry_ms,
+        headers=grant.headers(),
     )
 
 
@@ -141,6 +145,7 @@ def check_open_work(limits: KeyLimits, num_open: int) -> None:
         raise RateLimitedError(
             f"Rate limit reached for this API key: {num_open} jobs and batches are open "
             f"(max_queued_jobs={limits.max_queued_jobs})",
+            limit="queued_jobs",
             retry_after_s=QUEUED_JOBS_RETRY_S,
             retry_ms=QUEUED_JOBS_RETRY_S * 1000,
             headers={},

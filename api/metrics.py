@@ -44,6 +44,11 @@ NUM_TOKEN_BUCKETS = 10
 FAILURE_ERRS = ("validation", "overloaded", "generation", "incomplete", "template", "dropped")
 REJECT_REASONS = ("concurrency", "queue_requests", "queue_tokens")
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+# Per-key series are labelled by key name, for at most this many keys per replica; the requests
+# of keys past them count under `OTHER_KEYS` (a deployment with thousands of keys reads
+# `/v1/usage` instead).
+MAX_KEY_LABELS = 64
+OTHER_KEYS = "(other)"
 BATCH_COUNTS = ("total", "completed", "failed")
 
 # The switch is process-wide in prometheus_client; nothing else in the api process exports.
@@ -229,6 +234,20 @@ class Metrics:
             "Requests of the batches in progress (validating, in_progress, finalizing)",
             ["status"],
         )
+        self._key_requests = counter(
+            "tgq_key_requests", "Interactive requests finished, by API key name", ["key"]
+        )
+        self._key_prompt_tokens = counter(
+            "tgq_key_prompt_tokens", "Prompt tokens of finished requests, by API key", ["key"]
+        )
+        self._key_completion_tokens = counter(
+            "tgq_key_completion_tokens", "Generated tokens of finished requests, by API key",
+            ["key"],
+        )  # fmt: skip
+        self._key_limited = counter(
+            "tgq_key_rate_limited", "Requests refused by their key's limits", ["key", "limit"]
+        )
+        self._key_labels: set[str] = set()
         self._start_labelled_at_zero()
         self._tgi_counter_names = without_total_suffix(registry)
 
@@ -290,6 +309,23 @@ class Metrics:
     def on_rejected(self, reason: str) -> None:
         with self._lock:
             self._rejected.labels(reason=reason).inc()
+
+    def on_key_usage(self, key: str, *, num_prompt_tokens: int, num_completion_tokens: int) -> None:
+        with self._lock:
+            label = self._key_label(key)
+            self._key_requests.labels(key=label).inc()
+            self._key_prompt_tokens.labels(key=label).inc(num_prompt_tokens)
+            self._key_completion_tokens.labels(key=label).inc(num_completion_tokens)
+
+    def on_key_limited(self, key: str, limit: str) -> None:
+        with self._lock:
+            self._key_limited.labels(key=self._key_label(key), limit=limit).inc()
+
+    def _key_label(self, key: str) -> str:
+        if key not in self._key_labels and len(self._key_labels) >= MAX_KEY_LABELS:
+            return OTHER_KEYS
+        self._key_labels.add(key)
+        return key
 
     def on_tokenizer_call(self) -> None:
         with self._lock:

@@ -31,7 +31,8 @@ class Run:
     finals: dict[str, FinalResult] = field(default_factory=dict)
     keep_events: bool = False  # keep every token event (non-stream answers with top tokens)
     events: dict[str, list[TokenEvent]] = field(default_factory=dict)
-    key: KeyAccess | None = None  # a key with limits holds a lease (the job id) until the end
+    key: KeyAccess | None = None  # the stored key it came with
+    holds_lease: bool = False  # under the key's limits, by the job id, until the run ends
     num_tokens_charged: int = 0
 
     @property

@@ -128,6 +128,8 @@ def test_concurrency_across_three_replicas_never_exceeds_the_keys_limit(
         )
         assert refused.headers["Retry-After"] == "1"
         assert int(refused.headers["x-ratelimit-remaining-requests"]) >= 0
+    limited = [httpx.get(f"{url}/metrics").text for url in replicas.urls]
+    assert any('tgq_key_rate_limited{key="bursty",limit="concurrent"}' in m for m in limited)
 
 
 def test_the_openai_sdk_waits_as_told_and_then_succeeds(replicas: Replicas) -> None:
@@ -190,6 +192,8 @@ def test_usage_adds_up_to_what_the_clients_were_answered(replicas: Replicas) -> 
     assert [row["model"] for row in rows] == ["tgq-test"] and "api_key_id" not in rows[0]
     every = httpx.get(f"{replicas.urls[2]}/v1/usage", headers=bearer(ADMIN)).json()["data"]
     assert len({row["api_key_id"] for row in every}) >= 2  # the admin sees every key
+    metrics = httpx.get(f"{replicas.urls[0]}/metrics").text  # each replica its own requests
+    assert 'tgq_key_requests{key="counted"} 2.0' in metrics
 
 
 def test_the_admin_creates_keys_and_sets_their_limits(replicas: Replicas) -> None:
