@@ -9,10 +9,10 @@ the parts one under another (their ranks summed), B block-diagonal over the part
 columns, zeros where the adapter leaves a part out. The scale is folded into B at load.
 
 Each step the runner says which adapter each token row takes (`AdapterRows.use`); every LoRA
-linear then adds, per adapter present in the step, its term to that adapter's rows only: one
-gather, two small matmuls and one scatter-add per adapter and linear, all adapters in the same
-forward (a segmented grouped matmul). Rows of the base model (slot 0) add nothing. The term is
-added to whatever the base matmul returned, so packed and quantized linears take adapters too.
+linear then adds each row its own adapter's term, all adapters in the same two matmuls
+(`LoraTerm`). Rows of the base model (slot 0) add nothing, and a step without adapter rows runs
+no LoRA op at all. The term is added to whatever the base matmul returned, so packed and
+quantized linears take adapters too.
 """
 
 from __future__ import annotations
@@ -52,42 +52,47 @@ _UNSUPPORTED = {
 
 @dataclass
 class AdapterRows:
-    """Which token rows of this step take which adapter: (slot, rows [n] int64, or None for
-    every row), for the slots other than BASE present in the step. Shared by every LoRA linear."""
+    """Which adapter each token row of this step takes, shared by every LoRA linear."""
 
-    segments: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # [T] int64; None: every row the base model's
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # this step's, by layout
 
     def use(self, slots: list[int], device: torch.device) -> None:
         """`slots`: the adapter slot of each token row of the step, in row order."""
-        present = sorted(set(slots) - {BASE})
-        if not present:
-            self.segments = []
-        elif len(present) == 1 and BASE not in slots:  # every row takes one adapter
-            self.segments = [(present[0], None)]
-        else:
-            ids = torch.tensor(slots, device=device)
-            self.segments = [(slot, torch.nonzero(ids == slot)[:, 0]) for slot in present]
+        self.masks = {}
+        self.slots = torch.tensor(slots, device=device) if any(slots) else None
+
+    def mask(self, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, R]: 1 where rank column r (of adapter `columns[r]`) is the row's adapter's, else
+        0; computed once per step for each column layout (`LoraTerm.columns`, shared by the
+        linears with one layout)."""
+        assert self.slots is not None
+        key = id(columns)
+        if (mask := self.masks.get(key)) is None:
+            mask = (self.slots[:, None] == columns[None, :]).to(dtype)
+            self.masks[key] = mask
+        return mask
 
 
 class LoraTerm:
-    """One linear's LoRA weights per adapter slot: A [R, K] and B [N, R] (scale folded in), added
-    to the linear's output row by row (`Linear.lora`)."""
+    """One linear's adapters, all in one low-rank pair: A [R, K] the adapters' A's stacked, B
+    [N, R] theirs side by side (scale folded in), rank column r belonging to adapter
+    `columns[r]`. Each row's term is `((x @ A^T) * its mask) @ B^T`: two dense matmuls for
+    every row of the step whatever its adapter (a base row's mask is all 0), which on these
+    ranks costs less than gathering each adapter's rows apart. Their cost grows with the total
+    rank of the adapters loaded. A and B are `Linear`s, so on the CPU kernels they run on the
+    packed bf16 kernel as the base linears do (torch's bf16 matmul is several times slower at
+    these shapes)."""
 
-    def __init__(self, rows: AdapterRows) -> None:
+    def __init__(self, rows: AdapterRows, a: Linear, b: Linear, columns: torch.Tensor) -> None:
         self.rows = rows
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.a, self.b, self.columns = a, b, columns
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [T, K], [T, N]
-        for slot, rows in self.rows.segments:
-            if (weights := self.weights.get(slot)) is None:
-                continue
-            a, b = weights
-            if rows is None:
-                out += ((x @ a.T) @ b.T).to(out.dtype)
-            else:
-                term = (x.index_select(0, rows) @ a.T) @ b.T
-                out.index_add_(0, rows, term.to(out.dtype))
-        return out
+        if self.rows.slots is None:
+            return out
+        h = self.a(x).mul_(self.rows.mask(self.columns, x.dtype))
+        return out.add_(self.b(h))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,31 +114,45 @@ class Adapters:
         adapter changes the ops; a step of base rows only runs them, and records only base
         steps."""
         self.rows.use(slots, device)
-        self.model.replay = None if self.rows.segments else self.replay
+        self.model.replay = None if self.rows.slots is not None else self.replay
 
 
 def load_adapters(
-    model: DecoderForCausalLM, adapters: dict[str, str], dtype: torch.dtype
+    model: DecoderForCausalLM, adapters: dict[str, str], dtype: torch.dtype, *, packed: bool
 ) -> Adapters:
     """Loads `adapters` (name -> PEFT checkpoint directory) into `model`'s linears, in `dtype`
-    (the model's; a quantized linear's weights are not in it). Raises ValueError for a
-    checkpoint tgq cannot serve."""
+    (the model's; a quantized linear's weights are not in it); `packed`: their matmuls on the
+    packed bf16 CPU kernel (`Linear.use_kernels`). Raises ValueError for a checkpoint tgq
+    cannot serve."""
     if adapters and model.config.num_experts:
         raise ValueError("LoRA adapters (--lora-adapters) need a model without experts")
     rows = AdapterRows()
     slots: dict[str, int] = {}
-    terms: dict[str, LoraTerm] = {}
+    pairs: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for slot, (name, directory) in enumerate(adapters.items(), start=1):
         slots[name] = slot
         for module_name, (a, b) in _fused_weights(model, Path(directory), name, dtype).items():
-            term = terms.setdefault(module_name, LoraTerm(rows))
-            term.weights[slot] = (a, b)
+            pairs.setdefault(module_name, []).append((slot, a, b))
     modules = dict(model.named_modules())
-    for module_name, term in terms.items():
+    layouts: dict[tuple[int, ...], torch.Tensor] = {}  # one tensor per layout: its masks' key
+    for module_name, held in pairs.items():
         linear = modules[module_name]
         assert isinstance(linear, Linear)
-        linear.lora = term
+        layout = tuple(slot for slot, a, _ in held for _ in range(a.shape[0]))
+        columns = layouts.setdefault(layout, torch.tensor(layout, device=held[0][1].device))
+        a = _linear(torch.cat([a for _, a, _ in held]), packed=packed)
+        b = _linear(torch.cat([b for _, _, b in held], dim=1), packed=packed)
+        linear.lora = LoraTerm(rows, a, b, columns)
     return Adapters(model, slots, rows, model.replay)
+
+
+def _linear(weight: torch.Tensor, *, packed: bool) -> Linear:
+    """A `Linear` over `weight` [N, K], on the packed bf16 kernel with `packed`."""
+    linear = Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    if packed:
+        linear.use_kernels([(1, "avx512")], out_fp32=False)
+    return linear
 
 
 def _fused_weights(

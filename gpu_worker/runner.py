@@ -37,7 +37,14 @@ from tgq.gpu_worker.plan import (
 )
 from tgq.gpu_worker.row_sampler import RowSampler, RunnerSequence
 from tgq.gpu_worker.sampling import Sampler, SamplerOutput
-from tgq.kernels import AttentionBackend, AttentionStep, SeqSpan, block_size_rule, get_backend
+from tgq.kernels import (
+    AttentionBackend,
+    AttentionStep,
+    SeqSpan,
+    block_size_rule,
+    cpu_ops,
+    get_backend,
+)
 from tgq.kernels.cpu_paged import CpuPagedAttention
 from tgq.kernels.interface import UNIT_SCALES, KvScales
 from tgq.kernels.kv_write import FP8_CACHE_DTYPES
@@ -120,7 +127,12 @@ class ModelRunner:
         if config.lora_adapters and self.tp.world_size > 1:
             raise ValueError("--lora-adapters is not supported with --num-shard > 1")
         self.adapters = load_adapters(
-            self.loaded.model, dict(config.lora_adapters), self.loaded.dtype
+            self.loaded.model,
+            dict(config.lora_adapters),
+            self.loaded.dtype,
+            packed=self.loaded.num_cpu_kernel_modules > 0
+            and self.loaded.dtype == torch.bfloat16
+            and cpu_ops.has_avx512_bf16(),
         )
         if config.lora_adapters:
             log.info("LoRA adapters %s", ", ".join(name for name, _ in config.lora_adapters))

@@ -22,6 +22,7 @@ from tests.gpu_worker.test_parity import (
 from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
 from tests.quantized_mode import as_reference
 from tgq.batcher.offline import OfflineEngine
+from tgq.devtools.random_lora import write_random_adapter as write_random_adapter_without_peft
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
 
@@ -157,3 +158,16 @@ def test_bf16_on_the_cpu_kernels_is_what_merged_peft_would_pick(
     assert [(r.token_ids, r.logprobs) for r in base_only] == [
         (r.token_ids, r.logprobs) for r in plain
     ]
+
+
+def test_the_devtools_adapter_is_peft_format(lora_model: tuple[Path, dict[str, Path]]) -> None:
+    """`devtools.random_lora` (the benchmark's adapters, written without peft) loads in peft,
+    and tgq's output with it equals transformers with it merged."""
+    base, _ = lora_model
+    path = write_random_adapter_without_peft(base, base.parent / "devtools-r8", rank=8, std=0.05)
+    adapters = {"devtools": path}
+    [prompt] = prompts(1, 512, 9, (20, 20))
+    [result] = lora_engine(base, adapters).generate(
+        [prompt], max_new_tokens=NUM_NEW, adapters=["devtools"]
+    )
+    assert result.token_ids == reference(base, adapters, "devtools", prompt)
