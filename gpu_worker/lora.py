@@ -140,9 +140,9 @@ def load_adapters(
         assert isinstance(linear, Linear)
         layout = tuple(slot for slot, a, _ in held for _ in range(a.shape[0]))
         columns = layouts.setdefault(layout, torch.tensor(layout, device=held[0][1].device))
-        a = _linear(torch.cat([a for _, a, _ in held]), packed=packed)
-        b = _linear(torch.cat([b for _, _, b in held], dim=1), packed=packed)
-        linear.lora = LoraTerm(rows, a, b, columns)
+        a_all = _linear(torch.cat([a for _, a, _ in held]), packed=packed)
+        b_all = _linear(torch.cat([b for _, _, b in held], dim=1), packed=packed)
+        linear.lora = LoraTerm(rows, a_all, b_all, columns)
     return Adapters(model, slots, rows, model.replay)
 
 
