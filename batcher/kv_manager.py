@@ -97,6 +97,11 @@ class KVManager:
         self.num_prefix_query_tokens += num_query_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
 
+    def cached_block_hashes(self, max_count: int) -> list[BlockHash]:
+        """The keys of cached blocks (in use or evictable), the `max_count` most recently
+        cached; what a batcher advertises to the api's router (`transport.routing`)."""
+        return list(self._hash_to_block)[-max_count:] if max_count > 0 else []
+
     def grow_blocks(
         self, request_id: str, num_tokens: int, cached_block_ids: Sequence[int] = ()
     ) -> list[int] | None:

@@ -24,13 +24,13 @@ the runner has verified them, the request keeps the KV of its accepted tokens on
 from __future__ import annotations
 
 import bisect
-import hashlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.kv_manager import KVManager, expect_integrity
+from tgq.batcher.prefix_hashes import adapter_salt
 from tgq.batcher.request import Priority, Request, RequestStatus
 from tgq.batcher.scheduler_output import SchedulerOutput, StepBuilder
 from tgq.batcher.speculation import Speculation
@@ -191,9 +191,7 @@ class Scheduler:
         salt = b""
         if self.model is not None:
             salt = self.model.prefix_cache_salt(request.num_prompt_tokens, request.num_tokens)
-        if request.adapter is None:
-            return salt
-        return hashlib.sha256(b"adapter\0" + request.adapter.encode() + b"\0" + salt).digest()
+        return adapter_salt(request.adapter, salt)
 
     def _schedule_running(self, step: StepBuilder) -> None:
         for request in list(self.running):

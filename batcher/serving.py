@@ -26,11 +26,13 @@ from tgq.batcher import tracing
 from tgq.batcher.active import ActiveRequest
 from tgq.batcher.engine import LLMEngine, RequestOutput
 from tgq.batcher.grammar_compiler import GrammarStats
+from tgq.batcher.kv_manager import BlockHash
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.ranks import WorkerLostError
 from tgq.batcher.request import FinishReason, Priority
 from tgq.batcher.speculation import SpeculationStats
 from tgq.batcher.transport.base import BatcherTransport, Delivery
+from tgq.batcher.transport.routing import SUMMARY_MAX_HASHES
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class ServingConfig:
     batcher_id: str
     idle_block_ms: int = 500
     heartbeat_interval_s: float = 2.0
+    prefix_summary_interval_s: float = 0.25  # advertised prefixes, when changed (`routing.py`)
     reclaim_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
     max_backoff_s: float = 5.0
@@ -67,6 +70,8 @@ class Batcher:
         self._outbox_finals: list[tuple[FinalResult, list[Delivery]]] = []  # published, then acked
         self._next_heartbeat = 0.0
         self._next_reclaim = 0.0
+        self._next_summary = 0.0
+        self._advertised: list[BlockHash] | None = None
         tracer = tracing.tracer()
         self.spans = None if tracer is None else tracing.RequestSpans(tracer)
         transport.poll_aborts(config.batcher_id)  # start the abort cursor before any pull
@@ -139,11 +144,25 @@ class Batcher:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.config.heartbeat_interval_s
             self.transport.heartbeat(self.heartbeat())
+            self._advertise_prefixes(now, is_refresh=True)
+        else:
+            self._advertise_prefixes(now, is_refresh=False)
         if now >= self._next_reclaim:
             self._next_reclaim = now + self.config.reclaim_interval_s
             num_reclaimed = self.transport.reclaim(self.batcher_id)
             if num_reclaimed:
                 log.warning("requeued %d requests of dead batchers", num_reclaimed)
+
+    def _advertise_prefixes(self, now: float, *, is_refresh: bool) -> None:
+        """The prefix-cache keys it holds, for the api's router: when they changed (checked every
+        `prefix_summary_interval_s`), and with each heartbeat, whose expiry they share."""
+        if not is_refresh and now < self._next_summary:
+            return
+        self._next_summary = now + self.config.prefix_summary_interval_s
+        keys = self.engine.scheduler.kv.cached_block_hashes(SUMMARY_MAX_HASHES)
+        if is_refresh or keys != self._advertised:
+            self.transport.publish_prefixes(self.batcher_id, keys)
+            self._advertised = keys
 
     def heartbeat(self) -> Heartbeat:
         scheduler, kv = self.engine.scheduler, self.engine.scheduler.kv

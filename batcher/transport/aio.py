@@ -48,6 +48,7 @@ from tgq.batcher.transport.redis_wire import (
     ms,
     stream_entries,
 )
+from tgq.batcher.transport.router import PrefixRouter
 from tgq.batcher.transport.token_hub import TokenHub
 
 log = logging.getLogger(__name__)
@@ -133,8 +134,11 @@ class AsyncRedisApiTransport:
         config: TransportConfig | None = None,
         *,
         max_block_ms: int = block_cap_ms(SOCKET_TIMEOUT_S),
+        cache_routing: bool = True,
     ) -> None:
-        """`max_block_ms` must stay under the client's socket timeout (`block_cap_ms`)."""
+        """`max_block_ms` must stay under the client's socket timeout (`block_cap_ms`);
+        `cache_routing`: enqueue a request for the batcher that holds its prefix (`routing.py`),
+        else always to the shared queue."""
         self.client = client
         self.keys = RedisKeys(prefix)
         self.config = config or TransportConfig()
@@ -142,6 +146,9 @@ class AsyncRedisApiTransport:
         self._create_groups = client.register_script(CREATE_GROUPS)
         hub_block_ms = min(HUB_BLOCK_MS, max_block_ms)
         self._hub = TokenHub(client, self.keys.hub_wake(uuid.uuid4().hex), block_ms=hub_block_ms)
+        self._router = None
+        if cache_routing:
+            self._router = PrefixRouter(client, self.keys, self.live_batchers)
 
     @classmethod
     def from_url(
@@ -151,6 +158,7 @@ class AsyncRedisApiTransport:
         config: TransportConfig | None = None,
         *,
         max_connections: int = 256,
+        cache_routing: bool = True,
     ) -> AsyncRedisApiTransport:
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -167,13 +175,19 @@ class AsyncRedisApiTransport:
             # the installed package's metadata (files on disk).
             driver_info=DriverInfo(),
         )
-        return cls(aioredis.Redis(connection_pool=pool), prefix, config)
+        client = aioredis.Redis(connection_pool=pool)
+        return cls(client, prefix, config, cache_routing=cache_routing)
 
     async def submit(self, requests: list[SubmitRequest]) -> None:
+        router = self._router
+        targets = await router.targets(requests) if router else [None] * len(requests)
         pipe = self.client.pipeline(transaction=False)
         known_ms = ms(self.config.final_ttl_s)
-        for request in requests:
-            pipe.xadd(self.keys.queue(request.priority), message_fields(request))
+        for request, target in zip(requests, targets, strict=True):
+            if router is not None and target is not None:
+                await router.enqueue(pipe, request, target)
+            else:
+                pipe.xadd(self.keys.queue(request.priority), message_fields(request))
             pipe.set(self.keys.known(request.request_id), 1, px=known_ms)
         await pipe.execute()
 
@@ -227,9 +241,12 @@ class AsyncRedisApiTransport:
         return [decode_as(v, Heartbeat) for v in values if v is not None]
 
     async def queue_depth(self) -> int:
+        routed: Any = await self.client.smembers(self.keys.routed_batchers)
         pipe = self.client.pipeline(transaction=False)
         for priority in Priority:
             pipe.xlen(self.keys.queue(priority))
+            for batcher_id in routed:
+                pipe.xlen(self.keys.routed(priority, batcher_id.decode()))
         return sum(await pipe.execute())
 
     async def pull_finals(self, consumer: str, max_count: int, block_ms: int) -> list[StoredFinal]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from tgq.batcher.kv_manager import BlockHash
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.request import FinishReason, Priority
 
@@ -50,11 +51,13 @@ class TransportConfig:
 @dataclass(frozen=True, slots=True)
 class Delivery:
     """A pulled request, pending to the batcher until acked. `entry_id` is the transport's handle;
-    `is_aborted`: an abort for it arrived before it was pulled."""
+    `is_aborted`: an abort for it arrived before it was pulled; `queue`: the transport's queue
+    that holds it (Redis: the shared stream or the batcher's routed one; "" in process)."""
 
     entry_id: str
     request: SubmitRequest
     is_aborted: bool = False
+    queue: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +155,14 @@ class BatcherTransport(Protocol):
 
     def heartbeat(self, beat: Heartbeat) -> None: ...
 
+    def publish_prefixes(self, batcher_id: str, keys: list[BlockHash]) -> None:
+        """Advertises the prefix-cache keys this batcher holds, for cache-aware routing
+        (`routing.py`); replaces the previous set, which lapses with the heartbeat."""
+        ...
+
     def reclaim(self, batcher_id: str, max_count: int = 100) -> int:
-        """Requeues (or fails, past max attempts) entries of dead batchers; returns how many."""
+        """Requeues (or fails, past max attempts) entries of dead batchers, and moves what was
+        routed to them to the shared queue; returns how many."""
         ...
 
     def recover(self, batcher_id: str, max_count: int = 1000) -> int:

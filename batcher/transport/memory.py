@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from tgq.batcher.kv_manager import BlockHash
 from tgq.batcher.messages import FinalResult, Heartbeat, SubmitRequest, TokenEvent
 from tgq.batcher.request import Priority
 from tgq.batcher.transport.base import (
@@ -231,6 +232,9 @@ class MemoryTransport:
         expiry = time.monotonic() + self.config.heartbeat_ttl_s
         with self._changed:
             self._heartbeats[beat.batcher_id] = (beat, expiry)
+
+    def publish_prefixes(self, batcher_id: str, keys: list[BlockHash]) -> None:
+        """Nothing to route to: one process runs one batcher."""
 
     def reclaim(self, batcher_id: str, max_count: int = 100) -> int:
         now = time.monotonic()

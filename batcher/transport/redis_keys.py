@@ -4,6 +4,16 @@ can share a server:
 {p}:queue:interactive, {p}:queue:bulk   streams of submits; one consumer group "batchers",
                                         each batcher one consumer. Acked entries are deleted
                                         (Postgres is the record, not the stream).
+{p}:queue:{priority}:to:{batcher_id}    streams of submits routed to one batcher (`routing.py`),
+                                        same group; it reads its own before the shared ones.
+                                        Written only while its heartbeat is there (one script
+                                        checks and adds), so once it is gone any batcher's
+                                        reclaim moves what is left to the shared queue, then
+                                        deletes the streams.
+{p}:routed                              set of the batcher ids that have routed streams.
+{p}:prefixes:{batcher_id}               set of the prefix-cache keys the batcher holds (its
+                                        newest cached blocks, each key's first 8 bytes),
+                                        replaced when it changes, expiring with its heartbeat.
 {p}:tokens:{request_id}                 stream of token events with explicit ids `0-(seq+1)`,
                                         then `1-0` once the final result is stored. Redis
                                         rejects an id not above the last, which gives the
@@ -65,6 +75,16 @@ class RedisKeys:
 
     def queue(self, priority: Priority) -> str:
         return f"{self.prefix}:queue:{priority.name.lower()}"
+
+    def routed(self, priority: Priority, batcher_id: str) -> str:
+        return f"{self.queue(priority)}:to:{batcher_id}"
+
+    @property
+    def routed_batchers(self) -> str:
+        return f"{self.prefix}:routed"
+
+    def prefixes(self, batcher_id: str) -> str:
+        return f"{self.prefix}:prefixes:{batcher_id}"
 
     def tokens(self, request_id: str) -> str:
         return f"{self.prefix}:tokens:{request_id}"
