@@ -82,7 +82,7 @@ def warm_up(
     submit(transport, "r0", STOPPING)
     holder, keys = final(transport, "r0").batcher_id, RedisKeys(prefix)
     last = summary_member(prompt_block_hashes(PREFIX, BLOCK_SIZE)[-1])
-    eventually(lambda: client.sismember(keys.prefixes(holder), last), 10, "prefix advertised")
+    eventually(lambda: client.smismember(keys.prefixes(holder), [last])[0], 10, "prefix advertised")
     return holder, keys
 
 
