@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tgq.gpu_worker.layers.linear import Linear
 from tgq.gpu_worker.models.decoder import MLP, Attention, DecoderForCausalLM
-from tgq.kernels.replay import OpReplay
 
 BASE = 0  # the adapter slot of rows that take none
 _PEFT_PREFIX = "base_model.model."
@@ -74,7 +74,7 @@ class AdapterRows:
         return mask
 
 
-class LoraTerm:
+class LoraTerm(nn.Module):
     """One linear's adapters, all in one low-rank pair: A [R, K] the adapters' A's stacked, B
     [N, R] theirs side by side (scale folded in), rank column r belonging to adapter
     `columns[r]`. Each row's term is `((x @ A^T) * its mask) @ B^T`: two dense matmuls for
@@ -85,10 +85,13 @@ class LoraTerm:
     these shapes)."""
 
     def __init__(self, rows: AdapterRows, a: Linear, b: Linear, columns: torch.Tensor) -> None:
+        super().__init__()
         self.rows = rows
-        self.a, self.b, self.columns = a, b, columns
+        self.a, self.b = a, b
+        self.columns: torch.Tensor  # [R] int64
+        self.register_buffer("columns", columns, persistent=False)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [T, K], [T, N]
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [T, K], [T, N]
         if self.rows.slots is None:
             return out
         h = self.a(x).mul_(self.rows.mask(self.columns, x.dtype))
@@ -102,19 +105,17 @@ class Adapters:
     model: DecoderForCausalLM
     slots: dict[str, int]  # adapter name -> slot
     rows: AdapterRows
-    replay: OpReplay | None  # the model's recorded decode steps, for steps without adapters
 
     def slot(self, name: str | None) -> int:
         """An adapter's slot (BASE for None); KeyError for a name not loaded."""
         return BASE if name is None else self.slots[name]
 
     def use(self, slots: list[int], device: torch.device) -> None:
-        """`slots`: the adapter slot of each token row of the step, in row order. A step with
-        adapter rows runs without the recorded ops (`kernels.replay`): which rows take which
-        adapter changes the ops; a step of base rows only runs them, and records only base
-        steps."""
+        """`slots`: the adapter slot of each token row of the step, in row order. The rows'
+        slots are an input of the model's recorded decode steps (`kernels.replay`): the LoRA
+        ops depend on whether the step has adapter rows, not on which."""
         self.rows.use(slots, device)
-        self.model.replay = None if self.rows.slots is not None else self.replay
+        self.model.replay_inputs = [] if self.rows.slots is None else [self.rows.slots]
 
 
 def load_adapters(
@@ -143,7 +144,7 @@ def load_adapters(
         a_all = _linear(torch.cat([a for _, a, _ in held]), packed=packed)
         b_all = _linear(torch.cat([b for _, _, b in held], dim=1), packed=packed)
         linear.lora = LoraTerm(rows, a_all, b_all, columns)
-    return Adapters(model, slots, rows, model.replay)
+    return Adapters(model, slots, rows)
 
 
 def _linear(weight: torch.Tensor, *, packed: bool) -> Linear:

@@ -324,6 +324,9 @@ class DecoderForCausalLM(nn.Module):
         self.greedy_head: GreedyHead | None = None  # set by use_cpu_kernels where it can run
         self.experts_choices: Choices | None = None  # set by use_cpu_kernels for fused experts
         self.replay: OpReplay | None = None  # likewise
+        # Tensors this step's layers read besides their inputs and parameters (the LoRA rows'
+        # adapter slots, `gpu_worker.lora`): inputs of the recorded ops, their count in the key.
+        self.replay_inputs: list[torch.Tensor] = []
         self.kernel_choices: Choices | None = None  # set by linear_kernels
 
     @classmethod
@@ -504,7 +507,12 @@ class DecoderForCausalLM(nn.Module):
             # Everything `_layers` reads that is not a parameter of this model is an input.
             ropes = [cos, sin, *(local or ())]
             inputs = [x, *ropes, *tensors_of(meta), *(t for kv in kv_caches for t in kv)]
-            return self.replay((x.shape[0], key), inputs, lambda: self._layers(x, kv_caches, ctx))
+            inputs += self.replay_inputs
+            return self.replay(
+                (x.shape[0], key, len(self.replay_inputs)),
+                inputs,
+                lambda: self._layers(x, kv_caches, ctx),
+            )
         return self._layers(x, kv_caches, ctx)
 
     def _layers(

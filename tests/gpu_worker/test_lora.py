@@ -153,6 +153,11 @@ def test_bf16_on_the_cpu_kernels_is_what_merged_peft_would_pick(
         adapter = None if name is None else adapters[name]
         reference_model = merged_model(base, adapter).to(torch.bfloat16)
         assert_within_tolerance(base, [result], reference_model)
+    assert isinstance(engine.runner, ModelRunner)
+    replay = engine.runner.loaded.model.replay
+    if replay is not None:  # decode steps with adapter rows replayed too (the slots an input)
+        assert not replay.refusals
+        assert any(num_inputs == 1 for _, _, num_inputs in replay.keys)
     base_only = engine.generate(batch, GREEDY_WITH_LOGPROBS, max_new_tokens=BF16_NUM_NEW)
     plain = bf16_engine({}).generate(batch, GREEDY_WITH_LOGPROBS, max_new_tokens=BF16_NUM_NEW)
     assert [(r.token_ids, r.logprobs) for r in base_only] == [

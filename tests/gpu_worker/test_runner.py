@@ -332,9 +332,9 @@ def test_decode_steps_replayed_from_their_recording_are_unchanged(
             model.replay = None
         out = OfflineEngine(runner).generate(prompts, params, max_new_tokens=12, chunk_size=5)
         if model.replay is not None:  # 9, 4 and 11 tokens, 5 a step: the first steps mix both
-            keys = cast(list[tuple[int, object]], model.replay.keys)
+            keys = cast(list[tuple[int, object, int]], model.replay.keys)
             assert keys and not model.replay.refusals
-            assert {rows for rows, _ in keys} <= {1, 2, 3}
+            assert {rows for rows, _, _ in keys} <= {1, 2, 3}
         return [(g.token_ids, g.logprobs) for g in out]
 
     replayed = generate(replay=True)
