@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -157,7 +157,8 @@ def test_bf16_on_the_cpu_kernels_is_what_merged_peft_would_pick(
     replay = engine.runner.loaded.model.replay
     if replay is not None:  # decode steps with adapter rows replayed too (the slots an input)
         assert not replay.refusals
-        assert any(num_inputs == 1 for _, _, num_inputs in replay.keys)
+        keys = cast(list[tuple[int, object, int]], replay.keys)
+        assert any(num_inputs == 1 for _, _, num_inputs in keys)
     base_only = engine.generate(batch, GREEDY_WITH_LOGPROBS, max_new_tokens=BF16_NUM_NEW)
     plain = bf16_engine({}).generate(batch, GREEDY_WITH_LOGPROBS, max_new_tokens=BF16_NUM_NEW)
     assert [(r.token_ids, r.logprobs) for r in base_only] == [
