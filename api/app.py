@@ -196,7 +196,10 @@ async def _start(settings: Settings, make_starter: StarterFactory) -> AppState:
     if settings.redis_url:
         max_connections = settings.max_concurrent_requests * 2 + 32  # readers block on theirs
         transport = AsyncRedisApiTransport.from_url(
-            settings.redis_url, settings.redis_prefix, max_connections=max_connections
+            settings.redis_url,
+            settings.redis_prefix,
+            max_connections=max_connections,
+            cache_routing=settings.cache_routing,
         )
     else:
         from tgq.batcher.embedded import EmbeddedBatcher

@@ -79,6 +79,12 @@ class Settings(BatcherOptions):
         30.0, gt=0, description="a batch's runner silent this long is replaced"
     )
 
+    # Cache-aware routing (`batcher.transport.routing`): with Redis, a request whose prefix a
+    # live batcher holds is enqueued for that batcher unless it is much busier than the others.
+    cache_routing: bool = Field(
+        True, description="enqueue a request for the batcher that holds its prefix"
+    )
+
     # The reconciler: open items older than `reconcile_grace_s` that the transport has lost are
     # enqueued again, checked every `reconcile_interval_s` (0: off).
     reconcile_interval_s: float = Field(30.0, ge=0, description="reconciler period (0: off)")

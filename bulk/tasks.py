@@ -31,7 +31,9 @@ def run_batch_task(batch_id: str) -> str:
 async def _run_batch(settings: Settings, batch_id: str) -> str:
     db = create_engine(settings.database_url)
     transport = AsyncRedisApiTransport.from_url(
-        settings.redis_url or DEFAULT_BROKER, settings.redis_prefix
+        settings.redis_url or DEFAULT_BROKER,
+        settings.redis_prefix,
+        cache_routing=settings.cache_routing,
     )
     tokenizer = ModelTokenizer.from_model_dir(
         model_dir_of(settings), max_workers=settings.validation_workers
@@ -58,7 +60,9 @@ def reconcile() -> int:
 async def _reconcile(settings: Settings) -> int:
     db = create_engine(settings.database_url, poolclass=NullPool)
     redis_url = settings.redis_url or DEFAULT_BROKER
-    transport = AsyncRedisApiTransport.from_url(redis_url, settings.redis_prefix)
+    transport = AsyncRedisApiTransport.from_url(
+        redis_url, settings.redis_prefix, cache_routing=settings.cache_routing
+    )
 
     async def start(batch_id: str) -> None:
         await asyncio.to_thread(send_run_batch, settings, batch_id)
