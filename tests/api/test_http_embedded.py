@@ -68,3 +68,37 @@ def test_structured_output_runs_embedded(embedded: Stack) -> None:
     answer = httpx.post(f"{embedded.url}/v1/chat/completions", json=body, timeout=60).json()
     assert answer["choices"][0]["message"]["content"] in ("alpha", "beta")
     assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+def test_key_limits_and_usage_embedded(text_model_dir: Path, tmp_path: Path) -> None:
+    """Keys in SQLite, limits counted in memory (no Redis): the same rule and the same usage."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'tgq.db'}"
+    env = {"AUTO_MIGRATE": "true", "REQUIRE_API_KEYS": "true", "API_KEY": "admin"}
+    stack = Stack(text_model_dir, url, tmp_path, redis_url=None, api_env=env)
+    try:
+        stack.start_api()
+        admin = {"Authorization": "Bearer admin"}
+        limits = {"name": "laptop", "rpm": 2, "max_queued_jobs": 1}
+        key = httpx.post(f"{stack.url}/admin/keys", json=limits, headers=admin).json()["key"]
+        headers = {"Authorization": f"Bearer {key}"}
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 3, "ignore_eos": True}}
+        answers = [httpx.post(f"{stack.url}/generate", json=body, headers=headers, timeout=60)
+                   for _ in range(3)]  # fmt: skip
+        assert [a.status_code for a in answers] == [200, 200, 429]
+        assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["1", "0", "0"]
+        assert answers[2].json()["error"] == (
+            "Rate limit reached for this API key: 2 requests per minute"
+        )
+
+        def usage() -> dict[str, Any] | None:
+            rows = httpx.get(f"{stack.url}/v1/usage", headers=headers).json()["data"]
+            return rows[0] if rows and rows[0]["requests"] == 2 else None
+
+        row = eventually(usage, 30, "the two answered requests in /v1/usage")
+        assert row is not None and (row["completion_tokens"], row["model"]) == (6, "tgq-test")
+        job = {"prompt": ["a"] * 16, "parameters": {"max_new_tokens": 32}}
+        first = httpx.post(f"{stack.url}/v1/jobs", json=job, headers=headers, timeout=60)
+        second = httpx.post(f"{stack.url}/v1/jobs", json=job, headers=headers, timeout=60)
+        assert (first.status_code, second.status_code) == (202, 429)
+    finally:
+        stack.stop()
