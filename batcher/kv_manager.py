@@ -26,6 +26,7 @@ evicted before its head.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
@@ -99,8 +100,9 @@ class KVManager:
 
     def cached_block_hashes(self, max_count: int) -> list[BlockHash]:
         """The keys of cached blocks (in use or evictable), the `max_count` most recently
-        cached; what a batcher advertises to the api's router (`transport.routing`)."""
-        return list(self._hash_to_block)[-max_count:] if max_count > 0 else []
+        cached, newest first; what a batcher advertises to the api's router
+        (`transport.routing`)."""
+        return list(itertools.islice(reversed(self._hash_to_block), max_count))
 
     def grow_blocks(
         self, request_id: str, num_tokens: int, cached_block_ids: Sequence[int] = ()

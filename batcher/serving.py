@@ -42,7 +42,7 @@ class ServingConfig:
     batcher_id: str
     idle_block_ms: int = 500
     heartbeat_interval_s: float = 2.0
-    prefix_summary_interval_s: float = 0.25  # advertised prefixes, when changed (`routing.py`)
+    prefix_summary_interval_s: float = 0.05  # newly cached prefixes advertised (`routing.py`)
     reclaim_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
     max_backoff_s: float = 5.0
@@ -71,7 +71,7 @@ class Batcher:
         self._next_heartbeat = 0.0
         self._next_reclaim = 0.0
         self._next_summary = 0.0
-        self._advertised: list[BlockHash] | None = None
+        self._advertised: set[BlockHash] = set()
         tracer = tracing.tracer()
         self.spans = None if tracer is None else tracing.RequestSpans(tracer)
         transport.poll_aborts(config.batcher_id)  # start the abort cursor before any pull
@@ -154,15 +154,19 @@ class Batcher:
                 log.warning("requeued %d requests of dead batchers", num_reclaimed)
 
     def _advertise_prefixes(self, now: float, *, is_refresh: bool) -> None:
-        """The prefix-cache keys it holds, for the api's router: when they changed (checked every
-        `prefix_summary_interval_s`), and with each heartbeat, whose expiry they share."""
+        """The prefix-cache keys it holds, for the api's router: the ones cached since, every
+        `prefix_summary_interval_s`; all of them, replacing the set (evicted keys go), with
+        each heartbeat, whose expiry the set shares."""
         if not is_refresh and now < self._next_summary:
             return
         self._next_summary = now + self.config.prefix_summary_interval_s
         keys = self.engine.scheduler.kv.cached_block_hashes(SUMMARY_MAX_HASHES)
-        if is_refresh or keys != self._advertised:
-            self.transport.publish_prefixes(self.batcher_id, keys)
-            self._advertised = keys
+        if is_refresh:
+            self.transport.publish_prefixes(self.batcher_id, keys, replace=True)
+            self._advertised = set(keys)
+        elif new_keys := [key for key in keys if key not in self._advertised]:
+            self.transport.publish_prefixes(self.batcher_id, new_keys, replace=False)
+            self._advertised.update(new_keys)
 
     def heartbeat(self) -> Heartbeat:
         scheduler, kv = self.engine.scheduler, self.engine.scheduler.kv

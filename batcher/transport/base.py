@@ -155,9 +155,9 @@ class BatcherTransport(Protocol):
 
     def heartbeat(self, beat: Heartbeat) -> None: ...
 
-    def publish_prefixes(self, batcher_id: str, keys: list[BlockHash]) -> None:
-        """Advertises the prefix-cache keys this batcher holds, for cache-aware routing
-        (`routing.py`); replaces the previous set, which lapses with the heartbeat."""
+    def publish_prefixes(self, batcher_id: str, keys: list[BlockHash], *, replace: bool) -> None:
+        """Advertises prefix-cache keys this batcher holds, for cache-aware routing
+        (`routing.py`): added to its set, or replacing it (which lapses with the heartbeat)."""
         ...
 
     def reclaim(self, batcher_id: str, max_count: int = 100) -> int:

@@ -233,7 +233,7 @@ class MemoryTransport:
         with self._changed:
             self._heartbeats[beat.batcher_id] = (beat, expiry)
 
-    def publish_prefixes(self, batcher_id: str, keys: list[BlockHash]) -> None:
+    def publish_prefixes(self, batcher_id: str, keys: list[BlockHash], *, replace: bool) -> None:
         """Nothing to route to: one process runs one batcher."""
 
     def reclaim(self, batcher_id: str, max_count: int = 100) -> int:

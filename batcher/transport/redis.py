@@ -245,10 +245,11 @@ class RedisBatcherTransport:
         key = self.keys.heartbeat(beat.batcher_id)
         self.client.set(key, encode(beat), px=ms(self.config.heartbeat_ttl_s))
 
-    def publish_prefixes(self, batcher_id: str, keys: list[BlockHash]) -> None:
+    def publish_prefixes(self, batcher_id: str, keys: list[BlockHash], *, replace: bool) -> None:
         key = self.keys.prefixes(batcher_id)
         pipe = self.client.pipeline()
-        pipe.delete(key)
+        if replace:
+            pipe.delete(key)
         if keys:
             pipe.sadd(key, *(summary_member(k) for k in keys))
         pipe.pexpire(key, ms(self.config.heartbeat_ttl_s))

@@ -12,8 +12,9 @@ can share a server:
                                         deletes the streams.
 {p}:routed                              set of the batcher ids that have routed streams.
 {p}:prefixes:{batcher_id}               set of the prefix-cache keys the batcher holds (its
-                                        newest cached blocks, each key's first 8 bytes),
-                                        replaced when it changes, expiring with its heartbeat.
+                                        newest cached blocks, each key's first 8 bytes):
+                                        new keys added, all replaced with each heartbeat,
+                                        expiring with it.
 {p}:tokens:{request_id}                 stream of token events with explicit ids `0-(seq+1)`,
                                         then `1-0` once the final result is stored. Redis
                                         rejects an id not above the last, which gives the

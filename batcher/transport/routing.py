@@ -1,8 +1,10 @@
 """Cache-aware routing: which batcher a request is enqueued for (the decision; its Redis side is
 `router.PrefixRouter`, the batcher's side `redis.RedisBatcherTransport`).
 
-Each batcher advertises the prefix-cache keys of its newest cached blocks (`publish_prefixes`,
-at most `SUMMARY_MAX_HASHES` keys cut to `SUMMARY_KEY_BYTES` bytes: 32 KiB per batcher at most).
+Each batcher advertises the prefix-cache keys of its newest cached blocks, cut to
+`SUMMARY_KEY_BYTES` bytes (`publish_prefixes`): with each heartbeat its set is replaced by its
+newest `SUMMARY_MAX_HASHES` keys (32 KiB), and keys cached since are added every 50 ms; so the set
+holds at most that many plus the blocks cached within one heartbeat interval.
 The router computes the same keys for a prompt (`prefix_hashes.prompt_block_hashes`, at most
 `MAX_PROBE_BLOCKS` leading blocks) and counts, per batcher, how many leading blocks it holds.
 

@@ -23,7 +23,7 @@ def cached_after(prompt: list[int], adapter: str | None) -> tuple[list[bytes], i
     engine.adapter_names = frozenset({"a1"})
     stopping = StoppingParams(max_new_tokens=1, ignore_eos=True)
     engine.generate([prompt], stopping=stopping, adapters=[adapter])
-    keys = engine.scheduler.kv.cached_block_hashes(64)
+    keys = engine.scheduler.kv.cached_block_hashes(64)[::-1]  # oldest first
     second = engine.generate([prompt], stopping=stopping, adapters=[adapter])
     return keys, second[0].num_cached_tokens
 

@@ -94,7 +94,7 @@ def test_a_request_goes_to_the_batcher_holding_its_prefix(
 ) -> None:
     beat(batchers, "b0")
     beat(batchers, "b1")
-    batchers.publish_prefixes("b1", prompt_block_hashes(PROMPT, BLOCK_SIZE)[:2])
+    batchers.publish_prefixes("b1", prompt_block_hashes(PROMPT, BLOCK_SIZE)[:2], replace=True)
     submit(prefix, "r0")
     assert pulled(batchers, "b0") == []  # not in the shared queue
     [delivery] = batchers.pull("b1", 10, 0)
@@ -108,7 +108,7 @@ def test_a_much_busier_or_dead_holder_leaves_it_to_the_shared_queue(
 ) -> None:
     beat(batchers, "b0")
     beat(batchers, "b1", num_waiting=BUSY_MARGIN + 1)
-    batchers.publish_prefixes("b1", prompt_block_hashes(PROMPT, BLOCK_SIZE))
+    batchers.publish_prefixes("b1", prompt_block_hashes(PROMPT, BLOCK_SIZE), replace=True)
     submit(prefix, "r0")
     assert pulled(batchers, "b0") == ["r0"]
     beat(batchers, "b1")
@@ -123,7 +123,7 @@ def test_a_dead_batchers_routed_requests_run_elsewhere_exactly_once(
     keys = RedisKeys(prefix)
     beat(batchers, "b0")
     beat(batchers, "b1")
-    batchers.publish_prefixes("b1", prompt_block_hashes(PROMPT, BLOCK_SIZE))
+    batchers.publish_prefixes("b1", prompt_block_hashes(PROMPT, BLOCK_SIZE), replace=True)
     submit(prefix, "r0", "r1", "r2")
     with BlockingApiTransport.from_url(REDIS_URL, prefix, CONFIG) as api:
         assert api.queue_depth() == 3
