@@ -50,17 +50,29 @@ _UNSUPPORTED = {
 }
 
 
+# Steps of more token rows than this (prefills) run each adapter's runs of rows apart; smaller
+# ones (decodes) run every adapter over every row, masked (`LoraTerm`).
+MASKED_MAX_ROWS = 64
+
+
 @dataclass
 class AdapterRows:
     """Which adapter each token row of this step takes, shared by every LoRA linear."""
 
     slots: torch.Tensor | None = None  # [T] int64; None: every row the base model's
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # this step's, by layout
+    # Past MASKED_MAX_ROWS rows: (slot, start, stop) of each run of rows of one adapter
+    runs: list[tuple[int, int, int]] | None = None
 
     def use(self, slots: list[int], device: torch.device) -> None:
         """`slots`: the adapter slot of each token row of the step, in row order."""
         self.masks = {}
         self.slots = torch.tensor(slots, device=device) if any(slots) else None
+        self.runs = None
+        if self.slots is not None and len(slots) > MASKED_MAX_ROWS:
+            starts = [i for i in range(len(slots)) if i == 0 or slots[i] != slots[i - 1]]
+            stops = [*starts[1:], len(slots)]
+            self.runs = [(slots[a], a, b) for a, b in zip(starts, stops, strict=True) if slots[a]]
 
     def mask(self, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[T, R]: 1 where rank column r (of adapter `columns[r]`) is the row's adapter's, else
@@ -75,27 +87,41 @@ class AdapterRows:
 
 
 class LoraTerm(nn.Module):
-    """One linear's adapters, all in one low-rank pair: A [R, K] the adapters' A's stacked, B
-    [N, R] theirs side by side (scale folded in), rank column r belonging to adapter
-    `columns[r]`. Each row's term is `((x @ A^T) * its mask) @ B^T`: two dense matmuls for
-    every row of the step whatever its adapter (a base row's mask is all 0), which on these
-    ranks costs less than gathering each adapter's rows apart. Their cost grows with the total
-    rank of the adapters loaded. A and B are `Linear`s, so on the CPU kernels they run on the
-    packed bf16 kernel as the base linears do (torch's bf16 matmul is several times slower at
-    these shapes)."""
+    """One linear's adapters. A decode step's few rows take all of them in one low-rank pair:
+    A [R, K] the adapters' A's stacked, B [N, R] theirs side by side (scale folded in), rank
+    column r belonging to adapter `columns[r]`, each row's term `((x @ A^T) * its mask) @ B^T`
+    (a base row's mask is all 0): two matmuls whatever the adapters, which read every adapter's
+    weights once, as a decode step must, and replay as recorded ops. A prefill's many rows take
+    each adapter's own pair (`pairs`) over its runs of rows (the runner orders a step's chunks
+    by adapter), where the masked pair would multiply every row by every adapter. The pairs are
+    `Linear`s, so on the CPU kernels they run on the packed bf16 kernel as the base linears do
+    (torch's bf16 matmul is several times slower at these shapes)."""
 
-    def __init__(self, rows: AdapterRows, a: Linear, b: Linear, columns: torch.Tensor) -> None:
+    def __init__(
+        self,
+        rows: AdapterRows,
+        stacked: tuple[Linear, Linear],
+        columns: torch.Tensor,
+        pairs: dict[int, tuple[Linear, Linear]],
+    ) -> None:
         super().__init__()
         self.rows = rows
-        self.a, self.b = a, b
+        self.a, self.b = stacked
         self.columns: torch.Tensor  # [R] int64
         self.register_buffer("columns", columns, persistent=False)
+        self.pairs = nn.ModuleDict({str(slot): nn.ModuleList(pair) for slot, pair in pairs.items()})
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [T, K], [T, N]
         if self.rows.slots is None:
             return out
-        h = self.a(x).mul_(self.rows.mask(self.columns, x.dtype))
-        return out.add_(self.b(h))
+        if self.rows.runs is None:
+            h = self.a(x).mul_(self.rows.mask(self.columns, x.dtype))
+            return out.add_(self.b(h))
+        for slot, start, stop in self.rows.runs:
+            if str(slot) in self.pairs:
+                a, b = self.pairs[str(slot)].children()
+                out[start:stop].add_(b(a(x[start:stop])))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +169,8 @@ def load_adapters(
         columns = layouts.setdefault(layout, torch.tensor(layout, device=held[0][1].device))
         a_all = _linear(torch.cat([a for _, a, _ in held]), packed=packed)
         b_all = _linear(torch.cat([b for _, _, b in held], dim=1), packed=packed)
-        linear.lora = LoraTerm(rows, a_all, b_all, columns)
+        own = {slot: (_linear(a, packed=packed), _linear(b, packed=packed)) for slot, a, b in held}
+        linear.lora = LoraTerm(rows, (a_all, b_all), columns, own)
     return Adapters(model, slots, rows)
 
 

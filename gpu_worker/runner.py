@@ -191,8 +191,15 @@ class ModelRunner:
         if not plan.chunks:
             return StepResult()
         # Single-token chunks first: the attention backends batch them in one call. A chunk
-        # with drafts is single-token rows too (`_flatten`).
-        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1 and not c.num_drafts)
+        # with drafts is single-token rows too (`_flatten`). Then by LoRA adapter: each
+        # adapter's rows in runs (`lora.AdapterRows`).
+        chunks = sorted(
+            plan.chunks,
+            key=lambda c: (
+                c.num_new_tokens != 1 and not c.num_drafts,
+                self.sequences[c.request_id].adapter_slot,
+            ),
+        )
         for chunk in chunks:
             self.sequences[chunk.request_id].block_ids.extend(chunk.new_block_ids)
         chunks = self._model_drafts(chunks)
