@@ -67,6 +67,30 @@ redis.call('SREM', KEYS[2], ARGV[1])
 return 1
 """
 
+# Up to ARGV[3] new entries from the streams KEYS, in order (a batcher's routed queue, then the
+# shared one, priority by priority): exact counts in one round trip, which a multi-stream
+# XREADGROUP (COUNT per stream) cannot give. Replies as XREADGROUP's, raw. Missing groups are
+# created first (as `CREATE_GROUPS`): a NOGROUP error halfway would strand what was read before.
+_READ_IN_ORDER = """
+for _, stream in ipairs(KEYS) do
+  local reply = redis.pcall('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
+  if type(reply) == 'table' and reply.err and not string.find(reply.err, '^BUSYGROUP') then
+    return reply
+  end
+end
+local found, left = {}, tonumber(ARGV[3])
+for _, stream in ipairs(KEYS) do
+  if left <= 0 then break end
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS',
+    stream, '>')
+  if reply then
+    table.insert(found, reply[1])
+    left = left - #reply[1][2]
+  end
+end
+return found
+"""
+
 # SET NX the final result; only the winner closes the token stream and queues it to persist.
 _PUBLISH_FINAL = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -92,6 +116,7 @@ class RedisBatcherTransport:
         self._publish_final = client.register_script(_PUBLISH_FINAL)
         self._create_groups = client.register_script(CREATE_GROUPS)
         self._forget_routed = client.register_script(_FORGET_ROUTED)
+        self._read_in_order = client.register_script(_READ_IN_ORDER)
         self._held: dict[str, list[Delivery]] = {}  # pulled past max_count, returned next pull
         self._abort_cursors: dict[str, str] = {}
         self._max_block_ms = block_cap_ms(_socket_timeout_s(client))
@@ -128,14 +153,12 @@ class RedisBatcherTransport:
         if above is not None:  # never blocks; what is held for this batcher stays held
             outranking = [p for p in _PRIORITY_ORDER if p > above]
             streams = self._streams(batcher_id, outranking)
-            found = self._read_group(batcher_id, streams, max_count, None) if outranking else []
-            return self._mark_aborted(found)
+            return self._mark_aborted(self._read_streams(batcher_id, streams, max_count))
         held = self._held.pop(batcher_id, [])
         deliveries, rest = held[:max_count], held[max_count:]
-        for stream in self._streams(batcher_id, _PRIORITY_ORDER):
-            if len(deliveries) < max_count:
-                num_wanted = max_count - len(deliveries)
-                deliveries += self._read_group(batcher_id, [stream], num_wanted, None)
+        if len(deliveries) < max_count:
+            streams = self._streams(batcher_id, _PRIORITY_ORDER)
+            deliveries += self._read_streams(batcher_id, streams, max_count - len(deliveries))
         if not deliveries and block_ms > 0:
             # One entry per stream at most; the extra ones are held for the next pull.
             streams = self._streams(batcher_id, _PRIORITY_ORDER)
@@ -154,8 +177,28 @@ class RedisBatcherTransport:
         found: Any = self._in_group(
             lambda: self.client.xreadgroup(GROUP, batcher_id, cursors, count, block_ms), streams
         )
+        return self._deliveries(found or [])
+
+    def _read_streams(self, batcher_id: str, streams: list[str], count: int) -> list[Delivery]:
+        """Up to `count` new entries of `streams`, in their order, at once."""
+        if not streams or count <= 0:
+            return []
+        found: Any = self._read_in_order(keys=streams, args=[GROUP, batcher_id, count])
+        return self._deliveries(
+            [
+                (
+                    stream,
+                    [(entry_id, dict(pairwise_fields(fields))) for entry_id, fields in entries],
+                )
+                for stream, entries in found
+            ]
+        )
+
+    def _deliveries(self, found: list[Any]) -> list[Delivery]:
+        """The requests of an XREADGROUP reply (stream, [(entry id, fields)]); a malformed entry
+        is logged and deleted."""
         deliveries = []
-        for stream, entries in found or []:
+        for stream, entries in found:
             for entry_id, fields in entries:
                 try:
                     request = entry_message(fields, SubmitRequest)
@@ -359,6 +402,11 @@ class RedisBatcherTransport:
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
+
+
+def pairwise_fields(fields: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """A raw reply's flat field list [name, value, ...] as pairs."""
+    return list(zip(fields[::2], fields[1::2], strict=True))
 
 
 def _socket_timeout_s(client: redis.Redis) -> float | None:

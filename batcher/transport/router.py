@@ -67,15 +67,13 @@ class PrefixRouter:
                 pipe.xpending(stream, GROUP)
         num_probes = []
         for request in requests:
-            salt = adapter_salt(request.adapter)
+            members = _members(request, {beat.kv_block_size for beat in live})
             for beat in live:
-                keys = prompt_block_hashes(
-                    request.prompt_token_ids, beat.kv_block_size, salt, max_blocks=MAX_PROBE_BLOCKS
-                )
-                if keys:
-                    members = [summary_member(key) for key in keys]
-                    pipe.smismember(self.keys.prefixes(beat.batcher_id), members)
-                num_probes.append(len(keys))
+                if members[beat.kv_block_size]:
+                    pipe.smismember(
+                        self.keys.prefixes(beat.batcher_id), members[beat.kv_block_size]
+                    )
+                num_probes.append(len(members[beat.kv_block_size]))
         replies = iter(await pipe.execute(raise_on_error=False))
         loads = {beat.batcher_id: beat.num_running + beat.num_waiting for beat in live}
         for beat in live:
@@ -112,6 +110,20 @@ class PrefixRouter:
             self._live = await self._live_batchers()
             self._live_until = now + LIVE_REFRESH_S
         return self._live
+
+
+def _members(request: SubmitRequest, block_sizes: set[int]) -> dict[int, list[bytes]]:
+    """The summary members of the request's leading blocks, per block size."""
+    salt = adapter_salt(request.adapter)
+    return {
+        block_size: [
+            summary_member(key)
+            for key in prompt_block_hashes(
+                request.prompt_token_ids, block_size, salt, max_blocks=MAX_PROBE_BLOCKS
+            )
+        ]
+        for block_size in block_sizes
+    }
 
 
 def _num_undelivered(length: Any, pending: Any) -> int:
