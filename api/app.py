@@ -41,7 +41,7 @@ from tgq.api.observability import install_observability
 from tgq.api.persister import Persister, Running
 from tgq.api.reconciler import EpochWatch, reconcile_once, resume_batches
 from tgq.api.recorder import Recorder
-from tgq.api.security import install_security
+from tgq.api.security import RecentKeys, install_security
 from tgq.api.settings import Settings
 from tgq.api.shedding import ShedOverload
 from tgq.api.tokenizer import ModelTokenizer
@@ -147,7 +147,8 @@ def create_app(settings: Settings, *, batch_starter: StarterFactory) -> FastAPI:
     app.add_middleware(ShedOverload, state=lambda: getattr(app.state, "tgq", None))
     app.state.drain = Drain()
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
-    install_security(app, settings, verify_key if settings.require_api_keys else None)
+    recent = RecentKeys(verify_key, ttl_s=settings.key_cache_s) if settings.key_cache_s else None
+    install_security(app, settings, (recent or verify_key) if settings.require_api_keys else None)
     install_observability(app, settings)
     from tgq.api.routes import (  # they import `state_of`
         batches,

@@ -7,7 +7,9 @@ limit (the cheapest rejection, before any key lookup), auth.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
@@ -194,6 +196,34 @@ def _with(headers: list[tuple[bytes, bytes]], more: dict[str, str]) -> list[tupl
     present = {name.lower() for name, _ in headers}
     added = [(k.encode(), v.encode()) for k, v in more.items() if k.encode() not in present]
     return [*headers, *added]
+
+
+class RecentKeys:
+    """`verify` with each valid key's answer kept for `ttl_s`: a burst from one key costs one
+    database lookup, not one per request. So a revoked key, or a key's new limits, take effect
+    within `ttl_s` (on every replica). Keys that fail are looked up every time; at most
+    `max_keys` are kept (when full, all are dropped)."""
+
+    def __init__(self, verify: VerifyKey, *, ttl_s: float, max_keys: int = 10_000) -> None:
+        self._verify = verify
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self._found: dict[str, tuple[float, KeyAccess]] = {}  # sha256 of the key -> (until, key)
+
+    async def __call__(self, key: str) -> KeyAccess | None:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        now = time.monotonic()
+        found = self._found.get(digest)
+        if found is None or found[0] <= now:
+            checked = await self._verify(key)
+            if checked is None:
+                self._found.pop(digest, None)
+                return None
+            if len(self._found) >= self.max_keys:
+                self._found.clear()
+            found = self._found[digest] = (now + self.ttl_s, checked)
+        access = found[1]
+        return KeyAccess(access.key_id, access.name, access.limits)  # headers of its own
 
 
 def _bearer_key(headers: Headers) -> str | None:

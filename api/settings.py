@@ -104,6 +104,9 @@ class Settings(BatcherOptions):
     # Auth: when on, every route outside `public_routes` needs `Authorization: Bearer <key>`.
     api_key: str | None = Field(None, description="one static key, as TGI's --api-key")
     require_api_keys: bool = Field(False, description="require keys stored in the database")
+    # How long a replica trusts a stored key it has checked (revocations and new limits take
+    # effect within it); 0: every request looks its key up.
+    key_cache_s: float = Field(1.0, ge=0, description="a checked key is trusted this long")
     # The window a key's per-minute limits count over (`api/key_policy.py`); shorter only in tests.
     rate_limit_window_s: float = Field(60.0, gt=0, description="window of per-key rpm/tpm")
     public_routes: tuple[str, ...] = Field(

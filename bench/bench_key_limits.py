@@ -63,19 +63,19 @@ async def steady_phase(client: httpx.AsyncClient, url: str, key: str, count: int
     return sorted(t for t in times if t is not None)
 
 
-async def burst(client: httpx.AsyncClient, url: str, key: str, stop: asyncio.Event) -> list[int]:
-    """Back-to-back requests until `stop`; a 429 waits its `retry-after-ms`. [admitted, refused]"""
-    counts = [0, 0]
+async def burst(client: httpx.AsyncClient, url: str, key: str, counts: list[int]) -> None:
+    """Back-to-back requests until cancelled; a 429 waits its `retry-after-ms`. Counts
+    [admitted, refused] into `counts`."""
     headers = {"Authorization": f"Bearer {key}"}
-    while not stop.is_set():
+    while True:
         async with client.stream("POST", f"{url}/generate_stream", json=BODY, headers=headers) as r:
             await r.aread()
             if r.status_code == 429:
                 counts[1] += 1
                 await asyncio.sleep(int(r.headers["retry-after-ms"]) / 1000)
             else:
+                r.raise_for_status()
                 counts[0] += 1
-    return counts
 
 
 async def measure(url: str, keys: tuple[str, str], args: argparse.Namespace) -> dict[str, Any]:
@@ -86,21 +86,19 @@ async def measure(url: str, keys: tuple[str, str], args: argparse.Namespace) -> 
         await steady_phase(client, url, steady_key, 4)  # warm-up
         for _ in range(args.rounds):
             alone = await steady_phase(client, url, steady_key, args.requests)
-            stop = asyncio.Event()
+            counts = [0, 0]
             bursters = [
-                asyncio.create_task(burst(client, url, bursty_key, stop)) for _ in range(args.burst)
+                asyncio.create_task(burst(client, url, bursty_key, counts))
+                for _ in range(args.burst)
             ]
             loaded = await steady_phase(client, url, steady_key, args.requests)
-            stop.set()
-            counts = await asyncio.gather(*bursters)
+            for task in bursters:
+                task.cancel()
+            await asyncio.gather(*bursters, return_exceptions=True)
             rounds.append(
-                {
-                    "alone": alone,
-                    "burst": loaded,
-                    "bursty_admitted": sum(c[0] for c in counts),
-                    "bursty_refused": sum(c[1] for c in counts),
-                }
-            )
+                {"alone": alone, "burst": loaded, "bursty_admitted": counts[0],
+                 "bursty_refused": counts[1]}
+            )  # fmt: skip
     return {"rounds": rounds}
 
 
@@ -151,9 +149,7 @@ def main() -> None:
         model = write_text_model(Path(tmp) / "model")
         env = {"REQUIRE_API_KEYS": "true", "MAX_CONCURRENT_REQUESTS": "256"}
         stack = Stack(model, database_url, Path(tmp) / "logs", api_env=env)
-        bursty = KeyLimits(
-            rpm=args.rpm, max_concurrent=args.max_concurrent, priority=args.priority
-        )
+        bursty = KeyLimits(rpm=args.rpm, max_concurrent=args.max_concurrent, priority=args.priority)
         keys = asyncio.run(create_keys(database_url, bursty))
         try:
             stack.start_batcher()

@@ -20,8 +20,8 @@ from starlette.types import Message
 
 from tgq.api.db import api_keys, models
 from tgq.api.errors import install_error_handlers
-from tgq.api.key_policy import KeyAccess
-from tgq.api.security import VerifyKey, install_security
+from tgq.api.key_policy import KeyAccess, KeyLimits
+from tgq.api.security import RecentKeys, VerifyKey, install_security
 from tgq.api.settings import Settings
 
 LIMIT = 100
@@ -381,3 +381,25 @@ def never_disconnects() -> Callable[[], Awaitable[Message]]:
         return {"type": "http.request", "body": b"", "more_body": False}
 
     return receive
+
+
+def test_recent_keys_look_a_key_up_once_per_ttl() -> None:
+    calls: list[str] = []
+
+    async def verify(key: str) -> KeyAccess | None:
+        calls.append(key)
+        return KeyAccess(7, "team", KeyLimits(rpm=5)) if key == "good" else None
+
+    async def body() -> None:
+        recent = RecentKeys(verify, ttl_s=0.2)
+        first, second = await recent("good"), await recent("good")
+        assert first is not None and second is not None and first is not second
+        first.headers["x"] = "1"  # each request's headers are its own
+        assert (second.key_id, second.limits.rpm, second.headers) == (7, 5, {})
+        assert await recent("bad") is None and await recent("bad") is None
+        assert calls == ["good", "bad", "bad"]  # a failed key is looked up every time
+        await asyncio.sleep(0.25)  # the entry's time to live, passed
+        await recent("good")
+        assert calls == ["good", "bad", "bad", "good"]
+
+    asyncio.run(body())
