@@ -11,7 +11,8 @@ flight (prompt + max new tokens) are under `max_queued_tokens`. Otherwise: `Over
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tgq.api.errors import OverloadedError
@@ -46,6 +47,11 @@ class Ticket:
             self._admission.num_tokens -= self.num_tokens
 
 
+@dataclass(slots=True)
+class Submission:
+    is_queued: bool = False
+
+
 class Admission:
     def __init__(
         self,
@@ -74,6 +80,18 @@ class Admission:
         sees either the write or this note), or, negative, takes back ones that were not."""
         self._queue_depth += num_requests
         self.num_submissions += 1
+
+    @contextmanager
+    def submitting(self, num_requests: int) -> Iterator[Submission]:
+        """Counts `num_requests` about to be submitted for the body of the `with`, and takes them
+        back unless the body marks them `queued` (a failed write, an idempotent repeat)."""
+        submission = Submission()
+        self.note_submitted(num_requests)
+        try:
+            yield submission
+        finally:
+            if not submission.is_queued:
+                self.note_submitted(-num_requests)
 
     @property
     def queue_depth(self) -> int:

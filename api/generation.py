@@ -188,19 +188,19 @@ class Generation:
             api_key_id=api_key_id,
             deadline=_as_datetime(prompts[0].deadline),
         )
-        self.admission.note_submitted(len(requests))
         copies = num_copies(params)
         run = Run(job_id, prompts, requests, copies, ticket, ticket.admitted_at, validated_at)
         run.key = key
         if key is not None and key.limits.is_rated:
             run.holds_lease, run.num_tokens_charged = True, num_tokens
-        try:
-            await self.recorder.submit(job, requests)
-        except BaseException:
-            self.admission.note_submitted(-len(requests))
-            run.num_tokens_charged = 0  # it never ran
-            self._release_key(run)
-            raise
+        with self.admission.submitting(len(requests)) as submission:
+            try:
+                await self.recorder.submit(job, requests)
+            except BaseException:
+                run.num_tokens_charged = 0  # it never ran
+                self._release_key(run)
+                raise
+            submission.is_queued = True
         run.keep_events = keep_events
         self._runs[job_id] = run
         return run

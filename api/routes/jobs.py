@@ -187,16 +187,12 @@ async def create_job(
         metadata=body.metadata,
     )
     recorder, admission = state.generation.recorder, state.generation.admission
-    admission.note_submitted(len(requests))  # before the write (`Admission.note_submitted`)
-    is_new = False
-    try:
+    with admission.submitting(len(requests)) as submission:  # counted before the write
         if idempotency_key is None and (key is None or key.limits.max_queued_jobs is None):
             record, is_new = await recorder.submit(job, requests), True
-        else:
+        else:  # an Idempotency-Key's earlier job is not queued again
             record, is_new = await recorder.submit_alone(job, requests, key=key)
-    finally:
-        if not is_new:  # failed, or the key's earlier job: nothing new queued
-            admission.note_submitted(-len(requests))
+        submission.is_queued = is_new
     if not is_new and record.idempotency_fingerprint != job.fingerprint:
         raise ValidationError(
             "This Idempotency-Key was used with a different request body",

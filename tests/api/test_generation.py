@@ -266,9 +266,16 @@ def test_a_depth_read_racing_a_submission_counts_it_once() -> None:
     since = admission.num_submissions
     admission.set_queue_depth(0, since=since)  # no submission during the read: the read wins
     assert admission.queue_depth == 0
-    admission.note_submitted(2)
-    admission.note_submitted(-2)  # a submission that failed is taken back
+    with pytest.raises(RuntimeError), admission.submitting(2):
+        assert admission.queue_depth == 2  # counted before the write
+        raise RuntimeError("the write failed")
+    assert admission.queue_depth == 0  # taken back
+    with admission.submitting(1) as submission:
+        pass  # an idempotent repeat: nothing new queued
     assert admission.queue_depth == 0
+    with admission.submitting(1) as submission:
+        submission.is_queued = True
+    assert admission.queue_depth == 1
 
 
 def test_admitted_gives_the_ticket_back_only_when_the_request_never_started(
