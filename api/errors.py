@@ -154,6 +154,15 @@ class RateLimitedError(ApiError):
         return {**super().headers(), "retry-after-ms": str(self.retry_ms), **self.extra_headers}
 
 
+class ForbiddenError(ApiError):
+    """The key is valid but may not do this (a model it is not allowed)."""
+
+    status_code = 403
+    error_type = "forbidden"
+    openai_type = "invalid_request_error"
+    openai_code = "model_not_allowed"
+
+
 class NotFoundError(ApiError):
     status_code = 404
     error_type = "not_found"

@@ -159,6 +159,9 @@ class Generation:
         """Admits it under its key's limits, records it as a job, commits it, enqueues its
         items."""
         validated_at = time.time()
+        model = prompts[0].params.adapter or self.settings.model_id
+        if key is not None:
+            key.check_model(model)
         if key is not None and key.capped("interactive") == "bulk":
             prompts = [dataclasses.replace(p, priority=Priority.BULK) for p in prompts]
         params = prompts[0].params
@@ -182,7 +185,7 @@ class Generation:
             kind="interactive",
             route=route,
             priority=int(prompts[0].priority),
-            model=self.settings.model_id,
+            model=model,
             params=job_params(params),
             items=job_items(requests),
             api_key_id=api_key_id,

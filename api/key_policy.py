@@ -13,7 +13,9 @@ The rule, for a key with limits (every limit is optional; a key without any pays
   crash never keeps a key's slots;
 - **queued jobs** (`max_queued_jobs`): open jobs and batches of the key, counted in Postgres in
   the transaction that creates the new one (`api/db/store/jobs.py`), since jobs are durable;
-- **priority**: a `bulk` key's requests run at bulk priority whatever they ask for.
+- **priority**: a `bulk` key's requests run at bulk priority whatever they ask for;
+- **adapters**: a key given a list of model names (LoRA adapters, the base model's id) may use
+  those only (403 otherwise), on every route.
 
 Requests, tokens and leases are counted in Redis by one Lua script per admission (atomic over
 every api replica, one clock: the server's), or in memory in embedded mode (one replica). The
@@ -32,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from tgq.api.errors import RateLimitedError, ValidationError
+from tgq.api.errors import ForbiddenError, RateLimitedError, ValidationError
 
 PRIORITIES = ("interactive", "bulk")
 WINDOW_S = 60.0
@@ -47,6 +49,7 @@ class KeyLimits:
     max_concurrent: int | None = None
     max_queued_jobs: int | None = None
     priority: str | None = None  # the highest a request may get: "interactive" or "bulk"
+    adapters: tuple[str, ...] | None = None  # the models it may use (adapters, the base); None: any
 
     def __post_init__(self) -> None:
         for name in ("rpm", "tpm", "max_concurrent", "max_queued_jobs"):
@@ -71,6 +74,13 @@ class KeyAccess:
     name: str
     limits: KeyLimits
     headers: dict[str, str] = field(default_factory=dict)
+
+    def check_model(self, model: str) -> None:
+        """403 unless the key may use `model` (a LoRA adapter's name or the base model's id)."""
+        allowed = self.limits.adapters
+        if allowed is not None and model not in allowed:
+            names = ", ".join(repr(name) for name in allowed) or "none"
+            raise ForbiddenError(f"This API key may not use {model!r}; it may use: {names}")
 
     def capped(self, priority: str) -> str:
         """The priority a request asking for `priority` gets."""

@@ -44,6 +44,13 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
             help=text,
         )
     parser.add_argument(
+        "--adapters",
+        type=_names,
+        default=argparse.SUPPRESS,
+        metavar="NAME,...",
+        help="the only models it may use: LoRA adapters' names, the base model's id (`none`: any)",
+    )
+    parser.add_argument(
         "--priority",
         choices=("interactive", "bulk", "none"),
         default=argparse.SUPPRESS,
@@ -59,12 +66,22 @@ def _limit(given: str) -> int | None:
     return int(given)
 
 
+def _names(given: str) -> tuple[str, ...] | None:
+    if given == "none":
+        return None
+    names = tuple(name.strip() for name in given.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"comma-separated model names or `none`, not {given!r}")
+    return names
+
+
 def _limits(args: argparse.Namespace, current: KeyLimits | None = None) -> KeyLimits:
     """The limits the flags give, the unset ones taken from `current`."""
     from tgq.api.key_policy import KeyLimits
 
     base = asdict(current or KeyLimits())
-    chosen = {name: getattr(args, name) for name in (*LIMIT_FLAGS, "priority") if name in args}
+    flags = (*LIMIT_FLAGS, "priority", "adapters")
+    chosen = {name: getattr(args, name) for name in flags if name in args}
     if chosen.get("priority") == "none":
         chosen["priority"] = None
     return KeyLimits(**{**base, **chosen})
@@ -98,7 +115,8 @@ def list_keys(args: argparse.Namespace) -> int:
 
 
 def _describe(limits: KeyLimits) -> str:
-    parts = [f"{k}={v}" for k, v in asdict(limits).items() if v is not None]
+    values = {**asdict(limits), "adapters": ",".join(limits.adapters or ()) or None}
+    parts = [f"{k}={v}" for k, v in values.items() if v is not None]
     return " ".join(parts) or "-"
 
 

@@ -8,6 +8,7 @@ import hmac
 import secrets
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -34,15 +35,23 @@ class ApiKeyRecord:
     max_concurrent: int | None = None
     max_queued_jobs: int | None = None
     priority: str | None = None
+    adapters: list[str] | None = None
 
     @property
     def limits(self) -> KeyLimits:
+        adapters = None if self.adapters is None else tuple(self.adapters)
         return KeyLimits(
-            self.rpm, self.tpm, self.max_concurrent, self.max_queued_jobs, self.priority
+            self.rpm, self.tpm, self.max_concurrent, self.max_queued_jobs, self.priority, adapters
         )
 
 
 _API_KEY = record_columns(db.api_keys, ApiKeyRecord)
+
+
+def _columns(limits: KeyLimits) -> dict[str, Any]:
+    values = asdict(limits)
+    values["adapters"] = None if limits.adapters is None else list(limits.adapters)
+    return values
 
 
 def _hash_key(key: str) -> str:
@@ -61,7 +70,7 @@ async def create_api_key(
             key_hash=_hash_key(key),
             key_prefix=key[:8],
             created_at=utc_now(),
-            **asdict(limits),
+            **_columns(limits),
         )
         .returning(*_API_KEY)
     )
@@ -76,7 +85,7 @@ async def set_key_limits(
     updated = await conn.execute(
         update(db.api_keys)
         .where(db.api_keys.c.id == key_id)
-        .values(**asdict(limits))
+        .values(**_columns(limits))
         .returning(*_API_KEY)
     )
     row = updated.first()
@@ -98,6 +107,11 @@ async def verify_api_key(conn: AsyncConnection, *, key: str) -> ApiKeyRecord | N
         await conn.execute(update(db.api_keys).where(keys.id == record.id).values(last_used_at=now))
         record = replace(record, last_used_at=now)
     return record
+
+
+async def get_api_key(conn: AsyncConnection, *, key_id: int) -> ApiKeyRecord | None:
+    row = (await conn.execute(select(*_API_KEY).where(db.api_keys.c.id == key_id))).first()
+    return None if row is None else ApiKeyRecord(*row)
 
 
 async def revoke_api_key(conn: AsyncConnection, *, key_id: int) -> bool:

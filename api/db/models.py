@@ -74,6 +74,7 @@ api_keys = Table(
     Column("max_concurrent", Integer),
     Column("max_queued_jobs", Integer),
     Column("priority", Text),
+    Column("adapters", Json),  # the model names (LoRA adapters, the base) it may use; None: any
     UniqueConstraint("key_hash", name="uq_api_keys_key_hash"),
 )
 

@@ -163,6 +163,9 @@ async def create_job(
         check_inputs(prompt, "prompt")
     state.generation.admission.check_queue(len(prompts))
     key: KeyAccess | None = request.state.key
+    model = params.adapter or settings.model_id
+    if key is not None:
+        key.check_model(model)
     asked = body.priority if key is None else key.capped(body.priority)
     priority = Priority.INTERACTIVE if asked == "interactive" else Priority.BULK
     deadline = None if body.deadline is None else _aware(body.deadline).timestamp()
@@ -176,7 +179,7 @@ async def create_job(
         kind="job",
         route="/v1/jobs",
         priority=int(priority),
-        model=settings.model_id,
+        model=model,
         params=job_params(params),
         items=job_items(requests),
         idempotency_key=idempotency_key,

@@ -32,10 +32,17 @@ class LimitsBody(BaseModel):
     max_concurrent: int | None = Field(None, ge=1)
     max_queued_jobs: int | None = Field(None, ge=1)
     priority: str | None = Field(None, pattern="^(interactive|bulk)$")
+    adapters: list[str] | None = Field(None, description="the only models it may use")
 
 
 class NewKeyBody(LimitsBody):
     name: str = Field(min_length=1, max_length=200)
+
+
+def _limits(body: LimitsBody) -> KeyLimits:
+    values = body.model_dump(include=set(LimitsBody.model_fields))
+    adapters = values.pop("adapters")
+    return KeyLimits(**values, adapters=None if adapters is None else tuple(adapters))
 
 
 def _key_view(record: api_keys.ApiKeyRecord) -> dict[str, Any]:
@@ -68,7 +75,7 @@ async def list_keys(request: Request) -> dict[str, Any]:
 async def create_key(body: NewKeyBody, request: Request) -> dict[str, Any]:
     """A new key; the answer holds its secret, shown this once."""
     _check_admin(request)
-    limits = KeyLimits(**body.model_dump(exclude={"name"}))
+    limits = _limits(body)
     async with state_of(request).db.begin() as conn:
         record, secret = await api_keys.create_api_key(conn, name=body.name, limits=limits)
     return {**_key_view(record), "key": secret}
@@ -79,9 +86,7 @@ async def set_limits(key_id: int, body: LimitsBody, request: Request) -> dict[st
     """Replaces the key's limits (a field left out: no such limit)."""
     _check_admin(request)
     async with state_of(request).db.begin() as conn:
-        record = await api_keys.set_key_limits(
-            conn, key_id=key_id, limits=KeyLimits(**body.model_dump())
-        )
+        record = await api_keys.set_key_limits(conn, key_id=key_id, limits=_limits(body))
     if record is None:
         raise NotFoundError(f"No API key {key_id}", param="key_id")
     return _key_view(record)

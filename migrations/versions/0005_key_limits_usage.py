@@ -1,5 +1,6 @@
 """Per-key policy and usage by model: each API key's limits (requests and tokens per minute,
-concurrent requests, queued jobs; NULL: none) and the priority it may ask for at most; each usage
+concurrent requests, queued jobs; NULL: none), the priority it may ask for at most and the LoRA
+adapters it may use (NULL: any); each usage
 row's model and cached prompt tokens, indexed by key and day for `/v1/usage`; open jobs by key,
 for the queued-jobs limit.
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
+from sqlalchemy.dialects.postgresql import JSONB
 
 revision = "0005"
 down_revision: str | None = "0004"
 branch_labels: str | None = None
 depends_on: str | None = None
 
+JSON = sa.JSON().with_variant(JSONB(), "postgresql")
 LIMIT_COLUMNS = ("rpm", "tpm", "max_concurrent", "max_queued_jobs")
 
 
@@ -26,6 +29,7 @@ def upgrade() -> None:
         for name in LIMIT_COLUMNS:
             keys.add_column(sa.Column(name, sa.Integer()))
         keys.add_column(sa.Column("priority", sa.Text()))
+        keys.add_column(sa.Column("adapters", JSON))
     with op.batch_alter_table("usage") as usage:
         usage.add_column(sa.Column("model", sa.Text()))
         usage.add_column(
@@ -42,6 +46,7 @@ def downgrade() -> None:
         usage.drop_column("cached_tokens")
         usage.drop_column("model")
     with op.batch_alter_table("api_keys") as keys:
+        keys.drop_column("adapters")
         keys.drop_column("priority")
         for name in reversed(LIMIT_COLUMNS):
             keys.drop_column(name)

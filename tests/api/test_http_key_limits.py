@@ -210,7 +210,7 @@ def test_the_admin_creates_keys_and_sets_their_limits(replicas: Replicas) -> Non
     )
     assert changed.json()["limits"] == {
         "rpm": None, "tpm": 900, "max_concurrent": None, "max_queued_jobs": None,
-        "priority": None,
+        "priority": None, "adapters": None,
     }  # fmt: skip
 
     def generate() -> httpx.Response | None:  # new limits apply within KEY_CACHE_S (1 s)

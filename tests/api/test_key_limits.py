@@ -17,9 +17,16 @@ import redis
 from redis import asyncio as aioredis
 
 from tests.api.stack import REDIS_URL
-from tgq.api.errors import RateLimitedError, ValidationError
+from tgq.api.errors import ForbiddenError, RateLimitedError, ValidationError
 from tgq.api.key_limiter_redis import RedisKeyLimiter
-from tgq.api.key_policy import KeyLimiter, KeyLimits, MemoryKeyLimiter, check_fits, duration
+from tgq.api.key_policy import (
+    KeyAccess,
+    KeyLimiter,
+    KeyLimits,
+    MemoryKeyLimiter,
+    check_fits,
+    duration,
+)
 
 Make = Callable[..., KeyLimiter]
 
@@ -228,3 +235,16 @@ async def _bursts(make: Make) -> None:
     # The bursts pressed on the concurrency and on the requests (the tokens limit is tested
     # above), and passed neither.
     assert refusals == {"4 concurrent requests", "150 requests per minute"} and admitted == 150
+
+
+def test_a_key_restricted_to_some_models_may_use_those_only() -> None:
+    KeyAccess(1, "any", KeyLimits()).check_model("anything")
+    restricted = KeyAccess(1, "sql-team", KeyLimits(adapters=("sql", "base-model")))
+    restricted.check_model("sql")
+    restricted.check_model("base-model")
+    with pytest.raises(ForbiddenError) as caught:
+        restricted.check_model("chat")
+    assert caught.value.status_code == 403
+    assert caught.value.message == (
+        "This API key may not use 'chat'; it may use: 'sql', 'base-model'"
+    )

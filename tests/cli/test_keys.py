@@ -67,6 +67,8 @@ def test_keys_limits(capsys: pytest.CaptureFixture[str], database_url: str) -> N
     assert listed.splitlines()[1].endswith(" rpm=60 priority=bulk")
     code, out = keys(capsys, database_url, "limits", "team", "--rpm", "none", "--tpm", "1000")
     assert (code, out) == (0, "key 1 (team): tpm=1000 priority=bulk\n")
+    code, out = keys(capsys, database_url, "limits", "team", "--adapters", "sql, chat")
+    assert (code, out) == (0, "key 1 (team): tpm=1000 priority=bulk adapters=sql,chat\n")
     with pytest.raises(SystemExit):
         keys(capsys, database_url, "limits", "1", "--max-concurrent", "0")
     message = "argument --max-concurrent: a positive integer or `none`, not '0'"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import and_, case, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -28,7 +29,8 @@ async def record_results(conn: AsyncConnection, *, results: Sequence[NewResult])
 
 async def _record_result(conn: AsyncConnection, result: NewResult, now: datetime) -> bool:
     status = item_status(result.finish_reason)
-    if not await _finish_item(conn, result, status, now):
+    finished = await _finish_item(conn, result, status, now)
+    if finished is None:
         return False
     written = await conn.execute(
         insert_unless_taken(conn.dialect.name, db.results, "job_id", "item_index"),
@@ -42,6 +44,7 @@ async def _record_result(conn: AsyncConnection, result: NewResult, now: datetime
     if written.first() is None:
         return False
     api_key_id, model = await _count_result(conn, result, is_failed=status == "failed", now=now)
+    model = (finished or {}).get("adapter") or model  # a batch line's own LoRA adapter
     await conn.execute(
         insert(db.usage).values(
             job_id=result.job_id,
@@ -59,9 +62,10 @@ async def _record_result(conn: AsyncConnection, result: NewResult, now: datetime
 
 async def _finish_item(
     conn: AsyncConnection, result: NewResult, status: str, now: datetime
-) -> bool:
-    """Move the item to its terminal status. The cancel rule lives here: once an item is
-    cancelled only an `abort` result (which keeps it cancelled) gets past this point."""
+) -> dict[str, Any] | None:
+    """Move the item to its terminal status; its own parameters (`{}` when it has none), or
+    None when it is not open. The cancel rule lives here: once an item is cancelled only an
+    `abort` result (which keeps it cancelled) gets past this point."""
     allowed = (*OPEN_STATUSES, "cancelled") if status == "cancelled" else OPEN_STATUSES
     items = db.job_items.c
     moved = await conn.execute(
@@ -76,9 +80,10 @@ async def _finish_item(
             finished_at=func.coalesce(items.finished_at, at(now)),
             attempts=result.attempt,  # the attempt that finished it (reruns after a crash: > 1)
         )
-        .returning(items.item_index)
+        .returning(items.item_index, items.params)
     )
-    return moved.first() is not None
+    row = moved.first()
+    return None if row is None else (row.params or {})
 
 
 async def _count_result(
