@@ -72,7 +72,8 @@ class AdapterRows:
         if self.slots is not None and len(slots) > MASKED_MAX_ROWS:
             starts = [i for i in range(len(slots)) if i == 0 or slots[i] != slots[i - 1]]
             stops = [*starts[1:], len(slots)]
-            self.runs = [(slots[a], a, b) for a, b in zip(starts, stops, strict=True) if slots[a]]
+            runs = zip(starts, stops, strict=True)
+            self.runs = [(slots[start], start, stop) for start, stop in runs if slots[start]]
 
     def mask(self, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[T, R]: 1 where rank column r (of adapter `columns[r]`) is the row's adapter's, else
@@ -177,7 +178,7 @@ def load_adapters(
 def _linear(weight: torch.Tensor, *, packed: bool) -> Linear:
     """A `Linear` over `weight` [N, K], on the packed bf16 kernel with `packed`."""
     linear = Linear(weight.shape[1], weight.shape[0], bias=False)
-    linear.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     if packed:
         linear.use_kernels([(1, "avx512")], out_fp32=False)
     return linear
