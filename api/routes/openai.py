@@ -115,12 +115,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     return ChatCompletion(
         id=f"chatcmpl-{run.job_id}",
         created=int(run.started_at),
-        model=state.settings.model_id,
+        model=_model_of(state, run),
         system_fingerprint=FINGERPRINT,
         choices=choices,
         usage=run_usage(run),
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _model_of(state: AppState, run: Run) -> str:
+    """The answer's `model`: the LoRA adapter the request ran with, else the base model."""
+    return run.prompts[0].params.adapter or state.settings.model_id
 
 
 async def _chat_chunks(state: AppState, run: Run, *, include_usage: bool) -> AsyncIterator[bytes]:
@@ -131,7 +136,7 @@ async def _chat_chunks(state: AppState, run: Run, *, include_usage: bool) -> Asy
         body = ChatCompletionChunk(
             id=f"chatcmpl-{run.job_id}",
             created=int(run.started_at),
-            model=state.settings.model_id,
+            model=_model_of(state, run),
             system_fingerprint=FINGERPRINT,
             choices=choices,
             usage=usage,
@@ -245,7 +250,7 @@ def _completion(
     return Completion(
         id=f"cmpl-{run.job_id}",
         created=int(run.started_at),
-        model=state.settings.model_id,
+        model=_model_of(state, run),
         system_fingerprint=FINGERPRINT,
         choices=choices,
         usage=usage,

@@ -1,6 +1,7 @@
 """LoRA adapters over HTTP (`LORA_ADAPTERS`, embedded mode): TGI's `adapter_id` and OpenAI's
-`model` pick an adapter, whose greedy tokens equal transformers with the PEFT adapter merged;
-`/v1/models` lists the base model and the adapters; an unknown `adapter_id` is a 422."""
+`model` pick an adapter (named in the answer's `model`), whose greedy tokens equal transformers
+with the PEFT adapter merged; `/v1/models` lists the base model and the adapters; an unknown
+`adapter_id` is a 422."""
 
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def test_the_openai_model_field_picks_the_adapter(lora_stack: Stack) -> None:
             f"{lora_stack.url}/v1/completions", json={**body, "model": name}, timeout=120
         )
         assert completion.status_code == 200, completion.text
+        assert completion.json()["model"] == name
         tgi = generate(lora_stack.url, name).json()["generated_text"]
         assert completion.json()["choices"][0]["text"] == tgi
 
