@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-quantized test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-kernels bench-structured bench-families bench-speculation bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
+.PHONY: run generate test test-quantized test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-routing bench-kernels bench-structured bench-families bench-speculation bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,9 @@ bench-scheduler: $(STAMP)
 
 bench-transport: $(STAMP)
 	$(PY) -m bench.bench_transport
+
+bench-routing: $(STAMP)
+	$(PY) -m bench.bench_routing
 
 bench-kernels: $(STAMP)
 	$(PY) -m bench.bench_cpu_ops

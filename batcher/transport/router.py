@@ -1,6 +1,11 @@
 """The api's side of cache-aware routing (`routing.py` has the rule and the summary's bounds):
-`PrefixRouter.targets` looks a batch of submits up against the live batchers' advertised
-prefixes and loads in one round trip, `enqueue` adds a routed submit to its pipeline.
+`PrefixRouter.targets` picks the batcher of each submit from a view of the live batchers'
+advertised prefixes and loads, `enqueue` adds a routed submit to the submit's pipeline.
+
+The view is read in one round trip and reused for `VIEW_TTL_S` (a submit then costs no more
+round trips than without routing); requests this replica routes meanwhile count towards their
+batcher's load in it. So a prefix is routable about `VIEW_TTL_S` plus the batchers' 50 ms
+advertising period after its blocks are computed.
 
 A routed XADD runs in one script with a check of the batcher's heartbeat: a batcher whose
 heartbeat is gone gets nothing more in its routed streams (the submit goes to the shared queue),
@@ -9,8 +14,10 @@ so what is left there can be moved away once, for good (`redis.RedisBatcherTrans
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -26,6 +33,7 @@ from tgq.batcher.transport.routing import (
     summary_member,
 )
 
+VIEW_TTL_S = 0.05  # how long one read of the batchers' prefixes and loads is reused
 LIVE_REFRESH_S = 1.0  # how long a look at the live batchers (a SCAN) is reused
 
 # KEYS: the batcher's heartbeat, its routed stream, the shared stream, the routed set. ARGV: the
@@ -37,6 +45,16 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return redis.call('XADD', KEYS[3], '*', 'm', ARGV[1])
 """
+
+
+@dataclass(slots=True)
+class _View:
+    beats: list[Heartbeat]  # the live batchers that advertise prefixes
+    members: dict[str, set[bytes]]  # batcher id -> its advertised keys
+    # batcher id -> `Candidate.load`: what it pulled from the shared queues and has not finished,
+    # and what was routed to it and is not finished (pulled or not): live, unlike heartbeats.
+    loads: dict[str, int]
+    until: float  # monotonic
 
 
 class PrefixRouter:
@@ -52,44 +70,28 @@ class PrefixRouter:
         self._routed_xadd = client.register_script(_ROUTED_XADD)
         self._live: list[Heartbeat] = []
         self._live_until = 0.0
+        self._view = _View([], {}, {}, 0.0)
+        self._refreshing = asyncio.Lock()
 
     async def targets(self, requests: list[SubmitRequest]) -> list[str | None]:
         """The batcher each request goes to (None: the shared queue), in order; each routed one
         counts towards its batcher's load for the ones after it."""
-        live = [beat for beat in await self._live_routable() if beat.kv_block_size > 0]
-        if not live:
-            return [None] * len(requests)
-        pipe = self.client.pipeline(transaction=False)
-        for beat in live:
-            for priority in Priority:
-                stream = self.keys.routed(priority, beat.batcher_id)
-                pipe.xlen(stream)
-                pipe.xpending(stream, GROUP)
-        num_probes = []
-        for request in requests:
-            members = _members(request, {beat.kv_block_size for beat in live})
-            for beat in live:
-                if members[beat.kv_block_size]:
-                    pipe.smismember(
-                        self.keys.prefixes(beat.batcher_id), members[beat.kv_block_size]
-                    )
-                num_probes.append(len(members[beat.kv_block_size]))
-        replies = iter(await pipe.execute(raise_on_error=False))
-        loads = {beat.batcher_id: beat.num_running + beat.num_waiting for beat in live}
-        for beat in live:
-            for _ in Priority:
-                loads[beat.batcher_id] += _num_undelivered(next(replies), next(replies))
-        probes = iter(num_probes)
+        view = await self._fresh_view()
+        block_sizes = {beat.kv_block_size for beat in view.beats}
         targets: list[str | None] = []
-        for _ in requests:
-            matched = [_num_leading(next(replies)) if next(probes) else 0 for _ in live]
+        for request in requests:
+            members = _members(request, block_sizes)
             candidates = [
-                Candidate(beat.batcher_id, num_matched, loads[beat.batcher_id])
-                for beat, num_matched in zip(live, matched, strict=True)
+                Candidate(
+                    beat.batcher_id,
+                    _num_leading(members[beat.kv_block_size], view.members[beat.batcher_id]),
+                    view.loads[beat.batcher_id],
+                )
+                for beat in view.beats
             ]
             target = choose_batcher(candidates)
             if target is not None:
-                loads[target] += 1
+                view.loads[target] += 1
             targets.append(target)
         return targets
 
@@ -103,6 +105,33 @@ class PrefixRouter:
             self.keys.routed_batchers,
         ]
         await self._routed_xadd(keys=keys, args=[encode(request), batcher_id], client=pipe)
+
+    async def _fresh_view(self) -> _View:
+        async with self._refreshing:  # one read for the submits that find the view stale
+            now = time.monotonic()
+            if now >= self._view.until:
+                self._view = await self._read_view(now + VIEW_TTL_S)
+            return self._view
+
+    async def _read_view(self, until: float) -> _View:
+        beats = [beat for beat in await self._live_routable() if beat.kv_block_size > 0]
+        if not beats:
+            return _View([], {}, {}, until)
+        pipe = self.client.pipeline(transaction=False)
+        for priority in Priority:
+            pipe.xpending(self.keys.queue(priority), GROUP)
+        for beat in beats:
+            pipe.smembers(self.keys.prefixes(beat.batcher_id))
+            for priority in Priority:
+                pipe.xlen(self.keys.routed(priority, beat.batcher_id))
+        replies = iter(await pipe.execute(raise_on_error=False))
+        loads = _pending_by_consumer([next(replies) for _ in Priority])
+        members = {}
+        for beat in beats:
+            members[beat.batcher_id] = set(next(replies))
+            routed = sum(next(replies) for _ in Priority)
+            loads[beat.batcher_id] = loads.get(beat.batcher_id, 0) + routed
+        return _View(beats, members, loads, until)
 
     async def _live_routable(self) -> list[Heartbeat]:
         now = time.monotonic()
@@ -126,21 +155,24 @@ def _members(request: SubmitRequest, block_sizes: set[int]) -> dict[int, list[by
     }
 
 
-def _num_undelivered(length: Any, pending: Any) -> int:
-    """Entries of a routed stream not pulled yet (acked ones are deleted, so the rest are
-    pending); 0 for a stream or group not there."""
-    if isinstance(length, Exception) or isinstance(pending, Exception):
-        return 0
-    return max(int(length) - int(pending["pending"]), 0)
+def _pending_by_consumer(summaries: list[Any]) -> dict[str, int]:
+    """Entries of the shared queues each batcher has pulled and not finished, from XPENDING
+    summaries (a missing group: none)."""
+    pending: dict[str, int] = {}
+    for summary in summaries:
+        if isinstance(summary, Exception):
+            continue
+        for consumer in summary["consumers"]:
+            name = consumer["name"].decode()
+            pending[name] = pending.get(name, 0) + int(consumer["pending"])
+    return pending
 
 
-def _num_leading(found: Any) -> int:
-    """Leading blocks held: the length of the run of members found from the first key."""
-    if isinstance(found, Exception):
-        return 0
+def _num_leading(members: list[bytes], advertised: set[bytes]) -> int:
+    """Leading blocks held: the length of the run of advertised members from the first."""
     num = 0
-    for is_member in found:
-        if not is_member:
+    for member in members:
+        if member not in advertised:
             break
         num += 1
     return num

@@ -11,15 +11,20 @@ The router computes the same keys for a prompt (`prefix_hashes.prompt_block_hash
 The rule (`choose_batcher`): the request goes to the holder of its longest cached prefix (of
 several, the least loaded) unless that holder is much busier than the least loaded batcher:
 
-    holder.load > BUSY_FACTOR * least_load + BUSY_MARGIN      (load: requests running, waiting
-                                                               and routed to it but not pulled)
+    holder.load > BUSY_FACTOR * least_load + BUSY_MARGIN        (more than 4 above the least)
 
-then, like a request that matches nowhere, it goes to the shared queue, which every batcher
-reads after its own. The trade: a hit saves the prefix's prefill, but a request queued behind a
-backlog waits for it; within one batch or so of the others (the margin, and twice their load)
-waiting costs less than recomputing a long prefix, past it the other batchers' idle capacity
-wins. A key cut to 8 bytes may collide: that only misroutes (the batcher then computes the
-prefix), it never serves another prompt's KV (the batcher's own keys are whole).
+where a load is the requests a batcher pulled and has not finished plus those routed to it and
+not finished. Then, like a request that matches nowhere, it goes to the shared queue, which
+every batcher reads after its own. The trade: a hit saves the prefix's prefill, but a request
+queued behind a backlog waits for it. A few requests more than the least loaded batcher cost
+less than recomputing a long prefix; past that the others' idle capacity wins, and the batcher
+that takes the spilled request caches the prefix too (a second holder; ties go to the less
+loaded). The factor is 1, not more: at saturation a holder allowed twice the others' load ran
+behind while they idled (`bench/bench_routing.py`: 0.7-0.8x the shared queue's throughput with
+a factor of 2, on par or better with 1).
+
+A key cut to 8 bytes may collide: that only misroutes (the batcher then computes the prefix),
+it never serves another prompt's KV (the batcher's own keys are whole).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from tgq.batcher.kv_manager import BlockHash
 SUMMARY_MAX_HASHES = 4096  # keys a batcher advertises: its most recently cached blocks
 SUMMARY_KEY_BYTES = 8  # of each key
 MAX_PROBE_BLOCKS = 256  # leading blocks of a prompt the router looks up
-BUSY_FACTOR = 2.0
+BUSY_FACTOR = 1.0
 BUSY_MARGIN = 4  # requests
 
 
@@ -46,7 +51,7 @@ class Candidate:
 
     batcher_id: str
     num_matched_blocks: int  # leading blocks of the prompt it holds
-    load: int  # requests running, waiting, and routed to it but not pulled yet
+    load: int  # requests pulled and not finished, and routed to it and not finished
 
 
 def is_much_busier(load: int, least_load: int) -> bool:

@@ -74,13 +74,13 @@ def final(transport: BlockingApiTransport, request_id: str) -> FinalResult:
     return result
 
 
-def warm_up(
-    transport: BlockingApiTransport, client: redis.Redis, prefix: str
-) -> tuple[str, RedisKeys]:
-    """Runs r0 on either batcher; returns the one that ran it, once it advertises the prefix."""
-    eventually(lambda: len(transport.live_batchers()) == 2, 60, "two batchers live")
-    submit(transport, "r0", STOPPING)
-    holder, keys = final(transport, "r0").batcher_id, RedisKeys(prefix)
+def warm_up(client: redis.Redis, prefix: str) -> tuple[str, RedisKeys]:
+    """Runs r0 on either batcher; returns the one that ran it, once it advertises the prefix.
+    (From an api replica of its own: another one's view of the prefixes is not 50 ms old.)"""
+    with BlockingApiTransport.from_url(REDIS_URL, prefix) as transport:
+        eventually(lambda: len(transport.live_batchers()) == 2, 60, "two batchers live")
+        submit(transport, "r0", STOPPING)
+        holder, keys = final(transport, "r0").batcher_id, RedisKeys(prefix)
     last = summary_member(prompt_block_hashes(PREFIX, BLOCK_SIZE)[-1])
     eventually(lambda: client.smismember(keys.prefixes(holder), [last])[0], 10, "prefix advertised")
     return holder, keys
@@ -93,8 +93,8 @@ def test_requests_sharing_a_prefix_run_where_it_is_cached(
     model_dir = model_dirs["llama3-gqa"]
     processes += [start_batcher(model_dir, prefix, b) for b in ("b0", "b1")]
     client = redis.Redis.from_url(REDIS_URL)
+    holder, _ = warm_up(client, prefix)
     with BlockingApiTransport.from_url(REDIS_URL, prefix) as transport:
-        holder, _ = warm_up(transport, client, prefix)
         request_ids = [f"r{i}" for i in range(1, 5)]  # within the busy margin of an idle peer
         for request_id in request_ids:
             submit(transport, request_id, STOPPING)
@@ -114,8 +114,8 @@ def test_a_killed_batchers_routed_requests_complete_once(
     ids = ("b0", "b1")
     processes += [start_batcher(model_dir, prefix, b, *FAILOVER) for b in ids]
     client = redis.Redis.from_url(REDIS_URL)
+    holder, keys = warm_up(client, prefix)
     with BlockingApiTransport.from_url(REDIS_URL, prefix) as transport:
-        holder, keys = warm_up(transport, client, prefix)
         routed = keys.routed(Priority.INTERACTIVE, holder)
         submit(transport, "r1", long_stopping)
         eventually(

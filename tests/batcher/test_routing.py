@@ -62,24 +62,24 @@ def batchers(client: redis.Redis, prefix: str) -> RedisBatcherTransport:
     return RedisBatcherTransport(client, prefix, CONFIG)
 
 
-def submit(prefix: str, *request_ids: str) -> None:
-    """From a new api replica (its router's view of the live batchers is fresh)."""
+def submit(prefix: str, *request_ids: str, prompt: list[int] = PROMPT) -> None:
+    """From a new api replica (its router's view of the batchers is fresh)."""
     with BlockingApiTransport.from_url(REDIS_URL, prefix, CONFIG) as api:
         for request_id in request_ids:
             api.submit(
                 SubmitRequest(
                     request_id=request_id,
-                    prompt_token_ids=PROMPT,
+                    prompt_token_ids=prompt,
                     sampling=SamplingParams(),
                     stopping=StoppingParams(max_new_tokens=1),
                 )
             )
 
 
-def beat(transport: RedisBatcherTransport, batcher_id: str, num_waiting: int = 0) -> None:
+def beat(transport: RedisBatcherTransport, batcher_id: str) -> None:
     transport.heartbeat(
         Heartbeat(
-            batcher_id=batcher_id, num_running=0, num_waiting=num_waiting, num_free_blocks=10,
+            batcher_id=batcher_id, num_running=0, num_waiting=0, num_free_blocks=10,
             max_batch_size=8, time=time.time(), kv_block_size=BLOCK_SIZE,
         )
     )  # fmt: skip
@@ -107,11 +107,13 @@ def test_a_much_busier_or_dead_holder_leaves_it_to_the_shared_queue(
     batchers: RedisBatcherTransport, client: redis.Redis, prefix: str
 ) -> None:
     beat(batchers, "b0")
-    beat(batchers, "b1", num_waiting=BUSY_MARGIN + 1)
+    beat(batchers, "b1")
+    busy_ids = [f"busy-{i}" for i in range(BUSY_MARGIN + 1)]
+    submit(prefix, *busy_ids, prompt=[1, 2])
+    assert pulled(batchers, "b1") == busy_ids  # b1 runs them: its load
     batchers.publish_prefixes("b1", prompt_block_hashes(PROMPT, BLOCK_SIZE), replace=True)
     submit(prefix, "r0")
     assert pulled(batchers, "b0") == ["r0"]
-    beat(batchers, "b1")
     client.delete(RedisKeys(prefix).heartbeat("b1"))  # its prefixes are still there
     submit(prefix, "r1")
     assert pulled(batchers, "b0") == ["r1"]
