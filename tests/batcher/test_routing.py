@@ -4,6 +4,7 @@ routed requests moved to the shared queue, each exactly once."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from tests.polling import eventually
 from tgq.batcher.messages import Heartbeat, SubmitRequest
 from tgq.batcher.prefix_hashes import prompt_block_hashes
 from tgq.batcher.request import Priority, StoppingParams
+from tgq.batcher.transport.aio import AsyncRedisApiTransport
 from tgq.batcher.transport.base import TransportConfig
 from tgq.batcher.transport.blocking import BlockingApiTransport
 from tgq.batcher.transport.redis import RedisBatcherTransport
@@ -62,18 +64,20 @@ def batchers(client: redis.Redis, prefix: str) -> RedisBatcherTransport:
     return RedisBatcherTransport(client, prefix, CONFIG)
 
 
+def submit_request(request_id: str, prompt: list[int] = PROMPT) -> SubmitRequest:
+    return SubmitRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=1),
+    )
+
+
 def submit(prefix: str, *request_ids: str, prompt: list[int] = PROMPT) -> None:
-    """From a new api replica (its router's view of the batchers is fresh)."""
+    """One at a time, from a new api replica (its router's view of the batchers is fresh)."""
     with BlockingApiTransport.from_url(REDIS_URL, prefix, CONFIG) as api:
         for request_id in request_ids:
-            api.submit(
-                SubmitRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt,
-                    sampling=SamplingParams(),
-                    stopping=StoppingParams(max_new_tokens=1),
-                )
-            )
+            api.submit(submit_request(request_id, prompt))
 
 
 def beat(transport: RedisBatcherTransport, batcher_id: str) -> None:
@@ -145,3 +149,23 @@ def test_a_dead_batchers_routed_requests_run_elsewhere_exactly_once(
     assert batchers.reclaim("b0") == 0
     assert not client.sismember(keys.routed_batchers, "b1")
     assert not client.exists(keys.routed(Priority.INTERACTIVE, "b1"), keys.prefixes("b1"))
+
+
+def test_one_submit_of_many_counts_each_routed_request_towards_the_load(
+    batchers: RedisBatcherTransport, prefix: str
+) -> None:
+    """As a job's or a batch's requests are enqueued: past the margin, the rest spill."""
+    beat(batchers, "b0")
+    beat(batchers, "b1")
+    batchers.publish_prefixes("b1", prompt_block_hashes(PROMPT, BLOCK_SIZE), replace=True)
+    request_ids = [f"r{i}" for i in range(BUSY_MARGIN + 3)]
+
+    async def submit_all() -> None:
+        api = AsyncRedisApiTransport.from_url(REDIS_URL, prefix, CONFIG)
+        await api.submit([submit_request(request_id) for request_id in request_ids])
+        await api.close()
+
+    asyncio.run(submit_all())
+    routed = request_ids[: BUSY_MARGIN + 1]  # the last of them: b1 at 4 above b0
+    assert pulled(batchers, "b0") == request_ids[len(routed) :]
+    assert pulled(batchers, "b1") == routed
