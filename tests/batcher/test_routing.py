@@ -103,8 +103,12 @@ def test_a_request_goes_to_the_batcher_holding_its_prefix(
     assert pulled(batchers, "b0") == []  # not in the shared queue
     [delivery] = batchers.pull("b1", 10, 0)
     assert delivery.queue == RedisKeys(prefix).routed(Priority.INTERACTIVE, "b1")
-    batchers.ack("b1", delivery)
+    batchers.release("b1", delivery)  # b1 drains: what it held goes to the shared queue
     assert client.xlen(delivery.queue) == 0
+    [released] = batchers.pull("b0", 10, 0)
+    assert released.request == delivery.request
+    batchers.ack("b0", released)
+    assert client.xlen(released.queue) == 0
 
 
 def test_a_much_busier_or_dead_holder_leaves_it_to_the_shared_queue(
