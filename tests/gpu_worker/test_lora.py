@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.batcher.test_e2e import NUM_NEW as BF16_NUM_NEW
+from tests.batcher.test_speculation import drafting
 from tests.gpu_worker.lora_adapters import ATTENTION, MLP, merged_model, write_adapter
 from tests.gpu_worker.test_parity import (
     GREEDY_WITH_LOGPROBS,
@@ -21,7 +22,10 @@ from tests.gpu_worker.test_parity import (
 )
 from tests.gpu_worker.test_parity_bf16 import assert_within_tolerance
 from tests.quantized_mode import as_reference
+from tgq.batcher.config import SchedulerConfig
+from tgq.batcher.engine import LLMEngine
 from tgq.batcher.offline import OfflineEngine
+from tgq.batcher.request import StoppingParams
 from tgq.devtools.random_lora import write_random_adapter as write_random_adapter_without_peft
 from tgq.devtools.random_model import make_config, write_model
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
@@ -177,3 +181,24 @@ def test_the_devtools_adapter_is_peft_format(lora_model: tuple[Path, dict[str, P
         [prompt], max_new_tokens=NUM_NEW, adapters=["devtools"]
     )
     assert result.token_ids == reference(base, adapters, "devtools", prompt)
+
+
+def test_speculation_verifies_drafts_under_each_rows_adapter(
+    lora_model: tuple[Path, dict[str, Path]],
+) -> None:
+    """n-gram drafts every step (prompts that repeat themselves), verified on the adapter rows
+    of their sequence: the same tokens as merged peft."""
+    base, adapters = lora_model
+    names: list[str | None] = [None, *ADAPTERS]
+    patterns = prompts(len(names), 512, 10, (6, 6))
+    batch = [pattern * 4 for pattern in patterns]
+    runner = lora_engine(base, adapters).runner
+    assert isinstance(runner, ModelRunner)
+    config = SchedulerConfig(speculate=3, speculative_max_batch_tokens=4096)
+    engine = drafting(LLMEngine(runner, config, model=runner.model_config))
+    stopping = StoppingParams(max_new_tokens=NUM_NEW)
+    results = engine.generate(batch, stopping=stopping, adapters=names)
+    assert engine.scheduler.speculation is not None
+    assert engine.scheduler.speculation.stats.num_proposed > 0
+    for result, prompt, name in zip(results, batch, names, strict=True):
+        assert result.token_ids == reference(base, adapters, name, prompt), name
