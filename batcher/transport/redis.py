@@ -188,7 +188,7 @@ class RedisBatcherTransport:
             [
                 (
                     stream,
-                    [(entry_id, dict(pairwise_fields(fields))) for entry_id, fields in entries],
+                    [(entry_id, dict(_pairwise_fields(fields))) for entry_id, fields in entries],
                 )
                 for stream, entries in found
             ]
@@ -404,7 +404,7 @@ class RedisBatcherTransport:
         pipe.execute()
 
 
-def pairwise_fields(fields: list[bytes]) -> list[tuple[bytes, bytes]]:
+def _pairwise_fields(fields: list[bytes]) -> list[tuple[bytes, bytes]]:
     """A raw reply's flat field list [name, value, ...] as pairs."""
     return list(zip(fields[::2], fields[1::2], strict=True))
 
