@@ -185,7 +185,7 @@ class AsyncRedisApiTransport:
         known_ms = ms(self.config.final_ttl_s)
         for request, target in zip(requests, targets, strict=True):
             if router is not None and target is not None:
-                await router.enqueue(pipe, request, target)
+                router.enqueue(pipe, request, target)
             else:
                 pipe.xadd(self.keys.queue(request.priority), message_fields(request))
             pipe.set(self.keys.known(request.request_id), 1, px=known_ms)

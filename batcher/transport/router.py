@@ -67,7 +67,6 @@ class PrefixRouter:
         self.client = client
         self.keys = keys
         self._live_batchers = live_batchers
-        self._routed_xadd = client.register_script(_ROUTED_XADD)
         self._live: list[Heartbeat] = []
         self._live_until = 0.0
         self._view = _View([], {}, {}, 0.0)
@@ -95,7 +94,7 @@ class PrefixRouter:
             targets.append(target)
         return targets
 
-    async def enqueue(self, pipe: Any, request: SubmitRequest, batcher_id: str) -> None:
+    def enqueue(self, pipe: Any, request: SubmitRequest, batcher_id: str) -> None:
         """Adds the routed XADD to `pipe` (to the shared queue if the batcher's heartbeat is gone
         by then)."""
         keys = [
@@ -104,7 +103,9 @@ class PrefixRouter:
             self.keys.queue(request.priority),
             self.keys.routed_batchers,
         ]
-        await self._routed_xadd(keys=keys, args=[encode(request), batcher_id], client=pipe)
+        # EVAL, not a registered script: redis-py checks a pipeline's scripts with a SCRIPT EXISTS
+        # round trip before each execute; Redis caches the compiled body either way.
+        pipe.eval(_ROUTED_XADD, len(keys), *keys, encode(request), batcher_id)
 
     async def _fresh_view(self) -> _View:
         async with self._refreshing:  # one read for the submits that find the view stale
