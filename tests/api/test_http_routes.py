@@ -200,7 +200,9 @@ def test_tokenize_info_health_metrics_docs(client: httpx.Client, stack: Stack) -
     models = client.get("/v1/models").json()
     assert models == {
         "object": "list",
-        "data": [{"id": "tgq-test", "object": "model", "created": 0, "owned_by": "tgq"}],
+        "data": [
+            {"id": "tgq-test", "object": "model", "created": 0, "owned_by": "tgq", "parent": None}
+        ],
     }
 
 

@@ -131,7 +131,16 @@ def routes(idempotency_key: str | None = None) -> list[Call]:
         Call("GET", "/v1/batches", DATABASE, 200),
         Call("GET", "/v1/batches/{batch_id}", DATABASE, 404, path=lambda k: "/v1/batches/b-x"),
         Call("POST", "/v1/batches/{batch_id}/cancel", DATABASE, 404, path=_no_batch_cancel),
+        Call("GET", "/v1/usage", DATABASE, 200),
+        # Without a static API_KEY there is no admin: the admin routes are 404 before any work.
+        Call("GET", "/admin/keys", NONE, 404),
+        Call("POST", "/admin/keys", NONE, 404, _json({"name": "team"})),
+        Call("PUT", "/admin/keys/{key_id}/limits", NONE, 404, _json({}), path=_admin_limits),
     ]
+
+
+def _admin_limits(known: Known) -> str:
+    return "/admin/keys/1/limits"
 
 
 def check_covers(client: httpx.Client, calls: list[Call]) -> None:
