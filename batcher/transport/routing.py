@@ -19,9 +19,9 @@ every batcher reads after its own. The trade: a hit saves the prefix's prefill, 
 queued behind a backlog waits for it. A few requests more than the least loaded batcher cost
 less than recomputing a long prefix; past that the others' idle capacity wins, and the batcher
 that takes the spilled request caches the prefix too (a second holder; ties go to the less
-loaded). The factor is 1, not more: at saturation a holder allowed twice the others' load ran
-behind while they idled (`bench/bench_routing.py`: 0.7-0.8x the shared queue's throughput with
-a factor of 2, on par or better with 1).
+loaded). The factor is 1: with a larger one the imbalance allowed grows with the load itself,
+so at saturation a holder could queue many requests behind its batch while its peers have room;
+with 1 it stays within the margin whatever the load.
 
 A key cut to 8 bytes may collide: that only misroutes (the batcher then computes the prefix),
 it never serves another prompt's KV (the batcher's own keys are whole).
