@@ -39,6 +39,7 @@ from tgq.batcher.transport.base import MAX_STARTED_LOG, Delivery, TransportConfi
 from tgq.batcher.transport.redis_keys import END_ID, GROUP, MAX_ABORT_LOG, RedisKeys, event_id
 from tgq.batcher.transport.redis_wire import (
     CREATE_GROUPS,
+    CREATE_GROUPS_LOOP,
     block_cap_ms,
     entry_id_str,
     entry_message,
@@ -71,13 +72,9 @@ return 1
 # shared one, priority by priority): exact counts in one round trip, which a multi-stream
 # XREADGROUP (COUNT per stream) cannot give. Replies as XREADGROUP's, raw. Missing groups are
 # created first (as `CREATE_GROUPS`): a NOGROUP error halfway would strand what was read before.
-_READ_IN_ORDER = """
-for _, stream in ipairs(KEYS) do
-  local reply = redis.pcall('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
-  if type(reply) == 'table' and reply.err and not string.find(reply.err, '^BUSYGROUP') then
-    return reply
-  end
-end
+_READ_IN_ORDER = (
+    CREATE_GROUPS_LOOP
+    + """
 local found, left = {}, tonumber(ARGV[3])
 for _, stream in ipairs(KEYS) do
   if left <= 0 then break end
@@ -90,6 +87,7 @@ for _, stream in ipairs(KEYS) do
 end
 return found
 """
+)
 
 # SET NX the final result; only the winner closes the token stream and queues it to persist.
 _PUBLISH_FINAL = """

@@ -32,16 +32,17 @@ from tgq.batcher.messages import (
 _M = TypeVar("_M", SubmitRequest, AbortRequest, TokenEvent, FinalResult, Heartbeat)
 
 # XGROUP CREATE from each stream's first entry (MKSTREAM: a stream not written yet); a group that
-# is already there is kept as it is. One script, so that both clients run the same rule.
-CREATE_GROUPS = """
+# is already there is kept as it is. One script, so that both clients run the same rule; the
+# loop begins the scripts that must create the groups first (ARGV[1]: the group).
+CREATE_GROUPS_LOOP = """
 for _, stream in ipairs(KEYS) do
   local reply = redis.pcall('XGROUP', 'CREATE', stream, ARGV[1], '0', 'MKSTREAM')
   if type(reply) == 'table' and reply.err and not string.find(reply.err, '^BUSYGROUP') then
     return reply
   end
 end
-return #KEYS
 """
+CREATE_GROUPS = CREATE_GROUPS_LOOP + "return #KEYS\n"
 
 
 def is_missing_group(error: redis.ResponseError) -> bool:

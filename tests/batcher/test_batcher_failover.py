@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +32,6 @@ from tgq.batcher.transport.redis_keys import GROUP, RedisKeys
 
 STOPPING = StoppingParams(max_new_tokens=64, ignore_eos=True)
 FAST_FAILOVER = ("--heartbeat-ttl-s", "1", "--lease-s", "1", "--max-batch-size", "6")
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
 
 
 def check_results(transport: ApiTransport, expected: list[list[int]]) -> list[FinalResult]:

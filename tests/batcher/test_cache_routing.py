@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import random
 import subprocess
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from tests.api.stack import delete_keys
 from tests.batcher.test_batcher_process import (
     BLOCK_SIZE,
     REDIS_URL,
@@ -35,23 +32,6 @@ from tgq.gpu_worker.plan import SamplingParams
 STOPPING = StoppingParams(max_new_tokens=8, ignore_eos=True)
 PREFIX = [random.Random(5).randrange(3, 512) for _ in range(10 * BLOCK_SIZE)]
 FAILOVER = ("--heartbeat-ttl-s", "2", "--lease-s", "1")
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    prefix = f"test-{uuid.uuid4().hex}"
-    yield prefix
-    delete_keys(REDIS_URL, prefix)
 
 
 def prompt(i: int) -> list[int]:

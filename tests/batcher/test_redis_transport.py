@@ -4,7 +4,6 @@ consumer groups lost to a Redis restart, and blocking reads under the socket tim
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,22 +24,6 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 SOCKET_TIMEOUT_S = 0.6
 
 pytestmark = pytest.mark.timeout(20)
-
-
-@pytest.fixture
-def client() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def prefix(client: redis.Redis) -> Iterator[str]:
-    prefix = f"test-{uuid.uuid4().hex}"
-    yield prefix
-    keys = list(client.scan_iter(match=f"{prefix}:*"))
-    if keys:
-        client.delete(*keys)
 
 
 @pytest.fixture

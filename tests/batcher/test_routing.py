@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,22 +38,6 @@ def test_the_longest_match_wins_unless_its_holder_is_much_busier() -> None:
     busiest_routed = int(BUSY_FACTOR * 2 + BUSY_MARGIN)
     assert choose_batcher([Candidate("b0", 0, 2), Candidate("b1", 5, busiest_routed)]) == "b1"
     assert choose_batcher([Candidate("b0", 0, 2), Candidate("b1", 5, busiest_routed + 1)]) is None
-
-
-@pytest.fixture
-def client() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def prefix(client: redis.Redis) -> Iterator[str]:
-    prefix = f"test-{uuid.uuid4().hex}"
-    yield prefix
-    keys = list(client.scan_iter(match=f"{prefix}:*"))
-    if keys:
-        client.delete(*keys)
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from tests.batcher.test_batcher_failover import (
     _holds_requests,
     check_results,
     drain,
-    processes,
 )
 from tests.batcher.test_batcher_process import (
     REDIS_URL,
@@ -35,7 +34,7 @@ from tests.batcher.test_batcher_process import (
 from tests.polling import eventually
 from tgq.batcher.transport.blocking import BlockingApiTransport
 
-__all__ = ["api", "processes", "redis_prefix"]  # the fixtures
+__all__ = ["api", "redis_prefix"]  # the fixtures (`processes`: conftest.py)
 SHARDED = ("--num-shard", "2", "--threads-per-rank", "1")
 EXIT_RANK_LOST = 3
 
