@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run generate test test-quantized test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-routing bench-kernels bench-structured bench-families bench-speculation bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
+.PHONY: run generate test test-quantized test-slow lint bench-serve bench-serving bench-peers bench-http bench-batch bench-tp bench bench-scheduler bench-transport bench-routing bench-lora bench-key-limits bench-kernels bench-structured bench-families bench-speculation bench-quant bench-quant-quality bench-quant-llamacpp gpu-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,12 @@ bench-transport: $(STAMP)
 
 bench-routing: $(STAMP)
 	$(PY) -m bench.bench_routing
+
+bench-lora: $(STAMP)
+	$(PY) -m bench.bench_lora
+
+bench-key-limits: $(STAMP)
+	$(PY) -m bench.bench_key_limits
 
 bench-kernels: $(STAMP)
 	$(PY) -m bench.bench_cpu_ops
