@@ -204,15 +204,23 @@ class RecentKeys:
     within `ttl_s` (on every replica). Keys that fail are looked up every time; at most
     `max_keys` are kept (when full, all are dropped)."""
 
-    def __init__(self, verify: VerifyKey, *, ttl_s: float, max_keys: int = 10_000) -> None:
+    def __init__(
+        self,
+        verify: VerifyKey,
+        *,
+        ttl_s: float,
+        max_keys: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._verify = verify
         self.ttl_s = ttl_s
         self.max_keys = max_keys
+        self._clock = clock
         self._found: dict[str, tuple[float, KeyAccess]] = {}  # sha256 of the key -> (until, key)
 
     async def __call__(self, key: str) -> KeyAccess | None:
         digest = hashlib.sha256(key.encode()).hexdigest()
-        now = time.monotonic()
+        now = self._clock()
         found = self._found.get(digest)
         if found is None or found[0] <= now:
             checked = await self._verify(key)

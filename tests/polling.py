@@ -6,8 +6,9 @@ Plain Python, no pytest: any test module (and the benchmarks) can wait with it.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -32,3 +33,22 @@ def eventually(
             told = message() if callable(message) else message
             raise AssertionError(f"not within {timeout_s:g} s: {told} (last: {value!r})")
         time.sleep(interval_s)
+
+
+async def eventually_async(
+    condition: Callable[[], Awaitable[T]],
+    timeout_s: float,
+    message: str,
+    *,
+    interval_s: float = 0.02,
+) -> T:
+    """`eventually` for a condition that must be awaited (an asyncio client's call), polled
+    without blocking the event loop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {message} (last: {value!r})")
+        await asyncio.sleep(interval_s)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -25,6 +26,7 @@ from tgq.api.db import api_keys, create_engine
 from tgq.api.key_policy import KeyLimits
 
 ADMIN = "admin-key"
+OPEN = ("queued", "running")
 WINDOW_S = 2.0  # the replicas' per-minute window, short for the test
 
 
@@ -165,10 +167,11 @@ def test_a_bulk_keys_jobs_run_at_bulk_priority_within_its_queued_jobs_limit(
         "Rate limit reached for this API key: 1 jobs and batches are open (max_queued_jobs=1)"
     )
     job_url = f"{replicas.urls[0]}/v1/jobs/{created.json()['id']}"
-    deadline = time.monotonic() + 120
-    while httpx.get(job_url, headers=bearer(key)).json()["status"] in ("queued", "running"):
-        assert time.monotonic() < deadline, "the job did not finish"
-        time.sleep(0.2)
+    eventually(
+        lambda: httpx.get(job_url, headers=bearer(key)).json()["status"] not in OPEN,
+        120,
+        "the first job finished",
+    )
     again = httpx.post(f"{replicas.urls[2]}/v1/jobs", json=job, headers=bearer(key))
     assert again.status_code == 202
 
@@ -182,14 +185,17 @@ def test_usage_adds_up_to_what_the_clients_were_answered(replicas: Replicas) -> 
         answered["requests"] += 1
         answered["prompt_tokens"] += usage["prompt_tokens"]
         answered["completion_tokens"] += usage["completion_tokens"]
-    deadline = time.monotonic() + 30
-    while True:  # results are written by the replicas' persisters, just after the answers
-        rows = httpx.get(f"{replicas.urls[1]}/v1/usage", headers=bearer(key)).json()["data"]
+
+    def usage_rows() -> list[dict[str, Any]] | None:
+        rows: list[dict[str, Any]] = httpx.get(
+            f"{replicas.urls[1]}/v1/usage", headers=bearer(key)
+        ).json()["data"]
         totals = {name: sum(row[name] for row in rows) for name in answered}
-        if totals == answered or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert totals == answered
+        return rows if totals == answered else None
+
+    # Results are written by the replicas' persisters, just after the answers.
+    rows = eventually(usage_rows, 30, f"usage equal to the answers' {answered}")
+    assert rows is not None
     assert [row["model"] for row in rows] == ["tgq-test"] and "api_key_id" not in rows[0]
     every = httpx.get(f"{replicas.urls[2]}/v1/usage", headers=bearer(ADMIN)).json()["data"]
     assert len({row["api_key_id"] for row in every}) >= 2  # the admin sees every key

@@ -17,6 +17,7 @@ import redis
 from redis import asyncio as aioredis
 
 from tests.api.stack import REDIS_URL
+from tests.polling import eventually_async
 from tgq.api.errors import ForbiddenError, RateLimitedError, ValidationError
 from tgq.api.key_limiter_redis import RedisKeyLimiter
 from tgq.api.key_policy import (
@@ -86,13 +87,16 @@ async def refused(limiter: KeyLimiter, limits: KeyLimits, num_tokens: int = 1) -
 async def wait_admitted(limiter: KeyLimiter, limits: KeyLimits, timeout_s: float = 10.0) -> float:
     """Seconds until the key admits a request again."""
     start = time.monotonic()
-    while True:
+
+    async def admitted() -> bool:
         try:
             await limiter.acquire(1, limits, lease_id=uuid.uuid4().hex, num_tokens=1)
-            return time.monotonic() - start
         except RateLimitedError:
-            assert time.monotonic() - start < timeout_s, "the key never admitted again"
-            await asyncio.sleep(0.02)
+            return False
+        return True
+
+    await eventually_async(admitted, timeout_s, "the key admits a request again")
+    return time.monotonic() - start
 
 
 def test_requests_per_minute(kind: str, prefix: str) -> None:
@@ -165,16 +169,29 @@ def test_a_dead_replicas_leases_lapse_and_live_ones_are_renewed(prefix: str) -> 
 
 
 async def _leases(make: Make) -> None:
+    """Leases of 0.5 s: renewed halfway, the lease is still held past its first lapse; not
+    renewed again (its replica died), the slot comes back at the renewed lapse."""
     limits = KeyLimits(max_concurrent=1)
     holder, other = make(lease_s=0.5), make(lease_s=0.5)
+    assert isinstance(holder, RedisKeyLimiter)
     await holder.acquire(1, limits, lease_id="held", num_tokens=1)
-    deadline = time.monotonic() + 1.5  # three leases long: renewed, it never lapses
-    while time.monotonic() < deadline:
-        await holder.renew()
-        await refused(other, limits)
-        await asyncio.sleep(0.1)
-    # The holder stops renewing (its replica died): the slot comes back.
-    assert 0.3 < await wait_admitted(other, limits) < 5.0
+    leases = f"{holder.prefix}:key:1:leases"
+    first_lapse = float(await holder.client.zscore(leases, "held") or 0)
+
+    def server_past(moment_ms: float) -> Callable[[], Awaitable[bool]]:
+        async def passed() -> bool:
+            seconds, micros = await holder.client.time()
+            return bool(seconds * 1000 + micros // 1000 > moment_ms)
+
+        return passed
+
+    await eventually_async(server_past(first_lapse - 250), 5, "half the lease gone")
+    await holder.renew()
+    renewed_lapse = float(await holder.client.zscore(leases, "held") or 0)
+    assert renewed_lapse >= first_lapse + 200
+    await eventually_async(server_past(first_lapse), 5, "the lease's first lapse passed")
+    await refused(other, limits)  # renewed: still held
+    assert 0.1 < await wait_admitted(other, limits) < 5.0
 
 
 def test_a_request_larger_than_the_tokens_per_minute_is_a_validation_error() -> None:
@@ -221,7 +238,8 @@ async def _bursts(make: Make) -> None:
             return
         held, admitted, charged = held + 1, admitted + 1, charged + num_tokens
         max_held = max(max_held, held)
-        await asyncio.sleep(rng.uniform(0, 0.01))
+        for _ in range(rng.randint(0, 20)):  # it runs a while: others act meanwhile
+            await asyncio.sleep(0)
         held -= 1  # before the release is sent: `held` never counts a lease already freed
         await replica.release(7, f"q{index}", num_tokens_used=num_tokens)
 

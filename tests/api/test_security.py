@@ -391,14 +391,18 @@ def test_recent_keys_look_a_key_up_once_per_ttl() -> None:
         return KeyAccess(7, "team", KeyLimits(rpm=5)) if key == "good" else None
 
     async def body() -> None:
-        recent = RecentKeys(verify, ttl_s=0.2)
+        now = [0.0]
+        recent = RecentKeys(verify, ttl_s=0.2, clock=lambda: now[0])
         first, second = await recent("good"), await recent("good")
         assert first is not None and second is not None and first is not second
         first.headers["x"] = "1"  # each request's headers are its own
         assert (second.key_id, second.limits.rpm, second.headers) == (7, 5, {})
         assert await recent("bad") is None and await recent("bad") is None
         assert calls == ["good", "bad", "bad"]  # a failed key is looked up every time
-        await asyncio.sleep(0.25)  # the entry's time to live, passed
+        now[0] = 0.19  # within the entry's time to live
+        await recent("good")
+        assert calls == ["good", "bad", "bad"]
+        now[0] = 0.21  # past it
         await recent("good")
         assert calls == ["good", "bad", "bad", "good"]
 
