@@ -142,7 +142,7 @@ def create_app(settings: Settings, *, batch_starter: StarterFactory) -> FastAPI:
             ) from error
         if record is None:
             return None
-        return KeyAccess(record.id, record.name, record.limits)
+        return record.access()
 
     app.add_middleware(ShedOverload, state=lambda: getattr(app.state, "tgq", None))
     app.state.drain = Drain()

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tgq.api.db import api_keys, store
 from tgq.api.errors import UnavailableError, dependency_failure
-from tgq.api.key_policy import KeyAccess, check_open_work
+from tgq.api.key_policy import KeyAccess
 from tgq.api.loops import BackgroundLoop
 from tgq.api.withdrawals import Withdrawals
 from tgq.batcher import tracing
@@ -78,9 +78,7 @@ class Recorder(BackgroundLoop):
         with tracing.span("enqueue", job_id=job.job_id, num_requests=len(requests)):
             try:
                 async with self.db.begin() as conn:
-                    if key is not None and key.limits.max_queued_jobs is not None:
-                        num_open = await api_keys.count_open_work(conn, key_id=key.key_id)
-                        check_open_work(key.limits, num_open)
+                    await api_keys.check_room_for_work(conn, key=key)
                     fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
                     record, created = await store.create_job(conn, **fields)
             except Exception as error:

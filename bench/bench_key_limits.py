@@ -23,24 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy.pool import NullPool
 
 from bench.harness import RESULTS, percentile, pyplot, save_figure, write_results
-from tests.api.stack import Stack, migrated_database, write_text_model
-from tgq.api.db import api_keys, create_engine
+from tests.api.stack import Stack, create_api_key, migrated_database, write_text_model
 from tgq.api.key_policy import KeyLimits
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
 BODY = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
-
-
-async def create_keys(database_url: str, bursty: KeyLimits) -> tuple[str, str]:
-    engine = create_engine(database_url, poolclass=NullPool)
-    async with engine.begin() as conn:
-        _, steady_key = await api_keys.create_api_key(conn, name="steady")
-        _, bursty_key = await api_keys.create_api_key(conn, name="bursty", limits=bursty)
-    await engine.dispose()
-    return steady_key, bursty_key
 
 
 async def ttft(client: httpx.AsyncClient, url: str, key: str) -> float | None:
@@ -150,7 +139,10 @@ def main() -> None:
         env = {"REQUIRE_API_KEYS": "true", "MAX_CONCURRENT_REQUESTS": "256"}
         stack = Stack(model, database_url, Path(tmp) / "logs", api_env=env)
         bursty = KeyLimits(rpm=args.rpm, max_concurrent=args.max_concurrent, priority=args.priority)
-        keys = asyncio.run(create_keys(database_url, bursty))
+        keys = (
+            create_api_key(database_url, "steady"),
+            create_api_key(database_url, "bursty", bursty),
+        )
         try:
             stack.start_batcher()
             stack.start_api()

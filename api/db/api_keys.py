@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from tgq.api.db import models as db
 from tgq.api.db.batches import TERMINAL as BATCH_TERMINAL
 from tgq.api.db.store import OPEN_STATUSES, as_records, record_columns, utc_now
-from tgq.api.key_policy import KeyLimits
+from tgq.api.key_policy import KeyAccess, KeyLimits, check_open_work
 
 NO_LIMITS = KeyLimits()
 LAST_USED_RESOLUTION = timedelta(minutes=1)  # `last_used_at` is written at most this often
@@ -43,6 +43,10 @@ class ApiKeyRecord:
         return KeyLimits(
             self.rpm, self.tpm, self.max_concurrent, self.max_queued_jobs, self.priority, adapters
         )
+
+    def access(self) -> KeyAccess:
+        """The key as a request carries it (`request.state.key`)."""
+        return KeyAccess(self.id, self.name, self.limits)
 
 
 _API_KEY = record_columns(db.api_keys, ApiKeyRecord)
@@ -151,3 +155,10 @@ async def count_open_work(conn: AsyncConnection, *, key_id: int) -> int:
     )
     counted = await conn.execute(select(num_jobs.scalar_subquery() + num_batches.scalar_subquery()))
     return int(counted.scalar_one())
+
+
+async def check_room_for_work(conn: AsyncConnection, *, key: KeyAccess | None) -> None:
+    """429 when `key` has a queued-jobs limit and that many jobs and batches open; to be called
+    in the transaction that creates the new one (`count_open_work`'s lock)."""
+    if key is not None and key.limits.max_queued_jobs is not None:
+        check_open_work(key.limits, await count_open_work(conn, key_id=key.key_id))

@@ -19,7 +19,7 @@ from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.errors import NotFoundError, ValidationError
 from tgq.api.files.batch_input import BATCH_URLS
-from tgq.api.key_policy import KeyAccess, check_open_work
+from tgq.api.key_policy import KeyAccess
 
 router = APIRouter(tags=["Batches"])
 # OpenAI accepts "24h" only; tgq takes any `<n>s|m|h` (a short window is how expiry is tested).
@@ -129,8 +129,7 @@ async def create_batch(body: BatchRequest, request: Request) -> BatchObject:
     key: KeyAccess | None = request.state.key
     key_id = request.state.api_key_id
     async with state.db.begin() as conn:
-        if key is not None and key.limits.max_queued_jobs is not None:
-            check_open_work(key.limits, await api_keys.count_open_work(conn, key_id=key.key_id))
+        await api_keys.check_room_for_work(conn, key=key)
         file = await db_files.get_file(conn, file_id=body.input_file_id, api_key_id=key_id)
         if file is None or file.purpose != "batch":
             raise NotFoundError(

@@ -14,7 +14,6 @@ from tgq.api.db import batches as db_batches
 from tgq.api.db import files as db_files
 from tgq.api.errors import ApiError
 from tgq.api.ids import new_job_id, request_id_of
-from tgq.api.key_policy import KeyAccess
 from tgq.api.openai_validation import chat_params, completion_params
 from tgq.api.schemas.openai import ChatCompletionRequest, CompletionRequest
 from tgq.api.submit import job_params
@@ -34,11 +33,10 @@ async def validate_lines(
     job_id = batch.job_id or await _create_job(ctx, batch)
     async with ctx.db.connect() as conn:
         num_lines, num_items = await db_batches.count_lines(conn, batch_id=batch.id)
-        key = (
-            None
-            if batch.api_key_id is None
-            else await api_keys.get_api_key(conn, key_id=batch.api_key_id)
-        )
+        record = None
+        if batch.api_key_id is not None:
+            record = await api_keys.get_api_key(conn, key_id=batch.api_key_id)
+    key = None if record is None else record.access()
     lines: list[db_batches.LineRecord] = []
     items: list[tuple[str, list[int]]] = []
     params: list[dict[str, Any]] = []
@@ -67,8 +65,7 @@ async def validate_lines(
                     raise ValueError(f"url {raw.get('url')!r} is not the batch's {batch.endpoint}")
                 validated = await _validate(ctx, batch.endpoint, raw.get("body", {}))
                 if key is not None:  # a key restricted to some models: the line's must be one
-                    access = KeyAccess(key.id, key.name, key.limits)
-                    access.check_model(validated.params.adapter or ctx.settings.model_id)
+                    key.check_model(validated.params.adapter or ctx.settings.model_id)
             except ApiError as error:
                 lines.append(
                     _invalid(batch, line_index, custom_id, error.openai_prefix + error.message)

@@ -29,8 +29,10 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from tgq.api.db import create_engine
+from tgq.api.db import api_keys, create_engine
+from tgq.api.db.api_keys import NO_LIMITS
 from tgq.api.db.migrate import upgrade
+from tgq.api.key_policy import KeyLimits
 from tgq.devtools.demo import add_chat_template
 from tgq.devtools.random_model import make_config, write_model
 from tgq.devtools.tokenizer import train_tokenizer
@@ -108,6 +110,21 @@ def migrated_database() -> Iterator[str]:
         yield url
     finally:
         drop_database(url)
+
+
+def create_api_key(database_url: str, name: str, limits: KeyLimits = NO_LIMITS) -> str:
+    """A stored API key with `limits`; its secret."""
+
+    async def create() -> str:
+        engine = create_engine(database_url, poolclass=NullPool)
+        try:
+            async with engine.begin() as conn:
+                _, secret = await api_keys.create_api_key(conn, name=name, limits=limits)
+        finally:
+            await engine.dispose()
+        return secret
+
+    return asyncio.run(create())
 
 
 def delete_keys(redis_url: str, prefix: str) -> None:

@@ -5,7 +5,6 @@ holds; `/v1/usage` adds up to the usage the clients were answered with."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 import time
@@ -18,11 +17,9 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from sqlalchemy.pool import NullPool
 
-from tests.api.stack import Stack, free_port, migrated_database
+from tests.api.stack import Stack, create_api_key, free_port, migrated_database
 from tests.polling import eventually
-from tgq.api.db import api_keys, create_engine
 from tgq.api.key_policy import KeyLimits
 
 ADMIN = "admin-key"
@@ -40,14 +37,7 @@ class Replicas:
         return [stack.url for stack in self.stacks]
 
     def new_key(self, name: str, limits: KeyLimits) -> str:
-        async def create() -> str:
-            engine = create_engine(self.database_url, poolclass=NullPool)
-            async with engine.begin() as conn:
-                _, secret = await api_keys.create_api_key(conn, name=name, limits=limits)
-            await engine.dispose()
-            return secret
-
-        return asyncio.run(create())
+        return create_api_key(self.database_url, name, limits)
 
 
 @pytest.fixture(scope="module")

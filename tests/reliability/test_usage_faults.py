@@ -11,7 +11,6 @@ and a rerun after the kill is greedy, so it reports the tokens the client is ans
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import signal
@@ -23,40 +22,15 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from sqlalchemy import text
-from sqlalchemy.pool import NullPool
 
-from tests.api.stack import REDIS_URL, Stack, free_port, migrated_database
+from tests.api.stack import REDIS_URL, Stack, create_api_key, free_port, migrated_database
 from tests.batcher.test_batcher_failover import _holds_requests
 from tests.polling import eventually
-from tgq.api.db import api_keys, create_engine
-from tgq.api.key_policy import KeyLimits
+from tests.reliability.test_infra_faults import scalar
 
 FAST_FAILOVER = ("--heartbeat-ttl-s", "1", "--lease-s", "1", "--max-batch-size", "6")
 SETTINGS = {"REQUIRE_API_KEYS": "true", "API_KEY": "admin"}
 Usage = dict[str, int]
-
-
-def new_key(database_url: str) -> str:
-    async def create() -> str:
-        engine = create_engine(database_url, poolclass=NullPool)
-        async with engine.begin() as conn:
-            _, secret = await api_keys.create_api_key(conn, name="tenant", limits=KeyLimits())
-        await engine.dispose()
-        return secret
-
-    return asyncio.run(create())
-
-
-def reruns(database_url: str) -> int:
-    async def count() -> int:
-        engine = create_engine(database_url, poolclass=NullPool)
-        async with engine.connect() as conn:
-            found = await conn.execute(text("SELECT count(*) FROM results WHERE attempt > 1"))
-        await engine.dispose()
-        return int(found.scalar_one())
-
-    return asyncio.run(count())
 
 
 def completion(client: httpx.Client, url: str, rng: random.Random) -> Usage:
@@ -152,7 +126,7 @@ def test_usage_equals_what_the_clients_received_after_a_batcher_kill_and_an_api_
             victim = first.start_batcher("b1")
             first.start_api()
             second.start_api()
-            key = new_key(url)
+            key = create_api_key(url, "tenant")
             received = run_clients(key, [first, second], victim, url)
             expected = {name: sum(u[name] for u in received) for name in received[0]}
             headers = {"Authorization": f"Bearer {key}"}
@@ -162,7 +136,8 @@ def test_usage_equals_what_the_clients_received_after_a_batcher_kill_and_an_api_
                 return {name: sum(row[name] for row in rows) for name in expected} == expected
 
             eventually(usage, 60, lambda: f"usage equal to {expected}")
-            assert reruns(url) > 0  # the kill hit requests in flight: they ran again
+            # The kill hit requests in flight: they ran again.
+            assert scalar(url, "SELECT count(*) FROM results WHERE attempt > 1") > 0
         finally:
             second.stop()
             first.stop()
