@@ -93,6 +93,24 @@ def test_prefill_matches_the_torch_oracle(
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("window", [0, 300])
+def test_prefill_of_a_short_chunk_after_a_long_prefix(kernel: str, window: int) -> None:
+    """The AMX kernel's two ways through (prefill_avx512.cpp): the keys streamed once for up to
+    8 tiles per kv head, a copy of them per call for more; either side of that line, and a chunk
+    after 2,048 cached tokens."""
+    gen = torch.Generator().manual_seed(window)
+    for num_queries, kv_len, heads in [
+        (128, 640, (12, 12)),  # 8 tiles per kv head: streamed
+        (129, 641, (12, 12)),  # 9: copied
+        (32, 2080, (12, 12)),
+        (32, 2080, (12, 4)),  # 6
+        (48, 2096, (12, 4)),  # 9
+        (20, 2068, (4, 1)),  # one kv head: copied (one thread would have all the work)
+    ]:
+        _check(gen, num_queries, kv_len, heads, 64, window, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("block_size", [4, 8, 48])  # blocks smaller and larger than a chunk of 16
 def test_prefill_reads_any_block_size(block_size: int, kernel: str) -> None:
     gen = torch.Generator().manual_seed(block_size)
