@@ -12,11 +12,12 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tgq.api.db import store
+from tgq.api.db import in_transaction, store
 from tgq.api.ids import parse_request_id
 from tgq.api.loops import BackgroundLoop
 from tgq.batcher.messages import FinalResult
@@ -101,8 +102,7 @@ class Persister(BackgroundLoop):
             else:
                 results.append(new)
         try:
-            async with self.db.begin() as conn:
-                written = await store.record_results(conn, results=results)
+            written = await in_transaction(self.db, partial(store.record_results, results=results))
         except Exception:  # a result the database refuses, or the database away: one by one
             written = [await self._record_alone(result) for result in results]
         await self.transport.ack_finals([stored.entry_id for stored in finals])
@@ -182,8 +182,8 @@ class Running(BackgroundLoop):
                     cursor, self.max_count, 1000
                 )
                 if request_ids:
-                    async with self.db.begin() as conn:
-                        await store.mark_running(conn, request_ids=sorted(set(request_ids)))
+                    ids = sorted(set(request_ids))
+                    await in_transaction(self.db, partial(store.mark_running, request_ids=ids))
             except asyncio.CancelledError:
                 raise
             except Exception as error:

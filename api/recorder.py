@@ -14,10 +14,11 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tgq.api.db import api_keys, store
+from tgq.api.db import api_keys, in_transaction, store
 from tgq.api.errors import UnavailableError, dependency_failure
 from tgq.api.key_policy import KeyAccess
 from tgq.api.loops import BackgroundLoop
@@ -110,9 +111,9 @@ class Recorder(BackgroundLoop):
     async def _commit_and_enqueue(self, group: list[_Pending]) -> None:
         self.num_rounds += 1
         requests = [r for pending in group for r in pending.requests]
+        jobs = [pending.job for pending in group]
         try:
-            async with self.db.begin() as conn:
-                records = await store.create_jobs(conn, jobs=[pending.job for pending in group])
+            records = await in_transaction(self.db, partial(store.create_jobs, jobs=jobs))
         except Exception as error:  # every waiter learns it; the loop goes on
             _fail(group, _unavailable(error))
             return

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import threading
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -588,6 +589,48 @@ def test_sqlite_writers_take_turns_before_sqlites_lock(
 
     asyncio.run(race())
     assert order == ["a in", "a out", "b in", "b out"]
+
+
+def test_a_sqlite_transaction_runs_whole_on_the_writers_thread(sqlite_url: str) -> None:
+    """`in_transaction` on a SQLite file: the store's functions run on the writer's thread (one
+    hand-off for the whole transaction), commit together or roll back together, and the
+    engine's own connections see what was written; work that awaits anything but its
+    connection is refused; an in-memory database, which has no writer, takes `begin()`."""
+    engine = create_engine(sqlite_url)
+    threads: list[str] = []
+
+    async def work(conn: AsyncConnection) -> list[bool]:
+        threads.append(threading.current_thread().name)
+        await create(conn, "job_a", 2)
+        return await store.record_results(conn, results=[result("job_a", 0)])
+
+    async def failing(conn: AsyncConnection) -> None:
+        await create(conn, "job_b")
+        raise ValueError("refused")
+
+    async def waiting(conn: AsyncConnection) -> None:
+        await asyncio.sleep(0)
+
+    async def body() -> tuple[JobRecord | None, JobRecord | None]:
+        assert await db.in_transaction(engine, work) == [True]
+        with pytest.raises(ValueError, match="refused"):
+            await db.in_transaction(engine, failing)
+        with pytest.raises(RuntimeError, match="awaited something besides its connection"):
+            await db.in_transaction(engine, waiting)
+        async with engine.connect() as conn:
+            found = (
+                await store.get_job(conn, job_id="job_a"),
+                await store.get_job(conn, job_id="job_b"),
+            )
+        await engine.dispose()
+        return found
+
+    job_a, job_b = asyncio.run(body())
+    assert threads == ["sqlite-writer_0"]
+    assert job_a is not None and job_a.num_items_done == 1 and job_a.status == "running"
+    assert job_b is None
+    memory = create_engine("sqlite+aiosqlite://")
+    assert isinstance(memory, db.SqliteEngine) and memory.writer is None
 
 
 def test_an_item_records_the_attempt_that_finished_it(pg_engine: AsyncEngine) -> None:
