@@ -569,7 +569,11 @@ void attend_by_steps_amx(const PrefillArgs& a) {
   const int64_t lines = a.head_dim / kLineValues;
   at::parallel_for(0, a.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const InterleaveIndices ix;
-    std::vector<AmxTileState> states(static_cast<size_t>((end - begin) * tiles_per_kv_head));
+    // Kept per thread (~25 KiB a tile): a vector of them per call was mapped and page-faulted in
+    // every call (296 KiB a thread for 12 kv heads x 2 tiles).
+    thread_local Scratch<AmxTileState> kept_states;
+    const int64_t num_states = (end - begin) * tiles_per_kv_head;
+    AmxTileState* const states = kept_states.get(static_cast<size_t>(num_states));
     const auto keys = std::make_unique_for_overwrite<bf16_bits[]>(
         static_cast<size_t>(kChunksPerStep * lines * kLanes * kLineValues));
     const auto values = std::make_unique_for_overwrite<bf16_bits[]>(
@@ -579,9 +583,9 @@ void attend_by_steps_amx(const PrefillArgs& a) {
     // if unconfigured (Linux 6.18, Intel Xeon with AMX).
     load_amx_tile_config();
     int64_t first_step = std::numeric_limits<int64_t>::max(), last_step = 0;
-    for (int64_t i = 0; i < static_cast<int64_t>(states.size()); ++i) {
+    for (int64_t i = 0; i < num_states; ++i) {
       const int64_t first = i % num_tiles * kLanes;
-      AmxTileState& st = states[static_cast<size_t>(i)];
+      AmxTileState& st = states[i];
       // Tiles kv head by kv head: those of kv head begin + i / tiles_per_kv_head together.
       st.start(a, Tile{begin * (a.num_heads / a.num_kv_heads) + i / num_tiles, first,
                        std::min<int64_t>(kLanes, a.num_queries - first)});
@@ -592,7 +596,7 @@ void attend_by_steps_amx(const PrefillArgs& a) {
     for (int64_t step = first_step; step <= last_step; ++step) {
       prefetch_rows(a, begin, end, step + 1);
       for (int64_t h = begin; h < end; ++h) {
-        AmxTileState* head_states = states.data() + (h - begin) * tiles_per_kv_head;
+        AmxTileState* head_states = states + (h - begin) * tiles_per_kv_head;
         bool needed = false;
         for (int64_t i = 0; i < tiles_per_kv_head; ++i) needed |= head_states[i].attends(step);
         if (!needed) continue;
@@ -610,7 +614,7 @@ void attend_by_steps_amx(const PrefillArgs& a) {
         }
       }
     }
-    for (const AmxTileState& st : states) st.finish(a);
+    for (int64_t i = 0; i < num_states; ++i) states[i].finish(a);
     _tile_release();
   });
 }
