@@ -5,13 +5,15 @@ commit-then-ack, and admission. Real Postgres; the in-process transport stands i
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import NullPool
 from tokenizers import Tokenizer
-from tokenizers.models import BPE
+from tokenizers.models import BPE, WordLevel
+from tokenizers.pre_tokenizers import Whitespace
 
 from tests.finals import final_result
 from tests.polling import eventually
@@ -27,7 +29,7 @@ from tgq.api.metrics import Metrics
 from tgq.api.persister import Persister
 from tgq.api.recorder import Recorder
 from tgq.api.settings import Settings
-from tgq.api.tokenizer import ModelTokenizer
+from tgq.api.tokenizer import INLINE_CHARS, ModelTokenizer
 from tgq.batcher.messages import FinalResult, SubmitRequest
 from tgq.batcher.request import FinishReason, StoppingParams
 from tgq.batcher.transport.base import TransportConfig
@@ -341,3 +343,32 @@ def test_health_names_its_problem() -> None:
     assert health.problem is not None
     health.observe(final_of("r2", FinishReason.STOP))
     assert health.problem is None
+
+
+def test_a_short_text_is_encoded_on_the_event_loop_and_a_long_one_on_the_pool() -> None:
+    """Up to INLINE_CHARS characters the event loop's own thread encodes the text (no hand-off);
+    past it, the tokenizer's pool does; both count as calls and give the same ids."""
+    threads: list[str] = []
+    calls: list[None] = []
+
+    one_letter = Tokenizer(WordLevel(vocab={"a": 0}, unk_token="a"))
+    one_letter.pre_tokenizer = Whitespace()
+    tokenizer = ModelTokenizer(one_letter, max_workers=1, on_call=lambda: calls.append(None))
+    encode_sync = tokenizer.encode_sync
+
+    def recording(text: str, *, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode_sync(text, add_special_tokens=add_special_tokens)
+
+    tokenizer.encode_sync = recording  # type: ignore[method-assign]
+
+    async def run() -> tuple[list[int], list[int], str]:
+        short = await tokenizer.encode("a " * (INLINE_CHARS // 2))  # INLINE_CHARS characters
+        long = await tokenizer.encode("a " * (INLINE_CHARS // 2) + "a")
+        return short, long, threading.current_thread().name
+
+    short, long, loop_thread = asyncio.run(run())
+    tokenizer.close()
+    assert threads[0] == loop_thread and threads[1].startswith("tokenizer")
+    assert len(calls) == 2
+    assert short == [0] * (INLINE_CHARS // 2) and long == [0] * (INLINE_CHARS // 2 + 1)
