@@ -30,6 +30,7 @@ from tgq.batcher.ranks import ServedWith, ShardConfig, ShardedRunner, WorkerLost
 from tgq.batcher.serving import Batcher, ServingConfig
 from tgq.batcher.tracing import TracingUnavailableError, configure_tracing, shutdown_tracing
 from tgq.batcher.transport.redis import RedisBatcherTransport
+from tgq.batcher.warm_up import warm_up_decode
 from tgq.gpu_worker.config import ModelConfig, model_eos_token_ids
 from tgq.gpu_worker.hub import ModelNotFoundError, PickleWeightsError, resolve_model_dir
 from tgq.gpu_worker.quantization import (
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         runner = build_runner(options, model_dir)
     except QuantizeError as error:
         sys.exit(f"batcher: {error}")
+    warm_up_decode(runner, options.num_warm_up_rows)  # before the fault counts steps
     engine = build_engine(options, model_dir, inject_fault(runner, options.inject_fault))
     batcher_id = options.batcher_id or socket.gethostname()
     heartbeat_interval_s = options.heartbeat_ttl_s / 4

@@ -20,6 +20,7 @@ from tgq.batcher.engine import LLMEngine
 from tgq.batcher.options import BatcherOptions
 from tgq.batcher.serving import Batcher, ServingConfig
 from tgq.batcher.transport.memory import MemoryTransport
+from tgq.batcher.warm_up import warm_up_decode
 
 log = logging.getLogger(__name__)
 EMBEDDED_ID = "embedded"  # the batcher's name without `--batcher-id`
@@ -65,6 +66,7 @@ class EmbeddedBatcher:
     ) -> None:
         try:
             runner = build_runner(options, model_dir)
+            warm_up_decode(runner, options.num_warm_up_rows)
             engine = build_engine(options, model_dir, runner)
         except BaseException as exc:  # handed to the constructor, which raises it
             built.put(exc)

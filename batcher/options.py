@@ -100,6 +100,13 @@ class BatcherOptions(BaseSettings):
         ge=1,
         description="KV tokens of the whole batch (default: the whole KV cache)",
     )
+    warm_up_rows: int = Field(
+        64,
+        ge=0,
+        description="at start-up, on the cpu, one decode step of each batch size up to this (and"
+        " max_batch_size) is run, so that their recorded op programs are ready before the first"
+        " burst (0: none)",
+    )
     waiting_served_ratio: float = Field(
         _SCHEDULER.waiting_served_ratio,
         ge=0,
@@ -163,6 +170,11 @@ class BatcherOptions(BaseSettings):
     def model_path(self) -> str:
         """Where the model's files are: `model_dir`, else `model_id` (a directory or hub id)."""
         return self.model_dir or self.model_id
+
+    @property
+    def num_warm_up_rows(self) -> int:
+        """The batch sizes `warm_up_decode` runs: none off the cpu (no recorded programs there)."""
+        return min(self.warm_up_rows, self.max_batch_size) if self.device == "cpu" else 0
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

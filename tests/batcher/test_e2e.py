@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from tests.quantized_mode import QUANTIZE
 from tgq.batcher.config import SchedulerConfig
 from tgq.batcher.engine import LLMEngine, RequestResult
 from tgq.batcher.request import StoppingParams
+from tgq.batcher.warm_up import warm_up_decode
 from tgq.gpu_worker.loader import LoadedModel, load_model
 from tgq.gpu_worker.plan import SamplingParams
 from tgq.gpu_worker.runner import ModelRunner, RunnerConfig
@@ -183,3 +184,25 @@ def test_no_cross_talk_between_64_concurrent_prompts(model_dirs: dict[str, Path]
         [solo] = alone.generate([prompt], stopping=STOPPING)
         assert result.token_ids == solo.token_ids
     assert len({tuple(r.token_ids) for r in results}) > 16  # the nonces matter
+
+
+def test_the_warm_up_records_each_batch_size_and_leaves_nothing_behind(
+    model_dirs: dict[str, Path],
+) -> None:
+    """`warm_up_decode` steps 1..N single-token rows through the runner: where the CPU kernels
+    replay decode steps, a program of each size exists afterwards; the runner keeps none of its
+    sequences, and greedy output still equals transformers with the KV pool intact. With no
+    rows it runs nothing."""
+    model_dir, batch = model_dirs[VARIANT], mixed_prompts()
+    engine = make_engine(model_dir, max_batch_prefill_tokens=64, max_batch_size=32)
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    assert warm_up_decode(runner, 8) > 0
+    assert not runner.sequences
+    replay = runner.loaded.model.replay
+    if replay is not None:
+        keys = [cast(tuple[Any, ...], key) for key in replay.keys]  # (rows, backend key, n)
+        assert {(rows, ("decode", rows)) for rows in range(1, 9)} <= {k[:2] for k in keys}
+    assert_matches_hf(model_dir, batch, engine.generate(batch, GREEDY_LOGPROBS, STOPPING))
+    engine.scheduler.kv.check_integrity()
+    assert warm_up_decode(runner, 0) == 0.0
