@@ -61,6 +61,7 @@ SAMPLES: dict[str, str | list[str]] = {
     "device": "cuda:1", "num_shard": "2", "threads_per_rank": "3", "kv_cache_memory": "3MiB",
     "num_blocks": "9", "block_size": "32", "max_batch_size": "3", "max_batch_prefill_tokens": "99",
     "max_batch_total_tokens": "5000", "waiting_served_ratio": "0.8", "max_waiting_tokens": "7",
+    "warm_up_rows": "5",
     "max_grammar_cache": "21", "tool_call_parser": "mistral", "quantize": "int8",
     "kv_cache_dtype": "fp8", "speculate": "3", "speculative_method": "draft",
     "speculative_model": "/nowhere/draft", "speculative_max_batch_tokens": "64",
