@@ -173,8 +173,10 @@ class BatcherOptions(BaseSettings):
 
     @property
     def num_warm_up_rows(self) -> int:
-        """The batch sizes `warm_up_decode` runs: none off the cpu (no recorded programs there)."""
-        return min(self.warm_up_rows, self.max_batch_size) if self.device == "cpu" else 0
+        """The batch sizes `warm_up_decode` runs: none off the cpu or without the custom kernels
+        (no recorded programs there)."""
+        records = self.device == "cpu" and not self.disable_custom_kernels
+        return min(self.warm_up_rows, self.max_batch_size) if records else 0
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

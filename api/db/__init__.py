@@ -66,8 +66,8 @@ async def in_transaction(db: AsyncEngine, work: Callable[[AsyncConnection], Awai
     on a SQLite file, where the whole of it runs on a thread of its own (`SqliteEngine`). For
     work made only of `conn.execute` calls (the store's functions), on the hot paths: a request's
     job record, its result, its items' `running`."""
-    if isinstance(db, SqliteEngine):
-        return await db.run_transaction(work)
+    if isinstance(db, SqliteEngine) and db.writer is not None:
+        return await db.run_transaction(db.writer, work)
     async with db.begin() as conn:
         return await work(conn)
 
@@ -93,18 +93,17 @@ class SqliteEngine(AsyncEngine):
             weakref.WeakKeyDictionary()
         )
         self.writer = writer
-        self._writer_thread = ThreadPoolExecutor(1, "sqlite-writer") if writer else None
+        self._writer_thread = ThreadPoolExecutor(1, "sqlite-writer")  # threads start on first use
 
     @contextlib.asynccontextmanager
     async def begin(self) -> AsyncIterator[AsyncConnection]:
         async with self._turn(), super().begin() as conn:
             yield conn
 
-    async def run_transaction(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-        if self.writer is None or self._writer_thread is None:
-            async with self.begin() as conn:
-                return await work(conn)
-        writer = self.writer
+    async def run_transaction(
+        self, writer: Engine, work: Callable[[AsyncConnection], Awaitable[T]]
+    ) -> T:
+        """`work` whole on the writer's thread, in this process's write turn."""
 
         def run() -> T:
             with writer.begin() as conn:

@@ -166,9 +166,10 @@ def test_a_draft_model_reaches_the_runner(model_dir: Path) -> None:
 
 
 def test_the_warm_up_covers_the_batch_sizes_on_the_cpu_only() -> None:
-    """`--warm-up-rows` (64) capped by `--max-batch-size`; none off the cpu, where nothing is
-    recorded."""
+    """`--warm-up-rows` (64) capped by `--max-batch-size`; none off the cpu or with
+    `--disable-custom-kernels`, where nothing is recorded."""
     assert BatcherOptions(model_id="m").num_warm_up_rows == 64
     assert BatcherOptions(model_id="m", max_batch_size=8).num_warm_up_rows == 8
     assert BatcherOptions(model_id="m", warm_up_rows=0).num_warm_up_rows == 0
     assert BatcherOptions(model_id="m", device="cuda").num_warm_up_rows == 0
+    assert BatcherOptions(model_id="m", disable_custom_kernels=True).num_warm_up_rows == 0
